@@ -1,0 +1,23 @@
+# make demo  - set up if needed, then run the main job (2-worker MNIST with top-k compression)
+# make test  - set up if needed, then run the whole test suite
+# make setup - create .venv with torch, TensorFlow, Triton and Horovod (built from source)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
+
+.PHONY: setup test demo demo-tf bench clean
+
+setup:
+	@bash ci/setup.sh
+
+test: setup
+	$(PY) -m pytest -ra tests
+
+demo: setup
+	$(HVDRUN) $(PY) examples/pytorch_mnist.py --compression topk:density=0.01
+
+demo-tf: setup
+	$(HVDRUN) $(PY) examples/tensorflow2_mnist.py --compression topk:density=0.01
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,4 @@
+"""One module per method family; every compressor registers its spec name here."""
+from .base import REGISTRY, Compressor, Ctx, payload_bytes  # noqa: F401
+from .dense import BF16, FP16, NoneCompressor  # noqa: F401
+from .sparse import RandomK, Threshold, TopK  # noqa: F401

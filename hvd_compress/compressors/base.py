@@ -1,0 +1,166 @@
+"""The compressor contract that every method implements, and the spec registry.
+
+A compressor turns one gradient into a *payload* that crosses the network, and turns
+the *aggregate* of all ranks' payloads back into the sum of their gradients::
+
+    payload, ctx = c.compress(tensor, name)     # on every rank
+    aggregate    = <collective>(payload)        # c.collective: "allreduce" or "allgather"
+    total        = c.decompress(aggregate, ctx) # sum over ranks of what each sent
+
+``collective == "allreduce"``: the payload is one tensor, and payloads of different
+ranks can be summed element-wise (none, fp16).  ``collective == "allgather"``: the
+payload is a tuple of tensors; each is gathered separately (first dimensions may
+differ between ranks) and ``decompress`` receives their concatenations in rank order.
+
+Subclasses implement :meth:`encode` and :meth:`decode` on flat tensors through the
+framework primitives of :mod:`hvd_compress.ops`, so each algorithm is written once
+for PyTorch and TensorFlow.  Error feedback (:mod:`hvd_compress.memory`) is applied
+here, around ``encode``, when ``ef`` is on (the default for biased compressors).
+"""
+import inspect
+from typing import Any, NamedTuple, Tuple
+
+from ..memory import ResidualMemory
+from ..ops import ops_for
+
+REGISTRY = {}
+
+
+def register(cls):
+    """Class decorator: make ``cls`` buildable from a spec string by ``cls.name``."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+class Ctx(NamedTuple):
+    """What ``decompress`` needs besides the payload; never sent."""
+    shape: Tuple[int, ...]
+    dtype: Any
+    numel: int
+    name: str
+
+
+class Compressor:
+    """Base class; see the module docstring for the contract."""
+
+    name = "base"              #: spec name, e.g. ``"topk"``
+    collective = "allreduce"   #: which collective the payload needs
+    biased = False             #: biased compressors default to error feedback
+    uses_step = False          #: needs a per-tensor step counter (e.g. random-k)
+
+    def __init__(self, ef=None):
+        self.ef = self.biased if ef is None else bool(ef)
+        self._store = None
+        self._ops = None
+
+    # -- what subclasses implement ---------------------------------------------------
+    def encode(self, flat, ctx, ops, step):
+        """Payload for the flat (1-D) gradient ``flat``."""
+        raise NotImplementedError
+
+    def decode(self, payload, ctx, ops):
+        """Flat float32 *sum over ranks* from the aggregated payload."""
+        raise NotImplementedError
+
+    # -- the contract ------------------------------------------------------------------
+    def for_tensor(self, name, tensor):
+        """The compressor to use for ``tensor``: integer tensors go uncompressed."""
+        if ops_for(tensor).is_floating(tensor):
+            return self
+        from .dense import NoneCompressor
+        return NoneCompressor()
+
+    def compress(self, tensor, name=None):
+        """Compress ``tensor`` (any shape/layout); ``name`` keys error-feedback state."""
+        ops = ops_for(tensor)
+        if not ops.is_floating(tensor) and self.name != "none":
+            raise TypeError(f"{self.name}: cannot compress a tensor of dtype {tensor.dtype}; "
+                            "integer tensors are sent uncompressed (use for_tensor())")
+        if name is None and (self.ef or self.uses_step or self.collective != "allreduce"):
+            raise TypeError(
+                f"compressor {self.spec!r} needs the tensor's name and an {self.collective} "
+                "of its payload; Horovod's stock DistributedOptimizer gives neither. "
+                "Use hvd_compress.torch.DistributedOptimizer (or hvd_compress.tensorflow."
+                "DistributedGradientTape) instead.")
+        ctx = Ctx(ops.shape(tensor), tensor.dtype, ops.numel(tensor), name or "")
+        flat = ops.flatten(tensor)
+        step = self._state(ops).next_count("step/" + name) if self.uses_step else None
+        if not self.ef:
+            return self.encode(flat, ctx, ops, step), ctx
+        memory = ResidualMemory(self._state(ops), ops)
+        compensated = memory.compensate(name, flat)
+        payload = self.encode(compensated, ctx, ops, step)
+        sent = self.decode(payload, ctx, ops)
+        memory.update(name, compensated, sent, ops.all_finite(compensated))
+        return payload, ctx
+
+    def decompress(self, payload, ctx):
+        """Tensor of ``ctx.shape`` and ``ctx.dtype``: the sum of what every rank sent."""
+        first = payload[0] if isinstance(payload, (tuple, list)) else payload
+        ops = ops_for(first)
+        return ops.reshape(ops.cast(self.decode(payload, ctx, ops), ctx.dtype), ctx.shape)
+
+    # -- state (error feedback, counters) --------------------------------------------
+    def _state(self, ops):
+        if self._store is None:
+            self._store, self._ops = ops.new_store(), ops
+        elif self._ops is not ops:
+            raise TypeError(f"compressor {self.spec!r} already holds state for "
+                            f"{self._ops.__name__}; use one compressor per framework")
+        return self._store
+
+    def residual(self, name):
+        """Flat residual of tensor ``name`` (None before its first compress)."""
+        if self._store is None:
+            return None
+        return ResidualMemory(self._store, self._ops).residual(name)
+
+    def state_dict(self):
+        """Error-feedback residuals and counters, copied: ``{"spec", "state"}``."""
+        return {"spec": self.spec,
+                "state": self._store.state_dict() if self._store is not None else {}}
+
+    def load_state_dict(self, state_dict, framework="torch"):
+        """Restore what :meth:`state_dict` returned; the spec must match."""
+        if state_dict.get("spec") != self.spec:
+            raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
+                             f"not {self.spec!r}")
+        if self._store is None:
+            from importlib import import_module
+            ops = import_module("hvd_compress.ops." + {"torch": "torch_ops",
+                                                       "tensorflow": "tf_ops"}[framework])
+            self._state(ops)
+        self._store.load_state_dict(state_dict["state"])
+
+    # -- spec ---------------------------------------------------------------------------
+    @classmethod
+    def params(cls):
+        """``{parameter: default}`` accepted in a spec string for this compressor."""
+        sig = inspect.signature(cls.__init__)
+        return {p.name: p.default for p in list(sig.parameters.values())[1:]
+                if p.kind is p.POSITIONAL_OR_KEYWORD}
+
+    @property
+    def spec(self):
+        """Canonical spec string; ``from_spec(c.spec)`` rebuilds an equal compressor."""
+        parts = []
+        for p in self.params():
+            value = getattr(self, p, None)
+            if value is None:
+                continue
+            parts.append(f"{p}={int(value) if isinstance(value, bool) else value}")
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    def __repr__(self):
+        return f"<hvd_compress {self.spec}>"
+
+
+def payload_bytes(payload, ops):
+    """Bytes this rank puts on the wire for ``payload``."""
+    if isinstance(payload, (tuple, list)):
+        total = 0
+        for t in payload:
+            total = total + ops.size_bytes(t)
+        return total
+    return ops.size_bytes(payload)
+

@@ -1,0 +1,116 @@
+"""Sparsifiers: send ``k`` (value, index) pairs of the gradient.
+
+All of them share the payload ``(values, int32 indices)`` and its aggregation: the
+allgather concatenates the ranks' pairs and decoding is a scatter-*add* into zeros, so
+an index chosen by several ranks gets the sum of their values (Aji & Heafield 2017,
+"Sparse communication for distributed gradient descent").  They are biased, so error
+feedback is on by default (``ef=0`` turns it off).
+
+Non-finite gradients: when the (compensated) gradient holds NaN or Inf the tensor is
+sent whole, every index, so the aggregate is non-finite exactly where uncompressed
+Horovod's would be (loss scalers see it), and the residual is left as it was.
+"""
+import math
+
+from .base import Compressor, register
+
+
+def check_density(density):
+    """Return ``density`` as float, or raise ValueError when it is not in (0, 1]."""
+    try:
+        value = float(density)
+    except (TypeError, ValueError):
+        raise ValueError(f"density must be a number in (0, 1], got {density!r}") from None
+    if not 0.0 < value <= 1.0:   # also rejects NaN
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return value
+
+
+class Sparsifier(Compressor):
+    """Base of the sparsifiers: subclasses implement :meth:`select`."""
+
+    collective = "allgather"
+    biased = True
+
+    def select(self, flat, ctx, ops, step):
+        """int32 indices of the entries to send (may be empty)."""
+        raise NotImplementedError
+
+    def encode(self, flat, ctx, ops, step):
+        idx = ops.cond(ops.all_finite(flat),
+                       lambda: self.select(flat, ctx, ops, step),
+                       lambda: ops.arange(ctx.numel, flat))
+        return ops.gather(flat, idx), idx
+
+    def decode(self, payload, ctx, ops):
+        if len(payload) != 2:
+            raise ValueError(f"{self.name}: a payload is (values, indices), got "
+                             f"{len(payload)} tensors")
+        values, idx = payload
+        nv, ni = ops.length(values), ops.length(idx)
+        if isinstance(nv, int) and isinstance(ni, int) and nv != ni:
+            raise ValueError(f"{self.name}: payload has {nv} values but {ni} indices")
+        ops.check_indices(idx, ctx.numel, f"{self.name} ({ctx.name or 'tensor'})")
+        return ops.scatter_sum(ctx.numel, idx, values, ops.float32)
+
+
+class DensitySparsifier(Sparsifier):
+    """A sparsifier that sends ``k = ceil(density * n)`` entries (at least 1)."""
+
+    def __init__(self, density=0.01, ef=None):
+        super().__init__(ef=ef)
+        self.density = check_density(density)
+
+    def k(self, n):
+        return max(1, min(n, math.ceil(self.density * n)))
+
+
+@register
+class TopK(DensitySparsifier):
+    """Exact top-k by magnitude with the framework's own selection.
+
+    ``S = argtop_k |g|``, ``k = ceil(density * n)``.  ``torch.topk`` is a radix select;
+    TensorFlow's ``tf.math.top_k`` a heap/sort.  Ties are broken by the framework.
+    """
+
+    name = "topk"
+
+    def select(self, flat, ctx, ops, step):
+        return ops.topk_indices(ops.abs(flat), self.k(ctx.numel))
+
+
+@register
+class RandomK(DensitySparsifier):
+    """``k`` indices drawn uniformly without replacement, values sent unscaled.
+
+    The draw is a pure function of ``(seed, step)``, where ``step`` counts this
+    tensor's compressions, so every rank picks the *same* indices (the union stays
+    ``k``; cf. seed 001) and the state to checkpoint is just the counter.
+    """
+
+    name = "randomk"
+    uses_step = True
+
+    def __init__(self, density=0.01, ef=None, seed=0):
+        super().__init__(density=density, ef=ef)
+        self.seed = int(seed)
+
+    def select(self, flat, ctx, ops, step):
+        return ops.random_indices(ctx.numel, self.k(ctx.numel), self.seed, step, flat)
+
+
+@register
+class Threshold(Sparsifier):
+    """Send every entry with ``|g| > threshold`` (fixed; possibly none at all)."""
+
+    name = "threshold"
+
+    def __init__(self, threshold=0.001, ef=None):
+        super().__init__(ef=ef)
+        value = float(threshold)
+        if not value >= 0.0 or math.isinf(value):
+            raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+        self.threshold = value
+
+    def select(self, flat, ctx, ops, step):
+        return ops.where_indices(ops.abs(flat) > self.threshold)

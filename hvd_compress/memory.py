@@ -1,0 +1,120 @@
+"""Error feedback: a residual per tensor name, and the per-framework state stores.
+
+Error feedback (residual / memory compensation; Seide et al. 2014, "1-bit SGD";
+Stich et al. 2018; Karimireddy et al. 2019, "Error feedback fixes SignSGD"):
+
+    c_t = g_t + r_t              (compensate: add what was not sent before)
+    r_{t+1} = c_t - D(C(c_t))    (update: keep exactly what the receivers will miss)
+
+so that ``sum_t D(C(c_t)) + r_T == sum_t g_t``: nothing is lost, only delayed.
+
+State lives in a *store*: a dict of tensors for PyTorch, a dict of ``tf.Variable``
+for TensorFlow (so updates work inside ``tf.function``).  ``state_dict()`` returns
+copies; ``load_state_dict()`` restores them bit for bit.
+"""
+
+
+class TorchStore:
+    """Named state tensors for PyTorch."""
+
+    def __init__(self):
+        self._tensors = {}
+
+    def get(self, key, init):
+        """Current value of ``key``; ``init()`` creates it the first time."""
+        if key not in self._tensors:
+            self._tensors[key] = init()
+        return self._tensors[key]
+
+    def set(self, key, value):
+        self._tensors[key] = value
+
+    def keys(self):
+        return list(self._tensors)
+
+    def next_count(self, key):
+        """Return the counter ``key`` (from 0) and increment it."""
+        import torch
+        value = self.get(key, lambda: torch.zeros((), dtype=torch.int64))
+        self._tensors[key] = value + 1
+        return int(value)
+
+    def state_dict(self):
+        return {k: v.detach().clone() for k, v in self._tensors.items()}
+
+    def load_state_dict(self, state):
+        import torch
+        self._tensors = {k: torch.as_tensor(v).clone() for k, v in state.items()}
+
+
+class TFStore:
+    """Named state ``tf.Variable``s for TensorFlow, created outside any graph."""
+
+    def __init__(self):
+        self._vars = {}
+
+    def get(self, key, init):
+        import tensorflow as tf
+        if key not in self._vars:
+            with tf.init_scope():
+                self._vars[key] = tf.Variable(init(), trainable=False,
+                                              name="hvd_compress_state")
+        return self._vars[key]
+
+    def set(self, key, value):
+        self._vars[key].assign(value)
+
+    def keys(self):
+        return list(self._vars)
+
+    def next_count(self, key):
+        """Return the counter ``key`` (from 0) and increment it (graph-safe)."""
+        import tensorflow as tf
+        var = self.get(key, lambda: tf.zeros((), dtype=tf.int64))
+        value = var.read_value()
+        var.assign_add(1)
+        return value
+
+    def state_dict(self):
+        return {k: v.numpy().copy() for k, v in self._vars.items()}
+
+    def load_state_dict(self, state):
+        import tensorflow as tf
+        for k, v in state.items():
+            value = v.numpy() if hasattr(v, "numpy") else v
+            if k in self._vars:
+                self._vars[k].assign(value)
+            else:
+                with tf.init_scope():
+                    self._vars[k] = tf.Variable(value, trainable=False,
+                                                name="hvd_compress_state")
+
+
+class ResidualMemory:
+    """Per-name residuals ``r`` on top of a store (see the module docstring)."""
+
+    PREFIX = "residual/"
+
+    def __init__(self, store, ops):
+        self.store = store
+        self.ops = ops
+
+    def _residual(self, name, flat):
+        ops = self.ops
+        return self.store.get(self.PREFIX + name, lambda: ops.zeros(ops.numel(flat), flat.dtype, flat))
+
+    def compensate(self, name, flat):
+        """``c = g + r`` for the flattened gradient ``flat`` of tensor ``name``."""
+        r = self._residual(name, flat)
+        return flat + self.ops.cast(r, flat.dtype)
+
+    def update(self, name, compensated, sent, finite):
+        """``r = c - sent``; left unchanged where ``finite`` is false (no poisoning)."""
+        old = self._residual(name, compensated)
+        new = compensated - self.ops.cast(sent, compensated.dtype)
+        self.store.set(self.PREFIX + name, self.ops.select(finite, new, old))
+
+    def residual(self, name):
+        """The residual of ``name`` (flat), or None if none was stored yet."""
+        key = self.PREFIX + name
+        return self.store.get(key, lambda: None) if key in self.store.keys() else None

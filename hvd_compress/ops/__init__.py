@@ -1,0 +1,44 @@
+"""Framework primitives that the compression algorithms are written on.
+
+Every algorithm in :mod:`hvd_compress.compressors` is written once, against the small
+set of functions below; :func:`ops_for` picks the PyTorch or the TensorFlow
+implementation from the type of the tensor it is given.  Neither framework is imported
+until a tensor of that framework is seen, so ``import hvd_compress`` needs neither.
+
+The primitives (both modules define all of them, with the same meaning):
+
+=====================  ===========================================================
+``flatten(t)``          1-D view or copy of ``t`` (any layout, 0-d included)
+``numel(t)``            static element count (python int)
+``is_floating(t)``      floating-point dtype?
+``all_finite(t)``       scalar boolean tensor: no NaN / Inf in ``t``
+``abs(t)``              element-wise absolute value
+``topk_indices(s, k)``  int32 indices of the ``k`` largest entries of 1-D ``s``
+``where_indices(m)``    int32 indices where the 1-D boolean mask ``m`` is true
+``arange(n)``           int32 0..n-1
+``random_indices(n, k, seed, step)``  ``k`` distinct int32 indices, a pure
+                        function of ``(seed, step)`` (same on every rank)
+``gather(t, idx)``      ``t[idx]``
+``scatter_sum(n, idx, v, dtype)``  zeros(n) with ``v`` summed in at ``idx``
+``check_indices(idx, n, what)``    raise ValueError when an index is outside [0, n)
+``cast(t, dtype)``; ``float32``, ``float16``, ``bfloat16``, ``int16``, ``int32``
+``bitcast(t, dtype)``   reinterpret bits (same element size)
+``cond(pred, f, g)``    ``f()`` if ``pred`` else ``g()`` (graph-safe in TF)
+``select(pred, a, b)``  ``a`` if scalar ``pred`` else ``b``, element-wise shapes equal
+``size_bytes(t)``       bytes of ``t`` (python int in torch, int64 tensor in TF)
+``new_store()``         a :class:`~hvd_compress.memory` state store for this framework
+=====================  ===========================================================
+"""
+
+
+def ops_for(tensor):
+    """Return the primitives module for ``tensor``'s framework (torch or tensorflow)."""
+    module = type(tensor).__module__
+    if module.startswith("torch"):
+        from . import torch_ops
+        return torch_ops
+    if module.startswith("tensorflow") or module.startswith("keras"):
+        from . import tf_ops
+        return tf_ops
+    raise TypeError(
+        f"hvd_compress works on torch.Tensor or tf.Tensor, got {type(tensor).__name__}")

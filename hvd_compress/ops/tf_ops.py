@@ -1,0 +1,129 @@
+"""TensorFlow implementation of the primitives listed in :mod:`hvd_compress.ops`.
+
+Every function works eagerly and inside ``tf.function`` (no Python branching on
+tensor values; :func:`cond` is ``tf.cond``).
+"""
+import tensorflow as _tf
+
+float32 = _tf.float32
+float16 = _tf.float16
+bfloat16 = _tf.bfloat16
+int16 = _tf.int16
+int32 = _tf.int32
+
+
+def flatten(t):
+    return _tf.reshape(t, [-1])
+
+
+def numel(t):
+    n = t.shape.num_elements()
+    if n is None:
+        raise ValueError("hvd_compress needs tensors of static shape in TensorFlow, "
+                         f"got shape {t.shape}")
+    return int(n)
+
+
+def shape(t):
+    return tuple(t.shape.as_list())
+
+
+def is_floating(t):
+    return t.dtype.is_floating
+
+
+def all_finite(t):
+    if numel(t) == 0:
+        return _tf.constant(True)
+    return _tf.reduce_all(_tf.math.is_finite(t))
+
+
+def abs(t):  # noqa: A001
+    return _tf.abs(t)
+
+
+def topk_indices(scores, k):
+    if scores.dtype in (_tf.float16, _tf.bfloat16):
+        scores = _tf.cast(scores, _tf.float32)
+    return _tf.math.top_k(scores, k=k, sorted=False).indices
+
+
+def where_indices(mask):
+    return _tf.cast(_tf.reshape(_tf.where(mask), [-1]), _tf.int32)
+
+
+def arange(n, like=None):
+    return _tf.range(n, dtype=_tf.int32)
+
+
+def random_indices(n, k, seed, step, like=None):
+    seed_t = _tf.stack([_tf.cast(seed, _tf.int64), _tf.cast(step, _tf.int64)])
+    keys = _tf.random.stateless_uniform([n], seed=seed_t)
+    return _tf.math.top_k(keys, k=k, sorted=False).indices
+
+
+def gather(t, idx):
+    return _tf.gather(t, idx)
+
+
+def scatter_sum(n, idx, values, dtype=float32):
+    return _tf.math.unsorted_segment_sum(_tf.cast(values, dtype), idx, n)
+
+
+def check_indices(idx, n, what):
+    msg = (f"{what}: payload index out of range [0, {n}); "
+           "the payload is malformed or was produced for another tensor")
+    if _tf.executing_eagerly():
+        if _tf.size(idx) > 0 and (int(_tf.reduce_min(idx)) < 0 or int(_tf.reduce_max(idx)) >= n):
+            raise ValueError(msg)
+        return
+    # Assert is stateful: tf.function's automatic control dependencies run it.
+    _tf.debugging.Assert(_tf.reduce_all(_tf.logical_and(idx >= 0, idx < n)), [msg])
+
+
+def cast(t, dtype):
+    return _tf.cast(t, dtype)
+
+
+def bitcast(t, dtype):
+    return _tf.bitcast(t, dtype)
+
+
+def cond(pred, f, g):
+    if isinstance(pred, bool):
+        return f() if pred else g()
+    return _tf.cond(pred, f, g)
+
+
+def select(pred, a, b):
+    if isinstance(pred, bool):
+        return a if pred else b
+    return _tf.where(pred, a, b)
+
+
+def size_bytes(t):
+    return _tf.cast(_tf.size(t), _tf.int64) * t.dtype.size
+
+
+def zeros(n, dtype, like=None):
+    return _tf.zeros([n], dtype=dtype)
+
+
+def new_store():
+    from ..memory import TFStore
+    return TFStore()
+
+
+def sum_rows(t, n):
+    """Sum of the rows of ``t`` viewed as (len(t) // n, n)."""
+    return _tf.reduce_sum(_tf.reshape(t, [-1, n]), axis=0)
+
+
+def length(t):
+    """Static length of 1-D ``t`` when known, else a scalar tensor."""
+    n = t.shape[0]
+    return int(n) if n is not None else _tf.shape(t)[0]
+
+
+def reshape(t, shape):
+    return _tf.reshape(t, shape)

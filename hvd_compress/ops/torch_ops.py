@@ -1,0 +1,127 @@
+"""PyTorch implementation of the primitives listed in :mod:`hvd_compress.ops`.
+
+On CUDA tensors the hot primitives may dispatch to Triton kernels from
+:mod:`hvd_compress.kernels`; everywhere else they are plain torch.
+"""
+import torch as _torch
+
+float32 = _torch.float32
+float16 = _torch.float16
+bfloat16 = _torch.bfloat16
+int16 = _torch.int16
+int32 = _torch.int32
+
+
+def flatten(t):
+    return t.reshape(-1)
+
+
+def numel(t):
+    return int(t.numel())
+
+
+def shape(t):
+    return tuple(t.shape)
+
+
+def is_floating(t):
+    return t.is_floating_point()
+
+
+def all_finite(t):
+    return bool(_torch.isfinite(t).all()) if t.numel() else True
+
+
+def abs(t):  # noqa: A001 - mirrors the framework name
+    return t.abs()
+
+
+def topk_indices(scores, k):
+    return _torch.topk(scores, k, sorted=False).indices.to(_torch.int32)
+
+
+def where_indices(mask):
+    return _torch.nonzero(mask, as_tuple=False).reshape(-1).to(_torch.int32)
+
+
+def arange(n, like=None):
+    device = like.device if like is not None else None
+    return _torch.arange(n, dtype=_torch.int32, device=device)
+
+
+def _mix(seed, step):
+    # SplitMix64-style mix of (seed, step) into a 63-bit generator seed.
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(step) + 0x632BE59BD9B4E019) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+def random_indices(n, k, seed, step, like=None):
+    gen = _torch.Generator(device="cpu")
+    gen.manual_seed(_mix(seed, int(step)))
+    idx = _torch.randperm(n, generator=gen)[:k].to(_torch.int32)
+    return idx.to(like.device) if like is not None else idx
+
+
+def gather(t, idx):
+    return t[idx.long()]
+
+
+def scatter_sum(n, idx, values, dtype=float32):
+    out = _torch.zeros(n, dtype=dtype, device=values.device)
+    if idx.numel():
+        out.index_add_(0, idx.long(), values.to(dtype))
+    return out
+
+
+def check_indices(idx, n, what):
+    if idx.numel() == 0:
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= n:
+        raise ValueError(
+            f"{what}: payload index out of range [0, {n}) (min {lo}, max {hi}); "
+            "the payload is malformed or was produced for another tensor")
+
+
+def cast(t, dtype):
+    return t.to(dtype)
+
+
+def bitcast(t, dtype):
+    return t.view(dtype)
+
+
+def cond(pred, f, g):
+    return f() if bool(pred) else g()
+
+
+def select(pred, a, b):
+    return a if bool(pred) else b
+
+
+def size_bytes(t):
+    return int(t.numel()) * t.element_size()
+
+
+def zeros(n, dtype, like=None):
+    return _torch.zeros(n, dtype=dtype, device=like.device if like is not None else None)
+
+
+def new_store():
+    from ..memory import TorchStore
+    return TorchStore()
+
+
+def sum_rows(t, n):
+    """Sum of the rows of ``t`` viewed as (len(t) // n, n)."""
+    return t.reshape(-1, n).sum(0)
+
+
+def length(t):
+    return int(t.shape[0])
+
+
+def reshape(t, shape):
+    return t.reshape(shape)

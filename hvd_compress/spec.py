@@ -1,0 +1,72 @@
+"""Spec strings <-> compressor objects.
+
+Syntax: ``name[:param=value[,param=value...]]``, e.g. ``"topk:density=0.01,ef=0"``.
+Values are converted to the type of the parameter's default (bool accepts
+0/1/true/false).  ``HVD_COMPRESS`` holds a spec in the same syntax; the glue layers
+use it when no ``compression`` argument is given.
+"""
+import os
+
+from .compressors import REGISTRY
+from .compressors.base import Compressor
+
+ENV_VAR = "HVD_COMPRESS"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _convert(name, param, text, default):
+    if isinstance(default, bool) or param == "ef":
+        low = text.lower()
+        if low in _TRUE | _FALSE:
+            return low in _TRUE
+        raise ValueError(f"{name}: parameter {param} must be 0/1/true/false, got {text!r}")
+    kind = type(default) if default is not None else str
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}: parameter {param} must be {kind.__name__}, "
+                         f"got {text!r}") from None
+
+
+def parse(spec):
+    """``"topk:density=0.01"`` -> ``("topk", {"density": "0.01"})`` (values unconverted)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a compressor spec is a non-empty string like 'topk:density=0.01', "
+                         f"got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    params = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad parameter {item!r} in spec {spec!r}: expected key=value")
+        params[key.strip()] = value.strip()
+    return name.strip(), params
+
+
+def from_spec(spec):
+    """Build a compressor from a spec string (a Compressor is returned as is).
+
+    Raises ValueError naming the valid compressors or parameters when one is unknown.
+    """
+    if isinstance(spec, Compressor):
+        return spec
+    name, raw = parse(spec)
+    if name not in REGISTRY:
+        raise ValueError(f"unknown compressor {name!r}; valid: {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[name]
+    valid = cls.params()
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(unknown)} for compressor {name!r}; "
+                         f"valid: {', '.join(valid) or '(none)'}")
+    return cls(**{k: _convert(name, k, v, valid[k]) for k, v in raw.items()})
+
+
+def from_env(default="none"):
+    """The compressor named by ``$HVD_COMPRESS``, else ``default``."""
+    return from_spec(os.environ.get(ENV_VAR) or default)
+
+
+def resolve(compression):
+    """What the glue layers accept: a Compressor, a spec string, or None (= from_env)."""
+    return from_env() if compression is None else from_spec(compression)

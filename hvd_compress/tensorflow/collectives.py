@@ -1,0 +1,94 @@
+"""Compressed reduction of one TensorFlow tensor over Horovod, eager or in tf.function.
+
+Same contract as ``hvd_compress.torch.collectives``: collectives are named after the
+tensor, the compressor decides allreduce or allgather, its ``decompress`` turns the
+aggregate into the sum over ranks.
+"""
+import hashlib
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from ..compressors import payload_bytes
+from ..ops import tf_ops
+from ..spec import from_spec, resolve
+
+PREFIX = "hvd_compress."
+_CACHE = {}
+
+
+def resolve_cached(compression):
+    """Like ``spec.resolve`` but one compressor object per spec string, so the
+    error-feedback state of a tape that is recreated every step survives."""
+    if compression is None or isinstance(compression, str):
+        key = compression
+        if key not in _CACHE:
+            _CACHE[key] = resolve(compression)
+        return _CACHE[key]
+    return from_spec(compression)
+
+
+def check_op(op):
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+    return op
+
+
+def _to_wire(t):
+    # Gloo rejects bfloat16: move its bits as int16 (allgather only; never summed).
+    return tf.bitcast(t, tf.int16) if t.dtype == tf.bfloat16 else t
+
+
+def _from_wire(t, dtype):
+    return tf.bitcast(t, tf.bfloat16) if dtype == tf.bfloat16 else t
+
+
+def _safe(name):
+    # Horovod TF op names must be valid TF names.
+    return "".join(c if c.isalnum() or c in "._-/" else "_" for c in name)
+
+
+def allreduce(tensor, name, compression=None, op=hvd.Average,
+              process_set=hvd.global_process_set):
+    """Compressed sum/average of ``tensor`` over ranks.
+
+    Returns ``(result, sent_bytes)``; ``sent_bytes`` is an int64 tensor.
+    """
+    check_op(op)
+    if not name:
+        raise ValueError("name is required: Horovod matches collectives across ranks by name")
+    compressor = resolve_cached(compression)
+    if isinstance(tensor, tf.IndexedSlices):
+        tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.num_elements() == 0:
+        return tf.identity(tensor), tf.constant(0, tf.int64)
+    compressor = compressor.for_tensor(name, tensor)
+    payload, ctx = compressor.compress(tensor, name)
+    wire = PREFIX + _safe(name)
+    if compressor.collective == "allreduce":
+        aggregate = hvd.allreduce(payload, op=hvd.Sum, name=wire, process_set=process_set)
+    else:
+        aggregate = tuple(
+            _from_wire(hvd.allgather(_to_wire(t), name=f"{wire}.{i}", process_set=process_set),
+                       t.dtype)
+            for i, t in enumerate(payload))
+    out = compressor.decompress(aggregate, ctx)
+    if op == hvd.Average:
+        size = process_set.size()
+        out = out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
+    return out, payload_bytes(payload, tf_ops)
+
+
+def check_same_config(description, process_set=hvd.global_process_set):
+    """Raise ValueError on every rank unless all ranks pass the same ``description``.
+
+    Runs eagerly (also while a tf.function is being traced), once per configuration.
+    """
+    digest = hashlib.sha256(description.encode()).hexdigest()
+    with tf.init_scope():
+        everyone = hvd.allgather_object((digest, description), name=PREFIX + "config_check",
+                                        process_set=process_set)
+    if len({d for d, _ in everyone}) > 1:
+        lines = "\n".join(f"  rank {r}: {desc[:300]}" for r, (_, desc) in enumerate(everyone))
+        raise ValueError("hvd_compress: ranks are configured differently (compressor, "
+                         f"variable names or shapes must match on every rank):\n{lines}")

@@ -1,0 +1,117 @@
+"""``hvd_compress.tensorflow.DistributedGradientTape``: Horovod's tape with compressors
+that may need an allgather.  Works eagerly and inside ``tf.function``.
+
+Error-feedback state and byte counts live in ``tf.Variable``s held by the compressor
+(one object per spec string), so a tape created anew each step keeps them.
+"""
+import weakref
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from ..stats import summarize
+from . import collectives
+
+_STATS = weakref.WeakKeyDictionary()
+_CHECKED = weakref.WeakKeyDictionary()
+
+
+class TFStats:
+    """Byte counts in int64 ``tf.Variable``s (updated inside tf.function)."""
+
+    def __init__(self):
+        with tf.init_scope():
+            self._v = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"hvd_compress_{k}")
+                       for k in ("steps", "last_sent", "last_dense", "total_sent", "total_dense")}
+
+    def record_step(self, sent, dense):
+        sent = tf.cast(sent, tf.int64)
+        dense = tf.cast(dense, tf.int64)
+        self._v["last_sent"].assign(sent)
+        self._v["last_dense"].assign(dense)
+        self._v["total_sent"].assign_add(sent)
+        self._v["total_dense"].assign_add(dense)
+        self._v["steps"].assign_add(1)
+
+    def as_dict(self):
+        return summarize(**{k: int(v.numpy()) for k, v in self._v.items()})
+
+    def __repr__(self):
+        d = self.as_dict()
+        return f"<TFStats steps={d['steps']} ratio={d['ratio']:.1f}x>"
+
+
+def stats(compression):
+    """The :class:`TFStats` of ``compression`` (a compressor or spec string)."""
+    compressor = collectives.resolve_cached(compression)
+    if compressor not in _STATS:
+        _STATS[compressor] = TFStats()
+    return _STATS[compressor]
+
+
+def variable_names(sources):
+    """Stable, unique names for ``sources`` (Keras 3 ``path``, else ``name``)."""
+    names = [getattr(v, "path", None) or getattr(v, "name", None) or f"var{i}"
+             for i, v in enumerate(sources)]
+    seen = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, -1) + 1
+        out.append(n if seen[n] == 0 else f"{n}#{seen[n]}")
+    return out
+
+
+class DistributedGradientTape:
+    """Wrap a ``tf.GradientTape``: ``gradient()`` returns compressed, aggregated gradients.
+
+    Arguments follow ``horovod.tensorflow.DistributedGradientTape``: ``compression``
+    (compressor, spec string, or None for ``$HVD_COMPRESS``), ``op`` (``hvd.Average`` or
+    ``hvd.Sum``), ``process_set``.  Sparse (IndexedSlices) gradients are made dense.
+    ``tape.stats`` counts bytes sent vs a dense float32 allreduce.
+    """
+
+    def __init__(self, gradtape, compression=None, op=hvd.Average,
+                 process_set=hvd.global_process_set):
+        self._tape = gradtape
+        self.compression = collectives.resolve_cached(compression)
+        self.op = collectives.check_op(op)
+        self.process_set = process_set
+
+    def __getattr__(self, item):       # watch(), stop_recording(), reset(), ...
+        return getattr(self._tape, item)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    @property
+    def stats(self):
+        return stats(self.compression)
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        flat_sources = tf.nest.flatten(sources)
+        grads = tf.nest.flatten(self._tape.gradient(target, sources, output_gradients, **kwargs))
+        names = variable_names(flat_sources)
+        if not self.process_set.included():
+            return tf.nest.pack_sequence_as(sources, grads)
+        if self.compression not in _CHECKED:
+            layout = ";".join(f"{n}:{tuple(v.shape)}:{v.dtype.name}"
+                              for n, v in zip(names, flat_sources))
+            collectives.check_same_config(f"{self.compression.spec} op={self.op} | {layout}",
+                                          self.process_set)
+            _CHECKED[self.compression] = True
+        out, sent, dense = [], tf.constant(0, tf.int64), 0
+        for name, grad in zip(names, grads):
+            if grad is None:
+                out.append(None)
+                continue
+            reduced, nbytes = collectives.allreduce(grad, name, self.compression, self.op,
+                                                    self.process_set)
+            out.append(reduced)
+            sent += nbytes
+            dense += 4 * int(reduced.shape.num_elements())
+        self.stats.record_step(sent, dense)
+        return tf.nest.pack_sequence_as(sources, out)

@@ -1,0 +1,108 @@
+"""Compressed reduction of one PyTorch tensor over Horovod (the building block of the
+optimizer).  Every collective is named after the tensor (``hvd_compress.<name>[.i]``):
+Horovod pairs unnamed operations by issue order, which differs between ranks.
+"""
+import hashlib
+
+import horovod.torch as hvd
+import torch
+
+from ..compressors import payload_bytes
+from ..ops import torch_ops
+from ..spec import resolve
+
+PREFIX = "hvd_compress."
+
+
+def check_op(op):
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+    return op
+
+
+def _to_wire(t):
+    # Gloo rejects bfloat16: move its bits as int16 (allgather only; never summed).
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _from_wire(t, dtype):
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+class Handle:
+    """An in-flight compressed reduction; pass it to :func:`synchronize`."""
+
+    def __init__(self, compressor, ctx, handles, dtypes, op, process_set, sent, dense,
+                 result=None):
+        self.compressor, self.ctx, self.handles, self.dtypes = compressor, ctx, handles, dtypes
+        self.op, self.process_set = op, process_set
+        self.sent_bytes, self.dense_bytes = sent, dense
+        self.result = result
+
+
+def allreduce_async(tensor, name, compression=None, op=hvd.Average,
+                    process_set=hvd.global_process_set):
+    """Compress ``tensor`` and start its collective; returns a :class:`Handle`.
+
+    ``compression``: a compressor, a spec string, or None for ``$HVD_COMPRESS``.
+    Empty tensors need no collective; integer tensors go uncompressed; sparse
+    tensors are made dense first.
+    """
+    check_op(op)
+    if not name:
+        raise ValueError("name is required: Horovod matches collectives across ranks by name")
+    compressor = resolve(compression)
+    if tensor.is_sparse:
+        tensor = tensor.to_dense()
+    if tensor.numel() == 0:
+        return Handle(compressor, None, [], [], op, process_set, 0, 0, result=tensor.clone())
+    compressor = compressor.for_tensor(name, tensor)
+    payload, ctx = compressor.compress(tensor.detach(), name)
+    if compressor.collective == "allreduce":
+        handles = [hvd.allreduce_async(payload, name=PREFIX + name, op=hvd.Sum,
+                                       process_set=process_set)]
+        dtypes = [payload.dtype]
+    else:
+        handles = [hvd.allgather_async(_to_wire(t), name=f"{PREFIX}{name}.{i}",
+                                       process_set=process_set)
+                   for i, t in enumerate(payload)]
+        dtypes = [t.dtype for t in payload]
+    return Handle(compressor, ctx, handles, dtypes, op, process_set,
+                  payload_bytes(payload, torch_ops), tensor.numel() * 4)
+
+
+def synchronize(handle):
+    """Wait for ``handle``; return the decoded sum (or average) over the ranks."""
+    if handle.result is not None:
+        return handle.result
+    outputs = [hvd.synchronize(h) for h in handle.handles]
+    if handle.compressor.collective == "allreduce":
+        payload = outputs[0]
+    else:
+        payload = tuple(_from_wire(t, d) for t, d in zip(outputs, handle.dtypes))
+    out = handle.compressor.decompress(payload, handle.ctx)
+    if handle.op == hvd.Average:
+        size = handle.process_set.size()
+        out = out / size if out.is_floating_point() else \
+            torch.div(out, size, rounding_mode="trunc").to(out.dtype)
+    return out
+
+
+def allreduce(tensor, name, compression=None, op=hvd.Average,
+              process_set=hvd.global_process_set):
+    """Blocking :func:`allreduce_async` + :func:`synchronize`."""
+    return synchronize(allreduce_async(tensor, name, compression, op, process_set))
+
+
+def check_same_config(description, process_set=hvd.global_process_set):
+    """Raise ValueError on every rank unless all ranks pass the same ``description``.
+
+    One named, fixed-shape collective, so ranks that disagree get an error, not a hang.
+    """
+    digest = hashlib.sha256(description.encode()).hexdigest()
+    everyone = hvd.allgather_object((digest, description), name=PREFIX + "config_check",
+                                    process_set=process_set)
+    if len({d for d, _ in everyone}) > 1:
+        lines = "\n".join(f"  rank {r}: {desc[:300]}" for r, (_, desc) in enumerate(everyone))
+        raise ValueError("hvd_compress: ranks are configured differently (compressor, "
+                         f"parameter names or shapes must match on every rank):\n{lines}")

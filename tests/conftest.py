@@ -1,0 +1,80 @@
+"""Shared helpers: launch real ``horovodrun -np 2 --gloo`` jobs and load what each rank wrote."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+
+
+def horovodrun(args, out_dir, timeout=600, env=None, np_=2):
+    """Run ``horovodrun -np 2 -H localhost:2 --gloo python <args>``; return (rc, output)."""
+    full_env = dict(os.environ, OUT_DIR=str(out_dir), PYTHONUNBUFFERED="1",
+                    OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+           sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def load_ranks(out_dir, prefix, n=2):
+    return [dict(np.load(Path(out_dir) / f"{prefix}_rank{r}.npz", allow_pickle=False))
+            for r in range(n)]
+
+
+@pytest.fixture(scope="session")
+def torch_job(tmp_path_factory):
+    """One horovodrun job running every PyTorch scenario but the failing one."""
+    out = tmp_path_factory.mktemp("torch_job")
+    rc, log = horovodrun([ROOT / "tests/workers/torch_worker.py", "aggregate", "functional",
+                          "empty_rank", "nonfinite", "checkpoint", "stock"], out)
+    assert rc == 0, log[-6000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tf_job(tmp_path_factory):
+    """One horovodrun job running every TensorFlow scenario but the failing one."""
+    out = tmp_path_factory.mktemp("tf_job")
+    rc, log = horovodrun([ROOT / "tests/workers/tf_worker.py", "aggregate", "functional",
+                          "empty_rank", "nonfinite", "checkpoint"], out)
+    assert rc == 0, log[-6000:]
+    return out
+
+
+# --- independent references (numpy; torch only to round to bfloat16) ---------------------
+
+def topk_mask(g, density):
+    flat = g.reshape(-1)
+    k = max(1, min(flat.size, math.ceil(density * flat.size)))
+    mask = np.zeros(flat.size, bool)
+    mask[np.argsort(-np.abs(flat), kind="stable")[:k]] = True
+    return mask.reshape(g.shape)
+
+
+def to_bf16(g):
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).bfloat16().float().numpy()
+
+
+def reference_contribution(spec, g):
+    """What one rank's gradient ``g`` contributes to the sum, computed without hvd_compress."""
+    name, _, params = spec.partition(":")
+    kv = dict(p.split("=") for p in params.split(",") if p)
+    if name == "none":
+        return g
+    if name == "fp16":
+        return g.astype(np.float16).astype(np.float32)
+    if name == "bf16":
+        return to_bf16(g)
+    if name == "topk":
+        return np.where(topk_mask(g, float(kv["density"])), g, 0)
+    if name == "threshold":
+        return np.where(np.abs(g) > float(kv["threshold"]), g, 0)
+    raise KeyError(name)

@@ -1,0 +1,210 @@
+"""Runs under ``horovodrun -np 2 --gloo``: real PyTorch + Horovod, scenarios named on
+the command line.  Each rank writes what it saw to ``$OUT_DIR/torch_<scenario>_rank<r>.npz``
+(inputs and outputs); the tests compute the expected aggregates from both ranks' files.
+"""
+import os
+import sys
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import hvd_compress
+import hvd_compress.torch as hct
+
+SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
+         "threshold:threshold=1.0"]
+SHAPES = {"w": (12, 10), "b": (7,)}
+OPS = {"average": hvd.Average, "sum": hvd.Sum}
+
+
+def rng(*key):
+    return np.random.default_rng([hvd.rank(), *key])
+
+
+class Params(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for n, s in SHAPES.items():
+            self.register_parameter(n, torch.nn.Parameter(torch.zeros(s)))
+
+
+def backward_with(model, grads):
+    """One backward pass whose gradient for each parameter is exactly ``grads[name]``."""
+    loss = sum((p * grads[n]).sum() for n, p in model.named_parameters())
+    loss.backward()
+
+
+def aggregate(out):
+    for ci, spec in enumerate(SPECS):
+        for op_name, op in OPS.items():
+            for bpps in (1, 2):
+                key = f"{spec}|{op_name}|{bpps}"
+                model = Params()
+                opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                               model.named_parameters(),
+                                               compression=hvd_compress.from_spec(spec),
+                                               backward_passes_per_step=bpps, op=op)
+                for pas in range(bpps):
+                    g = {n: torch.from_numpy(rng(ci, bpps, pas).standard_normal(s)
+                                             .astype(np.float32)) for n, s in SHAPES.items()}
+                    for n in SHAPES:
+                        out[f"{key}|{n}|in{pas}"] = g[n].numpy()
+                    backward_with(model, g)
+                opt.step()
+                for n, p in model.named_parameters():
+                    out[f"{key}|{n}|out"] = p.grad.numpy().copy()
+                out[f"{key}|stats"] = np.array([opt.stats.last_sent, opt.stats.last_dense])
+
+
+def functional(out):
+    """The functional API on awkward tensors: 0-d, empty, int, fp16, bf16,
+    non-contiguous, sparse; compressor topk."""
+    r = rng(99)
+    base = torch.from_numpy(r.standard_normal((9, 11)).astype(np.float32))
+    cases = {
+        "zero_d": torch.tensor(float(r.standard_normal())),
+        "empty": torch.zeros(0, 3),
+        "int": torch.from_numpy(r.integers(-50, 50, size=20).astype(np.int32)),
+        "fp16": base.half(),
+        "bf16": base.bfloat16(),
+        "noncontig": base.t(),
+        "sparse": torch.sparse_coo_tensor([[1, 4, 7]], torch.tensor([1.5, -2.0, 3.0]), (10,)),
+    }
+    assert not cases["noncontig"].is_contiguous()
+    c = hvd_compress.from_spec("topk:density=0.2")
+    for name, t in cases.items():
+        res = hct.allreduce(t, name=f"func.{name}", compression=c, op=hvd.Sum)
+        dense = t.to_dense() if t.is_sparse else t
+        out[f"{name}|in"] = dense.float().numpy() if dense.is_floating_point() else dense.numpy()
+        out[f"{name}|out"] = res.float().numpy() if res.is_floating_point() else res.numpy()
+        out[f"{name}|dtype"] = np.array(str(res.dtype))
+        out[f"{name}|shape"] = np.array(tuple(res.shape))
+
+
+def empty_rank(out):
+    """Rank 1's gradients are all below the threshold: it sends nothing."""
+    model = Params()
+    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   model.named_parameters(), compression="threshold:threshold=1.0",
+                                   op=hvd.Sum)
+    scale = 1.0 if hvd.rank() == 0 else 0.01
+    g = {n: torch.from_numpy((scale * rng(5).standard_normal(s)).astype(np.float32))
+         for n, s in SHAPES.items()}
+    backward_with(model, g)
+    opt.step()
+    for n, p in model.named_parameters():
+        out[f"{n}|in"] = g[n].numpy()
+        out[f"{n}|out"] = p.grad.numpy().copy()
+    out["stats"] = np.array([opt.stats.last_sent])
+
+
+def nonfinite(out):
+    """Step 1 finite, step 2 rank 0 has NaN and Inf, step 3 finite again."""
+    model = Params()
+    comp = hvd_compress.from_spec("topk:density=0.05")
+    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   model.named_parameters(), compression=comp, op=hvd.Sum)
+    for step in range(3):
+        g = {n: torch.from_numpy(rng(7, step).standard_normal(s).astype(np.float32))
+             for n, s in SHAPES.items()}
+        if step == 1 and hvd.rank() == 0:
+            g["w"][0, 3] = float("nan")
+            g["w"][2, 5] = float("inf")
+        opt.zero_grad()
+        backward_with(model, g)
+        opt.step()
+        out[f"{step}|out"] = model.w.grad.numpy().copy()
+        out[f"{step}|residual"] = comp.residual("w").numpy().copy()
+
+
+def _train(model, opt, steps, start):
+    for step in range(start, start + steps):
+        r = rng(11, step)
+        x = torch.from_numpy(r.standard_normal((16, 10)).astype(np.float32))
+        y = torch.from_numpy(r.standard_normal((16, 12)).astype(np.float32))
+        opt.zero_grad()
+        loss = ((x @ model.w.t() + model.b[:1] - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+
+
+def checkpoint(out):
+    """6 steps straight vs 3 steps, save, restore into new objects, 3 more steps."""
+    def build():
+        torch.manual_seed(0)
+        model = Params()
+        with torch.no_grad():
+            model.w.normal_()
+        comp = hvd_compress.from_spec("randomk:density=0.1")
+        opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       model.named_parameters(), compression=comp)
+        return model, opt, comp
+
+    model, opt, _ = build()
+    _train(model, opt, 6, 0)
+    out["straight"] = model.w.detach().numpy().copy()
+
+    model, opt, comp = build()
+    _train(model, opt, 3, 0)
+    path = os.path.join(os.environ["OUT_DIR"], f"ckpt_rank{hvd.rank()}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "compression": comp.state_dict()}, path)
+    del model, opt, comp
+    model, opt, comp = build()
+    saved = torch.load(path)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    comp.load_state_dict(saved["compression"])
+    _train(model, opt, 3, 3)
+    out["resumed"] = model.w.detach().numpy().copy()
+
+
+def stock(out):
+    """Our allreduce-able compressor inside Horovod's own DistributedOptimizer."""
+    model = Params()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd_compress.from_spec("fp16"), op=hvd.Sum)
+    g = {n: torch.from_numpy(rng(13).standard_normal(s).astype(np.float32))
+         for n, s in SHAPES.items()}
+    backward_with(model, g)
+    opt.step()
+    out["in"], out["out"] = g["w"].numpy(), model.w.grad.numpy().copy()
+    model = Params()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd_compress.from_spec("topk:density=0.1"))
+    try:
+        backward_with(model, g)
+        out["topk_error"] = np.array("no error")
+    except TypeError as e:
+        out["topk_error"] = np.array(str(e))
+
+
+def mismatch(out):
+    spec = "topk:density=0.05" if hvd.rank() == 0 else "randomk:density=0.05"
+    model = Params()
+    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   model.named_parameters(), compression=spec)
+    g = {n: torch.ones(s) for n, s in SHAPES.items()}
+    try:
+        backward_with(model, g)
+        opt.step()
+    except ValueError as e:
+        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
+        sys.exit(3)
+
+
+SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
+                                     checkpoint, stock, mismatch)}
+
+if __name__ == "__main__":
+    hvd.init()
+    torch.set_num_threads(1)
+    for scenario in sys.argv[1:]:
+        result = {}
+        SCENARIOS[scenario](result)
+        np.savez(os.path.join(os.environ["OUT_DIR"], f"torch_{scenario}_rank{hvd.rank()}.npz"),
+                 **result)
+    print("WORKER_DONE", hvd.rank(), flush=True)
