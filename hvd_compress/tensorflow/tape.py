@@ -50,9 +50,11 @@ def stats(compression):
 
 
 def variable_names(sources):
-    """Stable, unique names for ``sources`` (Keras 3 ``path``, else ``name``)."""
-    names = [getattr(v, "path", None) or getattr(v, "name", None) or f"var{i}"
-             for i, v in enumerate(sources)]
+    """Stable, unique names for ``sources`` (Keras 3 ``path``, else ``name`` less ``:0``)."""
+    names = []
+    for i, v in enumerate(sources):
+        name = getattr(v, "path", None) or getattr(v, "name", None) or f"var{i}"
+        names.append(name[:-2] if name.endswith(":0") else name)
     seen = {}
     out = []
     for n in names:

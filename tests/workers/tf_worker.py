@@ -1,0 +1,160 @@
+"""Runs under ``horovodrun -np 2 --gloo``: real TensorFlow + Horovod, scenarios named on
+the command line, eagerly and inside tf.function.  Each rank writes
+``$OUT_DIR/tf_<scenario>_rank<r>.npz``; the tests compute the expected aggregates.
+"""
+import os
+import pickle
+import sys
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+import hvd_compress
+import hvd_compress.tensorflow as hctf
+
+SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
+         "threshold:threshold=1.0"]
+SHAPES = {"w": (12, 10), "b": (7,)}
+OPS = {"average": hvd.Average, "sum": hvd.Sum}
+
+
+def rng(*key):
+    return np.random.default_rng([hvd.rank(), *key])
+
+
+def make_vars():
+    return [tf.Variable(tf.zeros(s), name=n) for n, s in SHAPES.items()]
+
+
+def grads_equal_to(variables, gs, compression, op):
+    """A tape whose gradient for each variable is exactly ``gs[i]``."""
+    with tf.GradientTape() as tape:
+        loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, gs)])
+    tape = hctf.DistributedGradientTape(tape, compression=compression, op=op)
+    return tape.gradient(loss, variables), tape
+
+
+def aggregate(out):
+    for ci, spec in enumerate(SPECS):
+        for op_name, op in OPS.items():
+            for mode in ("eager", "function"):
+                key = f"{spec}|{op_name}|{mode}"
+                variables = make_vars()
+                comp = hvd_compress.from_spec(spec)
+                gs = [tf.constant(rng(ci).standard_normal(s).astype(np.float32))
+                      for s in SHAPES.values()]
+                fn = lambda *g: grads_equal_to(variables, g, comp, op)[0]  # noqa: E731
+                result = (tf.function(fn) if mode == "function" else fn)(*gs)
+                for n, g, r in zip(SHAPES, gs, result):
+                    out[f"{key}|{n}|in0"] = g.numpy()
+                    out[f"{key}|{n}|out"] = r.numpy()
+                st = hctf.stats(comp).as_dict()
+                out[f"{key}|stats"] = np.array([st["last_sent"], st["last_dense"]])
+
+
+def functional(out):
+    r = rng(99)
+    base = r.standard_normal((9, 11)).astype(np.float32)
+    cases = {"zero_d": tf.constant(np.float32(r.standard_normal())),
+             "empty": tf.zeros((0, 3)),
+             "int": tf.constant(r.integers(-50, 50, size=20).astype(np.int32)),
+             "fp16": tf.constant(base.astype(np.float16)),
+             "bf16": tf.cast(tf.constant(base), tf.bfloat16),
+             "sparse": tf.IndexedSlices(tf.constant([1.5, -2.0, 3.0]), tf.constant([1, 4, 7]),
+                                        tf.constant([10]))}
+    comp = hvd_compress.from_spec("topk:density=0.2")
+    for name, t in cases.items():
+        res, _ = hctf.allreduce(t, f"func.{name}", comp, op=hvd.Sum)
+        dense = tf.convert_to_tensor(t)
+        out[f"{name}|in"] = (tf.cast(dense, tf.float32) if dense.dtype.is_floating else dense).numpy()
+        out[f"{name}|out"] = (tf.cast(res, tf.float32) if res.dtype.is_floating else res).numpy()
+        out[f"{name}|dtype"] = np.array(res.dtype.name)
+
+
+def empty_rank(out):
+    variables = make_vars()
+    scale = 1.0 if hvd.rank() == 0 else 0.01
+    gs = [tf.constant((scale * rng(5).standard_normal(s)).astype(np.float32))
+          for s in SHAPES.values()]
+    comp = hvd_compress.from_spec("threshold:threshold=1.0")
+    result = tf.function(lambda *g: grads_equal_to(variables, g, comp, hvd.Sum)[0])(*gs)
+    for n, g, r in zip(SHAPES, gs, result):
+        out[f"{n}|in"], out[f"{n}|out"] = g.numpy(), r.numpy()
+    out["stats"] = np.array([hctf.stats(comp).as_dict()["last_sent"]])
+
+
+def nonfinite(out):
+    variables = make_vars()
+    comp = hvd_compress.from_spec("topk:density=0.05")
+    step = tf.function(lambda *g: grads_equal_to(variables, g, comp, hvd.Sum)[0])
+    for i in range(3):
+        gs = [rng(7, i).standard_normal(s).astype(np.float32) for s in SHAPES.values()]
+        if i == 1 and hvd.rank() == 0:
+            gs[0][0, 3], gs[0][2, 5] = np.nan, np.inf
+        result = step(*map(tf.constant, gs))
+        out[f"{i}|out"] = result[0].numpy()
+        out[f"{i}|residual"] = comp.residual("w").numpy().copy()
+
+
+def checkpoint(out):
+    def build():
+        w = tf.Variable(np.random.default_rng(0).standard_normal((12, 10)).astype(np.float32),
+                        name="w")
+        b = tf.Variable(tf.zeros(7), name="b")
+        return [w, b], hvd_compress.from_spec("randomk:density=0.1")
+
+    def train(variables, comp, start, steps):
+        @tf.function
+        def one(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((x @ tf.transpose(variables[0]) + variables[1][:1] - y) ** 2)
+            tape = hctf.DistributedGradientTape(tape, compression=comp)
+            for v, g in zip(variables, tape.gradient(loss, variables)):
+                v.assign_sub(0.1 * g)
+        for s in range(start, start + steps):
+            r = rng(11, s)
+            one(tf.constant(r.standard_normal((16, 10)).astype(np.float32)),
+                tf.constant(r.standard_normal((16, 12)).astype(np.float32)))
+
+    variables, comp = build()
+    train(variables, comp, 0, 6)
+    out["straight"] = variables[0].numpy()
+
+    variables, comp = build()
+    train(variables, comp, 0, 3)
+    path = os.path.join(os.environ["OUT_DIR"], f"tfckpt_rank{hvd.rank()}.pkl")
+    with open(path, "wb") as f:
+        pickle.dump({"vars": [v.numpy() for v in variables], "compression": comp.state_dict()}, f)
+    variables, comp = build()
+    with open(path, "rb") as f:
+        saved = pickle.load(f)
+    for v, value in zip(variables, saved["vars"]):
+        v.assign(value)
+    comp.load_state_dict(saved["compression"], framework="tensorflow")
+    train(variables, comp, 3, 3)
+    out["resumed"] = variables[0].numpy()
+
+
+def mismatch(out):
+    spec = "topk:density=0.05" if hvd.rank() == 0 else "randomk:density=0.05"
+    try:
+        grads_equal_to(make_vars(), [tf.ones(s) for s in SHAPES.values()],
+                       hvd_compress.from_spec(spec), hvd.Average)
+    except ValueError as e:
+        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
+        sys.exit(3)
+
+
+SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
+                                     checkpoint, mismatch)}
+
+if __name__ == "__main__":
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    for scenario in sys.argv[1:]:
+        result = {}
+        SCENARIOS[scenario](result)
+        np.savez(os.path.join(os.environ["OUT_DIR"], f"tf_{scenario}_rank{hvd.rank()}.npz"),
+                 **result)
+    print("WORKER_DONE", hvd.rank(), flush=True)
