@@ -1,0 +1,282 @@
+"""Compressor contract, without Horovod: round trips, error-feedback conservation,
+spec parsing, bad input.  Each test runs on PyTorch and on TensorFlow tensors."""
+import math
+
+import numpy as np
+import pytest
+
+import hvd_compress
+from conftest import reference_contribution
+
+ALL_SPECS = ["none", "fp16", "bf16", "topk:density=0.1", "randomk:density=0.1",
+             "threshold:threshold=0.5"]
+
+
+class Torch:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+        self.t = torch
+
+    def tensor(self, a, dtype=None):
+        x = self.t.from_numpy(np.array(a))
+        return x.to(getattr(self.t, dtype)) if dtype else x
+
+    def numpy(self, x):
+        return (x.float() if x.is_floating_point() else x).numpy()
+
+
+class TF:
+    name = "tensorflow"
+
+    def __init__(self):
+        import tensorflow as tf
+        self.t = tf
+
+    def tensor(self, a, dtype=None):
+        x = self.t.constant(a)
+        return self.t.cast(x, getattr(self.t, dtype)) if dtype else x
+
+    def numpy(self, x):
+        return (self.t.cast(x, self.t.float32) if x.dtype.is_floating else x).numpy()
+
+
+@pytest.fixture(params=["torch", "tensorflow"], scope="module")
+def fw(request):
+    return Torch() if request.param == "torch" else TF()
+
+
+def grad(seed, shape=(20, 30)):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if not s.startswith("randomk")])
+def test_round_trip_matches_reference(fw, spec):
+    g = grad(0)
+    c = hvd_compress.from_spec(spec)
+    payload, ctx = c.compress(fw.tensor(g), "g")
+    out = c.decompress(payload, ctx)
+    assert tuple(out.shape) == g.shape
+    np.testing.assert_allclose(fw.numpy(out), reference_contribution(spec, g), rtol=1e-3, atol=1e-6)
+
+
+def test_randomk_sends_k_entries_exactly(fw):
+    g = grad(1)
+    c = hvd_compress.from_spec("randomk:density=0.1,seed=7")
+    out = fw.numpy(c.decompress(*c.compress(fw.tensor(g), "g")))
+    nz = out != 0
+    assert nz.sum() == math.ceil(0.1 * g.size)
+    np.testing.assert_array_equal(out[nz], g[nz])
+
+
+def test_randomk_draws_differ_between_steps_and_agree_between_instances(fw):
+    g = fw.tensor(grad(2))
+    a, b = (hvd_compress.from_spec("randomk:density=0.05,ef=0") for _ in range(2))
+    pa = [fw.numpy(a.compress(g, "g")[0][1]) for _ in range(2)]
+    pb = [fw.numpy(b.compress(g, "g")[0][1]) for _ in range(2)]
+    np.testing.assert_array_equal(pa[0], pb[0])          # same seed, same step
+    assert set(pa[0].tolist()) != set(pa[1].tolist())    # a new draw each step
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.05", "randomk:density=0.05",
+                                  "threshold:threshold=1.5"])
+def test_error_feedback_conserves_everything(fw, spec):
+    """sum of what was sent + final residual == sum of all gradients fed in."""
+    c = hvd_compress.from_spec(spec)
+    total_in = np.zeros((20, 30), np.float64)
+    total_sent = np.zeros((20, 30), np.float64)
+    for step in range(25):
+        g = grad(100 + step)
+        total_in += g
+        total_sent += fw.numpy(c.decompress(*c.compress(fw.tensor(g), "g")))
+    residual = fw.numpy(c.residual("g")).reshape(20, 30)
+    assert np.abs(residual).sum() > 0
+    np.testing.assert_allclose(total_sent + residual, total_in, atol=1e-4)
+
+
+def test_ef_off_keeps_no_residual(fw):
+    c = hvd_compress.from_spec("topk:density=0.05,ef=0")
+    c.compress(fw.tensor(grad(3)), "g")
+    assert c.residual("g") is None
+
+
+def test_state_dict_round_trip_continues_identically(fw):
+    a = hvd_compress.from_spec("randomk:density=0.1")
+    for s in range(3):
+        a.compress(fw.tensor(grad(s)), "g")
+    b = hvd_compress.from_spec("randomk:density=0.1")
+    b.load_state_dict(a.state_dict(), framework=fw.name)
+    for s in range(3, 6):
+        pa, ctx = a.compress(fw.tensor(grad(s)), "g")
+        pb, _ = b.compress(fw.tensor(grad(s)), "g")
+        np.testing.assert_array_equal(fw.numpy(a.decompress(pa, ctx)), fw.numpy(b.decompress(pb, ctx)))
+    np.testing.assert_array_equal(fw.numpy(a.residual("g")), fw.numpy(b.residual("g")))
+
+
+def test_state_dict_for_another_spec_is_rejected(fw):
+    a = hvd_compress.from_spec("topk:density=0.1")
+    a.compress(fw.tensor(grad(0)), "g")
+    with pytest.raises(ValueError, match="topk:density=0.1"):
+        hvd_compress.from_spec("topk:density=0.2").load_state_dict(a.state_dict(), fw.name)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_half_precision_gradients_keep_their_dtype(fw, spec, dtype):
+    g = grad(4)
+    c = hvd_compress.from_spec(spec)
+    x = fw.tensor(g, dtype)
+    out = c.decompress(*c.compress(x, "g"))
+    assert out.dtype == x.dtype
+    got = fw.numpy(out)
+    if spec.startswith("randomk"):
+        nz = got != 0
+        np.testing.assert_allclose(got[nz], fw.numpy(x)[nz])
+    else:
+        np.testing.assert_allclose(got, reference_contribution(spec, fw.numpy(x)), rtol=1e-2, atol=1e-2)
+
+
+def test_zero_d_tensor(fw):
+    c = hvd_compress.from_spec("topk:density=0.01")
+    x = fw.tensor(np.float32(2.5))
+    out = c.decompress(*c.compress(x, "s"))
+    assert tuple(out.shape) == () and float(fw.numpy(out)) == 2.5
+
+
+def test_integer_tensors_go_uncompressed(fw):
+    x = fw.tensor(np.arange(10, dtype=np.int32))
+    c = hvd_compress.from_spec("topk:density=0.1")
+    chosen = c.for_tensor("i", x)
+    assert chosen.name == "none" and chosen.collective == "allreduce"
+    np.testing.assert_array_equal(fw.numpy(chosen.decompress(*chosen.compress(x, "i"))), np.arange(10))
+    with pytest.raises(TypeError, match="integer tensors"):
+        c.compress(x, "i")
+
+
+def test_nonfinite_sent_whole_and_residual_untouched(fw):
+    c = hvd_compress.from_spec("topk:density=0.05")
+    c.compress(fw.tensor(grad(5)), "g")
+    before = fw.numpy(c.residual("g")).copy()
+    bad = grad(6)
+    bad[1, 2] = np.nan
+    bad[3, 4] = -np.inf
+    out = fw.numpy(c.decompress(*c.compress(fw.tensor(bad), "g")))
+    assert np.isnan(out[1, 2]) and out[3, 4] == -np.inf
+    np.testing.assert_array_equal(fw.numpy(c.residual("g")), before)
+
+
+def test_non_contiguous_torch_gradient():
+    import torch
+    g = torch.from_numpy(grad(7)).t()
+    assert not g.is_contiguous()
+    c = hvd_compress.from_spec("topk:density=0.1")
+    out = c.decompress(*c.compress(g, "g"))
+    np.testing.assert_array_equal(out.numpy(), reference_contribution("topk:density=0.1", g.numpy()))
+
+
+def test_decompress_rejects_out_of_range_indices(fw):
+    c = hvd_compress.from_spec("topk:density=0.1,ef=0")
+    (values, idx), ctx = c.compress(fw.tensor(grad(8)), "g")
+    bad = fw.tensor(np.full(int(fw.numpy(idx).size), 600, np.int32))
+    with pytest.raises(ValueError, match=r"out of range \[0, 600\)"):
+        c.decompress((values, bad), ctx)
+    neg = fw.tensor(-np.ones(int(fw.numpy(idx).size), np.int32))
+    with pytest.raises(ValueError, match="out of range"):
+        c.decompress((values, neg), ctx)
+
+
+def test_decompress_rejects_malformed_payloads(fw):
+    c = hvd_compress.from_spec("topk:density=0.1,ef=0")
+    (values, idx), ctx = c.compress(fw.tensor(grad(8)), "g")
+    with pytest.raises(ValueError, match="values but"):
+        c.decompress((values, fw.tensor(np.zeros(3, np.int32))), ctx)
+    with pytest.raises(ValueError, match="values, indices"):
+        c.decompress((values,), ctx)
+    b = hvd_compress.from_spec("bf16")
+    (bits,), ctx = b.compress(fw.tensor(grad(8)), "g")
+    with pytest.raises(ValueError, match="whole number"):
+        b.decompress((fw.tensor(np.zeros(7, np.int16)),), ctx)
+
+
+@pytest.mark.parametrize("density", ["0", "-0.1", "1.5", "nan", "abc"])
+def test_density_outside_unit_interval(density):
+    with pytest.raises(ValueError, match="density"):
+        hvd_compress.from_spec(f"topk:density={density}")
+    with pytest.raises(ValueError, match="density"):
+        hvd_compress.TopK(density=float(density) if density != "abc" else density)
+
+
+def test_density_one_sends_everything(fw):
+    g = grad(9)
+    c = hvd_compress.from_spec("topk:density=1")
+    np.testing.assert_array_equal(fw.numpy(c.decompress(*c.compress(fw.tensor(g), "g"))), g)
+
+
+def test_spec_errors_list_what_is_valid():
+    with pytest.raises(ValueError, match="valid: bf16, fp16, none, randomk, threshold, topk"):
+        hvd_compress.from_spec("top_k")
+    with pytest.raises(ValueError, match="valid: density, ef"):
+        hvd_compress.from_spec("topk:densty=0.1")
+    with pytest.raises(ValueError, match="key=value"):
+        hvd_compress.from_spec("topk:0.1")
+    with pytest.raises(ValueError, match="ef must be"):
+        hvd_compress.from_spec("topk:ef=maybe")
+    with pytest.raises(ValueError, match="threshold"):
+        hvd_compress.from_spec("threshold:threshold=-1")
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS + ["topk:density=0.5,ef=0", "randomk:seed=3"])
+def test_spec_round_trip(spec):
+    c = hvd_compress.from_spec(spec)
+    again = hvd_compress.from_spec(c.spec)
+    assert again.spec == c.spec and type(again) is type(c)
+
+
+def test_env_var_selects_compressor(monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS", "topk:density=0.02")
+    assert hvd_compress.from_env().spec == "topk:density=0.02,ef=1"
+    monkeypatch.delenv("HVD_COMPRESS")
+    assert hvd_compress.from_env().name == "none"
+
+
+def test_stock_horovod_call_without_name():
+    """Horovod's own optimizer calls compress(tensor) with no name: allreduce-able
+    compressors work, the others say which optimizer to use."""
+    import torch
+    g = torch.from_numpy(grad(10))
+    fp16 = hvd_compress.from_spec("fp16")
+    payload, ctx = fp16.compress(g)
+    assert payload.dtype == torch.float16
+    with pytest.raises(TypeError, match="hvd_compress.torch.DistributedOptimizer"):
+        hvd_compress.from_spec("topk:density=0.1").compress(g)
+
+
+def test_package_imports_without_horovod_or_tensorflow():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['horovod'] = None; sys.modules['tensorflow'] = None\n"
+            "import hvd_compress, torch\n"
+            "c = hvd_compress.from_spec('topk:density=0.5')\n"
+            "print(c.decompress(*c.compress(torch.ones(4), 'x')).sum().item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "2.0"
+
+
+def test_tf_function_compress_and_residual():
+    import tensorflow as tf
+    c = hvd_compress.from_spec("topk:density=0.05")
+
+    @tf.function
+    def step(x):
+        payload, ctx = c.compress(x, "g")
+        return c.decompress(payload, ctx)
+
+    total_in = np.zeros((20, 30))
+    total_sent = np.zeros((20, 30))
+    for s in range(5):
+        g = grad(200 + s)
+        total_in += g
+        total_sent += step(tf.constant(g)).numpy()
+    np.testing.assert_allclose(total_sent + c.residual("g").numpy().reshape(20, 30), total_in,
+                               atol=1e-4)
