@@ -48,6 +48,7 @@ def _safe(name):
     return "".join(c if c.isalnum() or c in "._-/" else "_" for c in name)
 
 
+@tf.autograph.experimental.do_not_convert
 def allreduce(tensor, name, compression=None, op=hvd.Average,
               process_set=hvd.global_process_set):
     """Compressed sum/average of ``tensor`` over ranks.

@@ -93,6 +93,7 @@ class DistributedGradientTape:
     def stats(self):
         return stats(self.compression)
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         flat_sources = tf.nest.flatten(sources)
         grads = tf.nest.flatten(self._tape.gradient(target, sources, output_gradients, **kwargs))
@@ -100,7 +101,7 @@ class DistributedGradientTape:
         if not self.process_set.included():
             return tf.nest.pack_sequence_as(sources, grads)
         if self.compression not in _CHECKED:
-            layout = ";".join(f"{n}:{tuple(v.shape)}:{v.dtype.name}"
+            layout = ";".join(f"{n}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}"
                               for n, v in zip(names, flat_sources))
             collectives.check_same_config(f"{self.compression.spec} op={self.op} | {layout}",
                                           self.process_set)

