@@ -1,0 +1,13 @@
+"""Triton GPU kernels of hvd_compress (installed as ``hvd_compress.kernels``).
+
+Each module holds one kernel family in the Triton-tutorial layout: the ``@triton.jit``
+kernel, a torch *reference* with exactly the same semantics, and a *launcher* that
+runs the kernel on CUDA tensors and the reference elsewhere.  ``backend="triton"``
+forces the kernel (on CPU tensors this needs ``TRITON_INTERPRET=1``, which is how the
+tests compare every kernel with its reference on machines without a GPU);
+``backend="torch"`` forces the reference.
+"""
+from ._backend import HAVE_TRITON, pick_backend  # noqa: F401
+from .abs_stats import abs_sum_max, abs_sum_max_reference  # noqa: F401
+from .compact import compact_above, compact_above_reference  # noqa: F401
+from .threshold_count import count_above, count_above_reference  # noqa: F401

@@ -127,3 +127,87 @@ def length(t):
 
 def reshape(t, shape):
     return _tf.reshape(t, shape)
+
+
+# -- threshold selection (TensorFlow references of the Triton kernels) ---------------------
+
+def abs_sum_max(t):
+    a = _tf.abs(_tf.cast(t, _tf.float32))
+    if numel(t) == 0:
+        return _tf.constant(0.0), _tf.constant(0.0)
+    return _tf.reduce_sum(a), _tf.reduce_max(a)
+
+
+def count_above(t, thresholds):
+    a = _tf.abs(_tf.cast(t, _tf.float32))
+    thr = _tf.reshape(_tf.cast(thresholds, _tf.float32), [-1])
+    # counts[j] = #{a > thr_j}, one comparison pass per threshold
+    return _tf.map_fn(lambda x: _tf.math.count_nonzero(a > x, dtype=_tf.int64), thr,
+                      fn_output_signature=_tf.int64)
+
+
+def compact_above(t, threshold):
+    a = _tf.abs(_tf.cast(t, _tf.float32))
+    idx = _tf.cast(_tf.reshape(_tf.where(a > _tf.cast(threshold, _tf.float32)), [-1]), _tf.int32)
+    return _tf.gather(t, idx), idx
+
+
+def shrink_candidates(t):
+    return True
+
+
+def to_float32(t):
+    return _tf.cast(t, _tf.float32)
+
+
+def scalar(value, like):
+    return _tf.convert_to_tensor(value)
+
+
+def float_bits(t):
+    return _tf.cast(_tf.bitcast(_tf.cast(t, _tf.float32), _tf.int32), _tf.int64)
+
+
+def bits_float(b):
+    return _tf.bitcast(_tf.cast(b, _tf.int32), _tf.float32)
+
+
+def grid_fractions(g, like):
+    return _tf.range(1, g + 1, dtype=_tf.int64)
+
+
+def where(cond, a, b):
+    return _tf.where(cond, a, b)
+
+
+def reduce_max(t):
+    return _tf.reduce_max(t)
+
+
+def reduce_min(t):
+    return _tf.reduce_min(t)
+
+
+def cumsum(t):
+    return _tf.cumsum(t)
+
+
+def mask_indices(mask):
+    return _tf.reshape(_tf.where(mask), [-1])
+
+
+def sort_desc_stable(t):
+    return _tf.argsort(t, direction="DESCENDING", stable=True)
+
+
+def random_sample(t, m, seed, step):
+    return gather(t, random_indices(numel(t), m, seed, step))
+
+
+def moments(t):
+    mean, var = _tf.nn.moments(_tf.cast(t, _tf.float32), axes=[0])
+    return mean, _tf.sqrt(var)
+
+
+def reduce_sum_int(mask):
+    return _tf.reduce_sum(_tf.cast(mask, _tf.int64))

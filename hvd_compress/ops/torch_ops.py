@@ -125,3 +125,90 @@ def length(t):
 
 def reshape(t, shape):
     return t.reshape(shape)
+
+
+# -- threshold selection (Triton kernels on CUDA, torch references elsewhere) ------------
+
+def abs_sum_max(t):
+    """``(sum|t|, max|t|)`` as float32 0-d tensors (one pass)."""
+    from ..kernels import abs_sum_max as launch
+    return launch(t)
+
+
+def count_above(t, thresholds):
+    """int64 counts of ``|t| > thr`` for each of ``thresholds`` (one pass)."""
+    from ..kernels import count_above as launch
+    return launch(t, thresholds)
+
+
+def compact_above(t, threshold):
+    """``(t[sel], int32 indices of sel)``, ``sel = |t| > threshold``, index order."""
+    from ..kernels import compact_above as launch
+    return launch(t, threshold)
+
+
+def shrink_candidates(t):
+    """Re-compact candidates after each search pass?  On the CPU it makes later passes
+    nearly free; on CUDA counting a few hundred thousand candidates again is cheaper
+    than the host synchronisation a compaction needs (its output size)."""
+    return not t.is_cuda
+
+
+def to_float32(t):
+    return t.float() if hasattr(t, "float") else _torch.tensor(float(t))
+
+
+def scalar(value, like):
+    return _torch.as_tensor(value, device=like.device)
+
+
+def float_bits(t):
+    """Bit pattern of non-negative float32 ``t`` as int64: orders like the floats."""
+    return t.float().reshape(-1).view(_torch.int32).to(_torch.int64).reshape(t.shape)
+
+
+def bits_float(b):
+    return b.to(_torch.int32).view(_torch.float32)
+
+
+def grid_fractions(g, like):
+    return _torch.arange(1, g + 1, dtype=_torch.int64, device=like.device)
+
+
+def where(cond, a, b):
+    return _torch.where(cond, a, b)
+
+
+def reduce_max(t):
+    return t.max()
+
+
+def reduce_min(t):
+    return t.min()
+
+
+def cumsum(t):
+    return _torch.cumsum(t, 0)
+
+
+def mask_indices(mask):
+    return _torch.nonzero(mask, as_tuple=False).reshape(-1)
+
+
+def sort_desc_stable(t):
+    """Indices that sort ``t`` descending, ties by position."""
+    return _torch.sort(t, descending=True, stable=True).indices
+
+
+def random_sample(t, m, seed, step):
+    return gather(t, random_indices(numel(t), m, seed, step, t))
+
+
+def moments(t):
+    """``(mean, std)`` of float32 ``t``."""
+    tf = t.float()
+    return tf.mean(), tf.std(unbiased=False)
+
+
+def reduce_sum_int(mask):
+    return mask.sum(dtype=_torch.int64)

@@ -1,0 +1,17 @@
+"""Which implementation a launcher runs."""
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:  # the package works without Triton; the references run
+    HAVE_TRITON = False
+
+
+def pick_backend(x, backend=None):
+    """``"triton"`` for CUDA tensors when Triton is installed, else ``"torch"``."""
+    if backend is None:
+        return "triton" if (HAVE_TRITON and x.is_cuda) else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+    if backend == "triton" and not HAVE_TRITON:
+        raise RuntimeError("backend='triton' needs the triton package")
+    return backend

@@ -1,0 +1,43 @@
+"""One pass over ``x`` for ``sum|x|`` and ``max|x|`` (the Laplace fit needs mean|x|).
+
+Each program reduces one block to a partial sum and max; the partials are combined by
+torch in a fixed order, so the result is deterministic (no float atomics).
+"""
+import torch
+
+from ._backend import HAVE_TRITON, pick_backend
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _abs_sum_max_kernel(x_ptr, part_sum_ptr, part_max_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)     # 64-bit: n may exceed 2^31
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+        tl.store(part_sum_ptr + pid, tl.sum(a, axis=0))
+        tl.store(part_max_ptr + pid, tl.max(a, axis=0))
+
+
+def abs_sum_max_reference(x):
+    """``(sum|x|, max|x|)`` as float32 0-d tensors, in torch."""
+    xf = x.reshape(-1).float()
+    if xf.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        return zero, zero.clone()
+    lo, hi = torch.aminmax(xf)
+    return torch.linalg.vector_norm(xf, 1), torch.maximum(hi, -lo)
+
+
+def abs_sum_max(x, backend=None, block=4096):
+    """``(sum|x|, max|x|)`` of the flat tensor ``x``; Triton on CUDA, torch elsewhere."""
+    if pick_backend(x, backend) == "torch" or x.numel() == 0:
+        return abs_sum_max_reference(x)
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    programs = triton.cdiv(n, block)
+    part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
+    part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _abs_sum_max_kernel[(programs,)](x, part_sum, part_max, n, BLOCK=block)
+    return part_sum.sum(), part_max.max()

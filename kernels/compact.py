@@ -1,0 +1,68 @@
+"""Stream compaction: the values and int32 indices of ``|x| > t``, in index order.
+
+Two passes, deterministic (no atomics on positions): pass 1 counts each block's
+selected entries; an exclusive cumulative sum of those counts gives each block its
+output offset; pass 2 recomputes the mask and writes values and indices at
+``offset[block] + (exclusive prefix sum of the mask inside the block)``.  The output
+buffers are allocated once from the total (the only host synchronisation: the size of
+an allocation).
+"""
+import torch
+
+from ._backend import HAVE_TRITON, pick_backend
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _block_count_kernel(x_ptr, t_ptr, block_counts_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+        sel = (a > tl.load(t_ptr)) & valid
+        tl.store(block_counts_ptr + pid, tl.sum(sel.to(tl.int64), axis=0))
+
+    @triton.jit
+    def _compact_kernel(x_ptr, t_ptr, block_offsets_ptr, values_ptr, indices_ptr, n,
+                        BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+        sel = (tl.abs(x.to(tl.float32)) > tl.load(t_ptr)) & valid
+        s = sel.to(tl.int64)
+        pos = tl.load(block_offsets_ptr + pid) + tl.cumsum(s, axis=0) - s
+        tl.store(values_ptr + pos, x, mask=sel)
+        tl.store(indices_ptr + pos, offs.to(tl.int32), mask=sel)
+
+
+def compact_above_reference(x, t):
+    """``(x[sel], sel_indices_int32)`` with ``sel = |x| > t``, in index order."""
+    xf = x.reshape(-1)
+    tf = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    f = xf.float()
+    idx = torch.nonzero((f > tf) | (f < -tf), as_tuple=False).reshape(-1)
+    return xf[idx], idx.to(torch.int32)
+
+
+def compact_above(x, t, backend=None, block=2048):
+    """Values and int32 indices of the entries of flat ``x`` with ``|x| > t``."""
+    if x.numel() >= 2**31:
+        raise ValueError(f"compact_above: {x.numel()} elements do not fit int32 indices")
+    if pick_backend(x, backend) == "torch" or x.numel() == 0:
+        return compact_above_reference(x, t)
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(1)
+    programs = triton.cdiv(n, block)
+    counts = torch.empty(programs, dtype=torch.int64, device=x.device)
+    _block_count_kernel[(programs,)](x, t, counts, n, BLOCK=block)
+    ends = torch.cumsum(counts, 0)
+    total = int(ends[-1])                  # host sync: the size of the output allocation
+    values = torch.empty(total, dtype=x.dtype, device=x.device)
+    indices = torch.empty(total, dtype=torch.int32, device=x.device)
+    if total:
+        _compact_kernel[(programs,)](x, t, ends - counts, values, indices, n, BLOCK=block)
+    return values, indices

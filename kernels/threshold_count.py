@@ -1,0 +1,50 @@
+"""One pass over ``x`` that counts ``|x| > t`` for many thresholds ``t`` at once.
+
+A bisection that counts one threshold per pass reads the tensor once per step; with
+``T`` thresholds per pass the bracket shrinks ``T + 1``-fold per read.  Each program
+compares its block against all (padded) thresholds and adds its ``T`` counts with
+integer atomics (exact, so deterministic).
+"""
+import torch
+
+from ._backend import HAVE_TRITON, pick_backend
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _count_above_kernel(x_ptr, thr_ptr, counts_ptr, n, T: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+        t = tl.load(thr_ptr + tl.arange(0, T))                          # padded with +inf
+        above = (a[None, :] > t[:, None]) & valid[None, :]               # [T, BLOCK]
+        tl.atomic_add(counts_ptr + tl.arange(0, T), tl.sum(above.to(tl.int64), axis=1))
+
+
+def count_above_reference(x, thresholds):
+    """int64 ``[#{i : |x_i| > t} for t in thresholds]``, in torch (NaN never counts)."""
+    xf = x.reshape(-1).float()
+    thr = torch.as_tensor(thresholds, dtype=torch.float32, device=x.device).reshape(-1)
+    # |x| > t  <=>  x > t or x < -t (t >= 0), without materialising |x|
+    return torch.stack([torch.count_nonzero((xf > t) | (xf < -t)) for t in thr]) if thr.numel() \
+        else torch.zeros(0, dtype=torch.int64, device=x.device)
+
+
+def count_above(x, thresholds, backend=None, block=None):
+    """Counts of ``|x| > t`` for each threshold (int64 tensor, on x's device)."""
+    thr = torch.as_tensor(thresholds, dtype=torch.float32, device=x.device).reshape(-1)
+    if pick_backend(x, backend) == "torch" or x.numel() == 0 or thr.numel() == 0:
+        return count_above_reference(x, thr)
+    x = x.reshape(-1).contiguous()
+    n, t = x.numel(), thr.numel()
+    t_pad = max(2, triton.next_power_of_2(t))
+    padded = torch.full((t_pad,), float("inf"), dtype=torch.float32, device=x.device)
+    padded[:t] = thr
+    counts = torch.zeros(t_pad, dtype=torch.int64, device=x.device)
+    block = block or max(128, 16384 // t_pad)                            # ~16K compares a program
+    _count_above_kernel[(triton.cdiv(n, block),)](x, padded, counts, n, T=t_pad, BLOCK=block)
+    return counts[:t]
