@@ -29,9 +29,12 @@ def count_above_reference(x, thresholds):
     """int64 ``[#{i : |x_i| > t} for t in thresholds]``, in torch (NaN never counts)."""
     xf = x.reshape(-1).float()
     thr = torch.as_tensor(thresholds, dtype=torch.float32, device=x.device).reshape(-1)
-    # |x| > t  <=>  x > t or x < -t (t >= 0), without materialising |x|
-    return torch.stack([torch.count_nonzero((xf > t) | (xf < -t)) for t in thr]) if thr.numel() \
-        else torch.zeros(0, dtype=torch.int64, device=x.device)
+    if thr.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64, device=x.device)
+    if thr.numel() == 1:   # |x| > t  <=>  x > t or x < -t: no |x| materialised
+        return torch.count_nonzero((xf > thr[0]) | (xf < -thr[0])).reshape(1)
+    a = xf.abs()           # several thresholds: one |x|, then one compare each
+    return torch.stack([torch.count_nonzero(a > t) for t in thr])
 
 
 def count_above(x, thresholds, backend=None, block=None):

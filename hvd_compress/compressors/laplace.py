@@ -21,12 +21,13 @@ count lies within ``tol * k`` of ``k`` -- no sort, no sampling.  Here:
    ``[t0/2, max|g|]``) is cut into ``G + 1`` parts *in float32 bit space* (bit patterns
    of non-negative floats order like the floats, so the cut is scale-free) and all ``G``
    thresholds are counted in one pass over the candidates (kernel ``threshold_count``).
-   Each pass shrinks the bracket ``G + 1``-fold; 8 passes with G = 16 reach adjacent
-   floats from any start (17^8 > 2^31);
+   Each pass shrinks the bracket ``G + 1``-fold; ``ceil(31 ln 2 / ln(G + 1))`` passes
+   reach adjacent floats from any start (G = 16 on CUDA, one kernel pass for all
+   thresholds: 8 passes; G = 8 on the CPU, where each threshold costs a compare: 10);
 4. selection: the threshold whose count is within tolerance (the closer of lo and hi),
    else -- ties, or ``exact=1`` -- everything above ``hi`` plus the first entries (in
-   index order) of the band ``(lo, hi]`` up to exactly ``k``.  After 8 passes the band
-   holds a single float value, so this is exactly the k largest magnitudes, ties broken
+   index order) of the band ``(lo, hi]`` up to exactly ``k``.  After those passes the
+   band holds a single float value, so this is exactly the k largest magnitudes, ties broken
    by lowest index, without sorting anything.
 
 A nonzero tensor always yields between 1 and n entries; an all-zero tensor none.
@@ -36,8 +37,11 @@ import math
 from .base import register
 from .sparse import DensitySparsifier
 
-GRID = 16            #: thresholds counted per pass
-EXACT_PASSES = 8     #: enough to collapse any float32 bracket to adjacent floats
+
+
+def exact_passes(grid):
+    """Passes that collapse any float32 bracket (< 2^31 bit patterns) to adjacent floats."""
+    return math.ceil(31 * math.log(2) / math.log(grid + 1))
 
 
 @register
@@ -73,12 +77,13 @@ class LaplaceTopK(DensitySparsifier):
         t_cand = ops.select(enough, t_cand, 0.0 * t_cand)
         values, idx = ops.cond(enough, lambda: (values, idx),
                                lambda: ops.compact_above(flat, 0.0))
+        grid = ops.search_grid(flat)
         return search_exact_k(ops, ops.abs(ops.to_float32(values)), idx, k, t_cand, abs_max,
-                              passes=EXACT_PASSES if self.exact else self.passes,
-                              tol=0.0 if self.exact else self.tol)
+                              passes=exact_passes(grid) if self.exact else self.passes,
+                              tol=0.0 if self.exact else self.tol, grid=grid)
 
 
-def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid=GRID):
+def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid):
     """Indices (from ``idx``) of about ``k`` largest of the magnitudes ``a``.
 
     Invariant: ``count(a > lo) >= k`` (or every candidate, if there are fewer than k)

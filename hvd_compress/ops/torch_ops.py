@@ -212,3 +212,9 @@ def moments(t):
 
 def reduce_sum_int(mask):
     return mask.sum(dtype=_torch.int64)
+
+
+def search_grid(t):
+    """Thresholds per counting pass: one kernel pass counts 16 on CUDA; on the CPU
+    each threshold costs a compare over the candidates, so 8."""
+    return 16 if t.is_cuda else 8
