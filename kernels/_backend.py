@@ -1,4 +1,6 @@
 """Which implementation a launcher runs."""
+import os
+
 try:
     import triton  # noqa: F401
     HAVE_TRITON = True
@@ -7,7 +9,12 @@ except ImportError:  # the package works without Triton; the references run
 
 
 def pick_backend(x, backend=None):
-    """``"triton"`` for CUDA tensors when Triton is installed, else ``"torch"``."""
+    """``"triton"`` for CUDA tensors when Triton is installed, else ``"torch"``.
+
+    ``$HVD_COMPRESS_BACKEND`` (``triton`` or ``torch``) overrides the automatic choice;
+    tests use it to run whole compressors through the kernels under TRITON_INTERPRET=1.
+    """
+    backend = backend or os.environ.get("HVD_COMPRESS_BACKEND") or None
     if backend is None:
         return "triton" if (HAVE_TRITON and x.is_cuda) else "torch"
     if backend not in ("triton", "torch"):

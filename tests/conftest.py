@@ -1,6 +1,13 @@
 """Shared helpers: launch real ``horovodrun -np 2 --gloo`` jobs and load what each rank wrote."""
 import math
 import os
+
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors.  It must be on
+# before any kernel module is imported (triton.jit reads it at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +58,7 @@ def tf_job(tmp_path_factory):
 # --- independent references (numpy; torch only to round to bfloat16) ---------------------
 
 def topk_mask(g, density):
+    """The k largest |g| (k = ceil(density n)), ties broken by lowest index."""
     flat = g.reshape(-1)
     k = max(1, min(flat.size, math.ceil(density * flat.size)))
     mask = np.zeros(flat.size, bool)
@@ -73,6 +81,9 @@ def reference_contribution(spec, g):
         return g.astype(np.float16).astype(np.float32)
     if name == "bf16":
         return to_bf16(g)
+    if name == "laplace_topk":
+        assert kv.get("exact") == "1", "only exact=1 has a unique reference"
+        return np.where(topk_mask(g, float(kv["density"])), g, 0)
     if name == "topk":
         return np.where(topk_mask(g, float(kv["density"])), g, 0)
     if name == "threshold":

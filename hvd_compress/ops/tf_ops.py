@@ -215,3 +215,8 @@ def reduce_sum_int(mask):
 
 def search_grid(t):
     return 8
+
+
+def host_bool(t):
+    """Python bool when executing eagerly; False (unknown) inside tf.function."""
+    return bool(t) if _tf.executing_eagerly() else False

@@ -218,3 +218,8 @@ def search_grid(t):
     """Thresholds per counting pass: one kernel pass counts 16 on CUDA; on the CPU
     each threshold costs a compare over the candidates, so 8."""
     return 16 if t.is_cuda else 8
+
+
+def host_bool(t):
+    """Python bool of a 0-d tensor (a host synchronisation on CUDA)."""
+    return bool(t)
