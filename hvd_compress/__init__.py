@@ -9,9 +9,9 @@ subpackages ``hvd_compress.torch`` and ``hvd_compress.tensorflow`` import theirs
 """
 __version__ = "0.1.0"
 
-from .compressors import (BF16, FP16, REGISTRY, Compressor, Ctx, NoneCompressor,  # noqa: F401
-                          RandomK, Threshold, TopK)
+from .compressors import (BF16, DGC, FP16, REGISTRY, Compressor, Ctx, GaussianK,  # noqa: F401
+                          LaplaceTopK, NoneCompressor, RandomK, SIDCoExp, Threshold, TopK)
 from .spec import ENV_VAR, from_env, from_spec  # noqa: F401
 
 __all__ = ["Compressor", "Ctx", "NoneCompressor", "FP16", "BF16", "TopK", "RandomK",
-           "Threshold", "REGISTRY", "from_spec", "from_env", "ENV_VAR", "__version__"]
+           "Threshold", "LaplaceTopK", "DGC", "GaussianK", "SIDCoExp", "REGISTRY", "from_spec", "from_env", "ENV_VAR", "__version__"]

@@ -1,11 +1,12 @@
 """Which implementation a launcher runs."""
 import os
 
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:  # the package works without Triton; the references run
-    HAVE_TRITON = False
+import importlib.util
+
+# Triton is imported only when a kernel is launched: importing it beside TensorFlow
+# can abort the process (both register LLVM command-line options), and CPU paths and
+# the TensorFlow glue never need it.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def pick_backend(x, backend=None):

@@ -3,11 +3,16 @@
 Each program reduces one block to a partial sum and max; the partials are combined by
 torch in a fixed order, so the result is deterministic (no float atomics).
 """
+import functools
+
 import torch
 
-from ._backend import HAVE_TRITON, chunks, pick_backend
+from ._backend import chunks, pick_backend
 
-if HAVE_TRITON:
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
     import triton
     import triton.language as tl
 
@@ -18,6 +23,8 @@ if HAVE_TRITON:
         a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
         tl.store(part_sum_ptr + pid, tl.sum(a, axis=0))
         tl.store(part_max_ptr + pid, tl.max(a, axis=0))
+
+    return triton, _abs_sum_max_kernel
 
 
 def abs_sum_max_reference(x):
@@ -36,6 +43,7 @@ def abs_sum_max(x, backend=None, block=4096):
     """``(sum|x|, max|x|)`` of the flat tensor ``x``; Triton on CUDA, torch elsewhere."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return abs_sum_max_reference(x)
+    triton, _abs_sum_max_kernel = _kernels()
     x = x.reshape(-1).contiguous()
     n = x.numel()
     programs = triton.cdiv(n, block)

@@ -7,13 +7,18 @@ output offset; pass 2 recomputes the mask and writes values and indices at
 buffers are allocated once from the total (the only host synchronisation: the size of
 an allocation).
 """
+import functools
+
 import torch
 
 import numpy as np
 
-from ._backend import HAVE_TRITON, chunks, pick_backend
+from ._backend import chunks, pick_backend
 
-if HAVE_TRITON:
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
     import triton
     import triton.language as tl
 
@@ -39,6 +44,8 @@ if HAVE_TRITON:
         tl.store(values_ptr + pos, x, mask=sel)
         tl.store(indices_ptr + pos, offs.to(tl.int32), mask=sel)
 
+    return triton, _block_count_kernel, _compact_kernel
+
 
 def compact_above_reference(x, t):
     """``(x[sel], sel_indices_int32)`` with ``sel = |x| > t``, in index order."""
@@ -60,6 +67,7 @@ def compact_above(x, t, backend=None, block=2048):
         raise ValueError(f"compact_above: {x.numel()} elements do not fit int32 indices")
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return compact_above_reference(x, t)
+    triton, _block_count_kernel, _compact_kernel = _kernels()
     x = x.reshape(-1).contiguous()
     n = x.numel()
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(1)

@@ -5,11 +5,16 @@ A bisection that counts one threshold per pass reads the tensor once per step; w
 compares its block against all (padded) thresholds and adds its ``T`` counts with
 integer atomics (exact, so deterministic).
 """
+import functools
+
 import torch
 
-from ._backend import HAVE_TRITON, pick_backend
+from ._backend import pick_backend
 
-if HAVE_TRITON:
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
     import triton
     import triton.language as tl
 
@@ -23,6 +28,8 @@ if HAVE_TRITON:
         t = tl.load(thr_ptr + tl.arange(0, T))                          # padded with +inf
         above = (a[None, :] > t[:, None]) & valid[None, :]               # [T, BLOCK]
         tl.atomic_add(counts_ptr + tl.arange(0, T), tl.sum(above.to(tl.int64), axis=1))
+
+    return triton, _count_above_kernel
 
 
 def count_above_reference(x, thresholds):
@@ -42,6 +49,7 @@ def count_above(x, thresholds, backend=None, block=None):
     thr = torch.as_tensor(thresholds, dtype=torch.float32, device=x.device).reshape(-1)
     if pick_backend(x, backend) == "torch" or x.numel() == 0 or thr.numel() == 0:
         return count_above_reference(x, thr)
+    triton, _count_above_kernel = _kernels()
     x = x.reshape(-1).contiguous()
     n, t = x.numel(), thr.numel()
     t_pad = max(2, triton.next_power_of_2(t))

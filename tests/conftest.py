@@ -8,6 +8,13 @@ import torch
 # before any kernel module is imported (triton.jit reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Triton must be loaded before TensorFlow in one process: loaded after it, both register
+# the same LLVM command-line options and the process aborts.  Tests use both.
+try:
+    import triton  # noqa: F401,E402
+except ImportError:
+    pass
 import subprocess
 import sys
 from pathlib import Path

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, horovodrun, load_ranks, reference_contribution
 
 SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
-         "threshold:threshold=1.0"]
+         "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1"]
 CASES = [(s, op, m) for s in SPECS for op in ("average", "sum") for m in ("eager", "function")]
 TOL = {"fp16": 2e-3, "bf16": 1e-6}
 

@@ -3,3 +3,4 @@ from .base import REGISTRY, Compressor, Ctx, payload_bytes  # noqa: F401
 from .dense import BF16, FP16, NoneCompressor  # noqa: F401
 from .sparse import RandomK, Threshold, TopK  # noqa: F401
 from .laplace import LaplaceTopK  # noqa: F401
+from .estimated_threshold import DGC, GaussianK, SIDCoExp  # noqa: F401

@@ -13,7 +13,7 @@ import hvd_compress
 import hvd_compress.torch as hct
 
 SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
-         "threshold:threshold=1.0"]
+         "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1"]
 SHAPES = {"w": (12, 10), "b": (7,)}
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 

@@ -1,0 +1,102 @@
+"""Peers of laplace_topk: sparsifiers that estimate the top-k threshold other ways.
+
+``dgc``        Lin et al., "Deep Gradient Compression", ICLR 2018 (the "hierarchical
+               selection" that seed 000 compares with): top-k of a 1% random sample
+               gives a threshold, adapted x1.3 / x0.7 up to 10 times while the count is
+               outside [0.7k, 1.3k]; when more than k survive, an exact top-k over those
+               candidates.
+``gaussian_k`` Shi et al., "Understanding Top-k Sparsification in Distributed Deep
+               Learning", 2019: ``t = |mu| + sigma * Phi^-1(1 - rho/2)``, corrected x0.5
+               (fewer than 2k/3) / x1.5 (more than 4k/3) up to 3 times.
+``sidco_exp``  Abdelmoniem et al., "An Efficient Statistical-based Gradient Compression
+               Technique for Distributed Training Systems" (SIDCo), MLSys 2021, the
+               exponential fit: ``S`` stages each keep a fraction ``rho^(1/S)`` of what the
+               previous kept, with the exceedances over the last threshold fitted by an
+               exponential: ``t_i = t_{i-1} + mean(|g| - t_{i-1} | |g| > t_{i-1}) ln(1/r)``.
+
+Data-dependent loops stop early in eager mode (one host synchronisation per step, as
+the original implementations do); inside tf.function they run their full length.
+"""
+import math
+from statistics import NormalDist
+
+from .base import register
+from .sparse import DensitySparsifier
+
+
+@register
+class DGC(DensitySparsifier):
+    """Sampled threshold (DGC's hierarchical selection); ``sample`` is the sample fraction."""
+
+    name = "dgc"
+    uses_step = True
+
+    def __init__(self, density=0.01, ef=None, sample=0.01, seed=0):
+        super().__init__(density=density, ef=ef)
+        if not 0.0 < float(sample) <= 1.0:
+            raise ValueError(f"sample must be in (0, 1], got {sample!r}")
+        self.sample, self.seed = float(sample), int(seed)
+
+    def select(self, flat, ctx, ops, step):
+        n, k = ctx.numel, self.k(ctx.numel)
+        m = max(1, min(n, math.ceil(self.sample * n)))
+        s = ops.abs(ops.to_float32(ops.random_sample(flat, m, self.seed, step)))
+        ks = max(1, min(m, math.ceil(self.density * m)))
+        t = ops.reduce_min(ops.gather(s, ops.topk_indices(s, ks)))
+        for _ in range(10):
+            c = ops.count_above(flat, t)[0]
+            high, low = c > int(1.3 * k), c < int(0.7 * k)
+            if ops.host_bool(~(high | low)):
+                break
+            t = ops.where(high, t * 1.3, ops.where(low, t * 0.7, t))
+        values, idx = ops.compact_above(flat, t)
+        return ops.cond(ops.length(idx) > k,
+                        lambda: ops.gather(idx, ops.topk_indices(ops.abs(ops.to_float32(values)), k)),
+                        lambda: idx)
+
+
+@register
+class GaussianK(DensitySparsifier):
+    """Threshold from a Gaussian fit (mean, standard deviation), corrected up to 3 times."""
+
+    name = "gaussian_k"
+
+    def select(self, flat, ctx, ops, step):
+        k = self.k(ctx.numel)
+        mean, std = ops.moments(flat)
+        t = ops.abs(mean) + std * NormalDist().inv_cdf(1.0 - self.density / 2.0)
+        for _ in range(3):
+            c = ops.count_above(flat, t)[0]
+            few, many = 3 * c < 2 * k, 3 * c > 4 * k
+            if ops.host_bool(~(few | many)):
+                break
+            t = ops.where(few, t * 0.5, ops.where(many, t * 1.5, t))
+        return ops.compact_above(flat, t)[1]
+
+
+@register
+class SIDCoExp(DensitySparsifier):
+    """SIDCo-E: multi-stage exponential fit of the magnitudes' tail (``stages`` stages)."""
+
+    name = "sidco_exp"
+
+    def __init__(self, density=0.01, ef=None, stages=2):
+        super().__init__(density=density, ef=ef)
+        if int(stages) < 1:
+            raise ValueError(f"stages must be >= 1, got {stages!r}")
+        self.stages = int(stages)
+
+    def select(self, flat, ctx, ops, step):
+        per_stage = math.log(1.0 / self.density) / self.stages      # ln(1/r), r = rho^(1/S)
+        abs_sum, _ = ops.abs_sum_max(flat)
+        t = abs_sum / ctx.numel * per_stage                           # stage 1 on all of |g|
+        values, idx = ops.compact_above(flat, t)
+        for _ in range(self.stages - 1):
+            a = ops.abs(ops.to_float32(values))
+            count = ops.cast(ops.reduce_sum_int(a >= 0), ops.float32)
+            mean_excess = (ops.abs_sum_max(a)[0] - t * count) / ops.where(count > 0, count,
+                                                                           0 * count + 1)
+            t = t + mean_excess * per_stage
+            values, pos = ops.compact_above(a, t)
+            idx = ops.gather(idx, pos)
+        return idx
