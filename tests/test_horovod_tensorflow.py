@@ -6,32 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from conftest import ROOT, horovodrun, load_ranks, reference_contribution
+from conftest import load_ranks, reference_contribution
+from horovod_checks import (SPECS, check_aggregate, check_checkpoint, check_empty_rank,
+                            check_mismatch_fails_clearly, check_nonfinite)
 
-SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
-         "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1"]
 CASES = [(s, op, m) for s in SPECS for op in ("average", "sum") for m in ("eager", "function")]
-TOL = {"fp16": 2e-3, "bf16": 1e-6}
 
 
 @pytest.mark.parametrize("spec,op,mode", CASES)
 def test_aggregate_equals_independent_reference(tf_job, spec, op, mode):
-    ranks = load_ranks(tf_job, "tf_aggregate")
-    key = f"{spec}|{op}|{mode}"
-    for n in ("w", "b"):
-        inputs = [r[f"{key}|{n}|in0"] for r in ranks]
-        outs = [r[f"{key}|{n}|out"] for r in ranks]
-        np.testing.assert_array_equal(outs[0], outs[1])
-        div = 2.0 if op == "average" else 1.0
-        if spec.startswith("randomk"):
-            k = math.ceil(0.05 * inputs[0].size)
-            support = outs[0] != 0
-            assert support.sum() == k
-            np.testing.assert_allclose(outs[0][support], ((inputs[0] + inputs[1]) / div)[support],
-                                       rtol=1e-6)
-            continue
-        expected = sum(reference_contribution(spec, g) for g in inputs) / div
-        np.testing.assert_allclose(outs[0], expected, rtol=TOL.get(spec, 1e-6), atol=1e-6)
+    check_aggregate(load_ranks(tf_job, "tf_aggregate"), f"{spec}|{op}|{mode}", spec, op)
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
@@ -62,32 +46,16 @@ def test_functional_awkward_tensors(tf_job, case):
 
 
 def test_rank_with_nothing_to_send_does_not_hang(tf_job):
-    ranks = load_ranks(tf_job, "tf_empty_rank")
-    assert ranks[1]["stats"][0] == 0
-    for n in ("w", "b"):
-        expected = reference_contribution("threshold:threshold=1.0", ranks[0][f"{n}|in"])
-        assert np.count_nonzero(expected) > 0
-        for r in ranks:
-            np.testing.assert_array_equal(r[f"{n}|out"], expected)
+    check_empty_rank(load_ranks(tf_job, "tf_empty_rank"))
 
 
 def test_nonfinite_passes_through_and_keeps_residual(tf_job):
-    ranks = load_ranks(tf_job, "tf_nonfinite")
-    for r in ranks:
-        assert np.isnan(r["1|out"][0, 3]) and np.isinf(r["1|out"][2, 5])
-        assert np.isfinite(r["0|out"]).all() and np.isfinite(r["2|out"]).all()
-        assert np.isfinite(r["2|residual"]).all()
-    np.testing.assert_array_equal(ranks[0]["1|residual"], ranks[0]["0|residual"])
-    assert np.abs(ranks[0]["0|residual"]).sum() > 0
+    check_nonfinite(load_ranks(tf_job, "tf_nonfinite"))
 
 
 def test_checkpoint_restore_is_bitwise_identical(tf_job):
-    for r in load_ranks(tf_job, "tf_checkpoint"):
-        np.testing.assert_array_equal(r["resumed"], r["straight"])
+    check_checkpoint(load_ranks(tf_job, "tf_checkpoint"))
 
 
 def test_ranks_with_different_compressors_fail_clearly(tmp_path):
-    rc, log = horovodrun([ROOT / "tests/workers/tf_worker.py", "mismatch"], tmp_path, timeout=180)
-    assert rc != 0
-    assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
-    assert "topk:density=0.05" in log and "randomk:density=0.05" in log
+    check_mismatch_fails_clearly("tf_worker.py", tmp_path)

@@ -12,9 +12,8 @@ import torch
 import hvd_compress
 import hvd_compress.torch as hct
 
-SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
-         "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1"]
-SHAPES = {"w": (12, 10), "b": (7,)}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cases import SHAPES, SPECS  # noqa: E402
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
 

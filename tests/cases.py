@@ -1,0 +1,7 @@
+"""What the horovodrun workers run and the tests check (no imports: workers load it too)."""
+
+#: compressors every worker runs through real Horovod
+SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
+         "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1"]
+#: the parameters of the workers' toy models
+SHAPES = {"w": (12, 10), "b": (7,)}

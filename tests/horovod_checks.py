@@ -1,0 +1,60 @@
+"""Checks shared by the PyTorch and TensorFlow horovodrun tests: each worker writes the
+same keys (see tests/workers/), so one check serves both frameworks."""
+import math
+
+import numpy as np
+
+from cases import SHAPES, SPECS  # noqa: F401  (re-exported for the tests)
+from conftest import ROOT, horovodrun, reference_contribution
+TOL = {"fp16": 2e-3, "bf16": 1e-6}
+
+
+def check_aggregate(ranks, key, spec, op, passes=1):
+    """Both ranks end with the same gradient, equal to the aggregate computed here."""
+    for n in SHAPES:
+        inputs = [sum(r[f"{key}|{n}|in{p}"] for p in range(passes)) for r in ranks]
+        outs = [r[f"{key}|{n}|out"] for r in ranks]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        div = 2.0 if op == "average" else 1.0
+        if spec.startswith("randomk"):
+            # same (seed, step) on both ranks -> same k indices: the sum there, 0 elsewhere
+            support = outs[0] != 0
+            assert support.sum() == math.ceil(0.05 * inputs[0].size)
+            np.testing.assert_allclose(outs[0][support], ((inputs[0] + inputs[1]) / div)[support],
+                                       rtol=1e-6)
+            continue
+        expected = sum(reference_contribution(spec, g) for g in inputs) / div
+        np.testing.assert_allclose(outs[0], expected, rtol=TOL.get(spec, 1e-6), atol=1e-6)
+
+
+def check_empty_rank(ranks):
+    """Rank 1 sent nothing; both ranks hold rank 0's contribution."""
+    assert ranks[1]["stats"][0] == 0
+    for n in SHAPES:
+        expected = reference_contribution("threshold:threshold=1.0", ranks[0][f"{n}|in"])
+        assert np.count_nonzero(expected) > 0
+        for r in ranks:
+            np.testing.assert_array_equal(r[f"{n}|out"], expected)
+
+
+def check_nonfinite(ranks):
+    """Step 1 (rank 0 has NaN/Inf) is non-finite where it should be; the residual of
+    rank 0 is the one from step 0, and step 2 is finite again."""
+    for r in ranks:
+        assert np.isnan(r["1|out"][0, 3]) and np.isinf(r["1|out"][2, 5])
+        assert np.isfinite(r["0|out"]).all() and np.isfinite(r["2|out"]).all()
+        assert np.isfinite(r["2|residual"]).all()
+    np.testing.assert_array_equal(ranks[0]["1|residual"], ranks[0]["0|residual"])
+    assert np.abs(ranks[0]["0|residual"]).sum() > 0
+
+
+def check_checkpoint(ranks):
+    for r in ranks:
+        np.testing.assert_array_equal(r["resumed"], r["straight"])
+
+
+def check_mismatch_fails_clearly(worker, tmp_path):
+    rc, log = horovodrun([ROOT / "tests/workers" / worker, "mismatch"], tmp_path, timeout=180)
+    assert rc != 0
+    assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
+    assert "topk:density=0.05" in log and "randomk:density=0.05" in log
