@@ -4,3 +4,5 @@ from .dense import BF16, FP16, NoneCompressor  # noqa: F401
 from .sparse import RandomK, Threshold, TopK  # noqa: F401
 from .laplace import LaplaceTopK  # noqa: F401
 from .estimated_threshold import DGC, GaussianK, SIDCoExp  # noqa: F401
+from .quantize import TwoBit  # noqa: F401
+from .kernel_select import KernelSelect  # noqa: F401

@@ -220,3 +220,41 @@ def search_grid(t):
 def host_bool(t):
     """Python bool when executing eagerly; False (unknown) inside tf.function."""
     return bool(t) if _tf.executing_eagerly() else False
+
+
+# -- 2-bit packing and convolution kernels ---------------------------------------------
+
+def twobit_pack(flat, t):
+    x = _tf.cast(flat, _tf.float32)
+    n = numel(flat)
+    n_words = -(-n // 16)
+    code = _tf.where(x >= t, _tf.constant(1, _tf.int64),
+                     _tf.where(x <= -t, _tf.constant(2, _tf.int64), _tf.constant(0, _tf.int64)))
+    code = _tf.pad(code, [[0, n_words * 16 - n]])
+    shifts = 2 * _tf.range(16, dtype=_tf.int64)
+    words = _tf.reduce_sum(_tf.bitwise.left_shift(_tf.reshape(code, [-1, 16]), shifts), axis=1)
+    return _tf.cast(_tf.where(words >= 2**31, words - 2**32, words), _tf.int32)
+
+
+def twobit_unpack(words):
+    shifts = 2 * _tf.range(16, dtype=_tf.int64)
+    code = _tf.bitwise.bitwise_and(
+        _tf.bitwise.right_shift(_tf.cast(words, _tf.int64)[:, None], shifts), 3)
+    sign = _tf.where(code == 1, 1.0, _tf.where(code == 2, -1.0, 0.0))
+    return _tf.reshape(sign, [-1])
+
+
+def kernel_matrix(flat, shape):
+    """Keras convolution kernel (*kernel, in, out) as rows: (in * out, prod(kernel))."""
+    ksize = 1
+    for d in shape[:-2]:
+        ksize *= int(d)
+    return _tf.transpose(_tf.reshape(flat, [ksize, -1]))
+
+
+def from_kernel_matrix(rows, shape):
+    return _tf.reshape(_tf.transpose(rows), [-1])
+
+
+def row_norms(rows):
+    return _tf.norm(_tf.cast(rows, _tf.float32), axis=1)

@@ -228,3 +228,37 @@ def search_grid(t):
 def host_bool(t):
     """Python bool of a 0-d tensor (a host synchronisation on CUDA)."""
     return bool(t)
+
+
+# -- 2-bit packing and convolution kernels ---------------------------------------------
+
+def twobit_pack(flat, t):
+    """int32 words, 16 two-bit codes each (+t: 1, -t: 2, else 0)."""
+    from ..kernels import twobit
+    return twobit.pack(flat, t)
+
+
+def twobit_unpack(words):
+    """float32 signs (+1, -1, 0) of every code, 16 per word."""
+    from ..kernels import twobit
+    return twobit.unpack(words)
+
+
+def kernel_matrix(flat, shape):
+    """Convolution weight (out, in, *kernel) as rows of kernels: (out * in, prod(kernel))."""
+    return flat.reshape(-1, _prod(shape[2:]))
+
+
+def from_kernel_matrix(rows, shape):
+    return rows.reshape(-1)
+
+
+def row_norms(rows):
+    return _torch.linalg.vector_norm(rows.float(), dim=1)
+
+
+def _prod(dims):
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
