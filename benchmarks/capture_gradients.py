@@ -8,9 +8,14 @@ concatenated (float32).  Deterministic (fixed seeds, one thread).
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+# benchmarks/select.py is named like the stdlib module `select`: drop this folder from
+# sys.path before anything imports subprocess (see select.py).
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

@@ -10,7 +10,8 @@ import numpy as np
 def parse_args(description):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--compression", default=os.environ.get("HVD_COMPRESS", "none"),
-                   help="compressor spec, e.g. topk:density=0.01 (default: $HVD_COMPRESS or none)")
+                   help="compressor spec, e.g. topk:density=0.01, or hylo[:min_size=N] for "
+                        "Hylo's per-layer policy (default: $HVD_COMPRESS or none)")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.02)
@@ -18,6 +19,20 @@ def parse_args(description):
     p.add_argument("--json", default=None, help="write the per-epoch results here (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args()
+
+
+def build_compression(spec, model, verbose=False):
+    """A compressor from ``spec``; ``hylo[:min_size=N]`` builds Hylo's per-layer policy
+    from ``model`` (it needs the model's layers, so it is not a plain spec)."""
+    import hvd_compress
+    name, _, params = spec.partition(":")
+    if name != "hylo":
+        return hvd_compress.from_spec(spec)
+    kwargs = {k: int(v) for k, v in (p.split("=") for p in params.split(",") if p)}
+    policy = hvd_compress.Hylo.from_model(model, **kwargs)
+    if verbose:
+        print(policy.table(), flush=True)
+    return policy
 
 
 def load_mnist(rank, size, seed=0, n_test=1000):

@@ -11,9 +11,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-import hvd_compress
 import hvd_compress.torch as hct
-from mnist_common import Report, batches, load_mnist, parse_args, progress
+from mnist_common import Report, batches, build_compression, load_mnist, parse_args, progress
 
 
 class Net(torch.nn.Module):
@@ -42,7 +41,8 @@ def main():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     opt = hct.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=hvd_compress.from_spec(args.compression))
+                                   compression=build_compression(args.compression, model,
+                                                                 verbose=hvd.rank() == 0))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     report = Report(args, "pytorch", hvd.size())
     if hvd.rank() == 0:

@@ -15,9 +15,9 @@ import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import hvd_compress  # noqa: E402
 import hvd_compress.tensorflow as hctf  # noqa: E402
-from mnist_common import Report, batches, load_mnist, parse_args, progress  # noqa: E402
+from mnist_common import (Report, batches, build_compression, load_mnist, parse_args,  # noqa: E402
+                          progress)
 
 
 def build_model():
@@ -45,7 +45,7 @@ def main():
     model = build_model()
     variables = model.trainable_variables
     velocity = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
-    compression = hvd_compress.from_spec(args.compression)
+    compression = build_compression(args.compression, model, verbose=hvd.rank() == 0)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function

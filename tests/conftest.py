@@ -47,7 +47,7 @@ def torch_job(tmp_path_factory):
     """One horovodrun job running every PyTorch scenario but the failing one."""
     out = tmp_path_factory.mktemp("torch_job")
     rc, log = horovodrun([ROOT / "tests/workers/torch_worker.py", "aggregate", "functional",
-                          "empty_rank", "nonfinite", "checkpoint", "stock"], out)
+                          "empty_rank", "nonfinite", "checkpoint", "stock", "policy"], out)
     assert rc == 0, log[-6000:]
     return out
 
@@ -57,7 +57,7 @@ def tf_job(tmp_path_factory):
     """One horovodrun job running every TensorFlow scenario but the failing one."""
     out = tmp_path_factory.mktemp("tf_job")
     rc, log = horovodrun([ROOT / "tests/workers/tf_worker.py", "aggregate", "functional",
-                          "empty_rank", "nonfinite", "checkpoint"], out)
+                          "empty_rank", "nonfinite", "checkpoint", "policy"], out)
     assert rc == 0, log[-6000:]
     return out
 
@@ -91,6 +91,19 @@ def reference_contribution(spec, g):
     if name == "laplace_topk":
         assert kv.get("exact") == "1", "only exact=1 has a unique reference"
         return np.where(topk_mask(g, float(kv["density"])), g, 0)
+    if name == "twobit":                   # adaptive threshold t = mean|g|, first step
+        t = float(kv["threshold"]) if "threshold" in kv else np.abs(g).astype(np.float64).mean()
+        t = np.float32(t)
+        return np.where(g >= t, t, np.where(g <= -t, -t, 0)).astype(np.float32)
+    if name == "kernel_select":            # torch layout (out, in, *k) unless layout=keras
+        keras = kv.get("layout") == "keras"
+        ksize = int(np.prod(g.shape[:-2] if keras else g.shape[2:]))
+        rows = g.reshape(ksize, -1).T if keras else g.reshape(-1, ksize)
+        m = max(1, math.ceil(float(kv["fraction"]) * rows.shape[0]))
+        keep = np.argsort(-np.linalg.norm(rows, axis=1), kind="stable")[:m]
+        out = np.zeros_like(rows)
+        out[keep] = rows[keep]
+        return (out.T.reshape(g.shape) if keras else out.reshape(g.shape))
     if name == "topk":
         return np.where(topk_mask(g, float(kv["density"])), g, 0)
     if name == "threshold":

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from cases import SHAPES, SPECS  # noqa: F401  (re-exported for the tests)
+from cases import POLICY, SHAPES, SPECS  # noqa: F401  (re-exported for the tests)
 from conftest import ROOT, horovodrun, reference_contribution
 TOL = {"fp16": 2e-3, "bf16": 1e-6}
 
@@ -58,3 +58,22 @@ def check_mismatch_fails_clearly(worker, tmp_path):
     assert rc != 0
     assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
     assert "topk:density=0.05" in log and "randomk:density=0.05" in log
+
+
+def check_policy(ranks, keras=False):
+    """Each parameter aggregated with its own compressor; bytes counted per compressor."""
+    expected_sent = 0
+    for n, (_, _, spec) in POLICY.items():
+        ref_spec = spec + (",layout=keras" if keras and spec.startswith("kernel_select") else "")
+        inputs = [r[f"{n}|in"] for r in ranks]
+        expected = sum(reference_contribution(ref_spec, g) for g in inputs)
+        for r in ranks:
+            np.testing.assert_allclose(r[f"{n}|out"], expected, rtol=1e-6, atol=1e-6)
+        size = inputs[0].size
+        if spec.startswith("kernel_select"):
+            expected_sent += math.ceil(0.25 * 32) * 9 * 4 + math.ceil(0.25 * 32) * 4
+        elif spec == "twobit":
+            expected_sent += math.ceil(size / 16) * 4 + 4
+        else:
+            expected_sent += size * 4
+    assert ranks[0]["stats"][0] == expected_sent

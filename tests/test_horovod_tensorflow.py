@@ -8,7 +8,7 @@ import pytest
 
 from conftest import load_ranks, reference_contribution
 from horovod_checks import (SPECS, check_aggregate, check_checkpoint, check_empty_rank,
-                            check_mismatch_fails_clearly, check_nonfinite)
+                            check_mismatch_fails_clearly, check_nonfinite, check_policy)
 
 CASES = [(s, op, m) for s in SPECS for op in ("average", "sum") for m in ("eager", "function")]
 
@@ -59,3 +59,7 @@ def test_checkpoint_restore_is_bitwise_identical(tf_job):
 
 def test_ranks_with_different_compressors_fail_clearly(tmp_path):
     check_mismatch_fails_clearly("tf_worker.py", tmp_path)
+
+
+def test_per_parameter_policy(tf_job):
+    check_policy(load_ranks(tf_job, "tf_policy"), keras=True)

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import load_ranks, reference_contribution
 from horovod_checks import (SPECS, check_aggregate, check_checkpoint, check_empty_rank,
-                            check_mismatch_fails_clearly, check_nonfinite)
+                            check_mismatch_fails_clearly, check_nonfinite, check_policy)
 
 CASES = [(s, op, b) for s in SPECS for op in ("average", "sum") for b in (1, 2)]
 
@@ -71,3 +71,7 @@ def test_stock_horovod_optimizer(torch_job):
 
 def test_ranks_with_different_compressors_fail_clearly(tmp_path):
     check_mismatch_fails_clearly("torch_worker.py", tmp_path)
+
+
+def test_per_parameter_policy(torch_job):
+    check_policy(load_ranks(torch_job, "torch_policy"), keras=False)

@@ -1,6 +1,6 @@
 """MNIST-5k through real horovodrun -np 2 (the examples), same seed and steps:
-top-k (1%, error feedback) within one point of uncompressed training, and laplace_topk
-(1%) within one point of exact top-k; bytes saved are reported."""
+top-k (1%, error feedback) and Hylo's per-layer policy within one point of uncompressed
+training, and laplace_topk (1%) within one point of exact top-k; bytes saved are reported."""
 import functools
 import json
 
@@ -44,3 +44,10 @@ def test_laplace_topk_within_one_point_of_topk(framework):
     topk, laplace = train(framework, "topk:density=0.01"), train(framework, "laplace_topk:density=0.01")
     assert final(laplace) >= final(topk) - 0.01, (final(laplace), final(topk))
     assert final(laplace, "ratio") > 45
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+def test_hylo_within_one_point_of_uncompressed(framework):
+    dense, hylo = train(framework, "none"), train(framework, "hylo")
+    assert final(hylo) >= final(dense) - 0.01, (final(hylo), final(dense))
+    assert final(hylo, "ratio") > 5                  # conv2 kernels + 2-bit fc1 on this net

@@ -14,7 +14,7 @@ import hvd_compress
 import hvd_compress.tensorflow as hctf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cases import SHAPES, SPECS  # noqa: E402
+from cases import POLICY, SHAPES, SPECS  # noqa: E402
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
 
@@ -135,6 +135,18 @@ def checkpoint(out):
     out["resumed"] = variables[0].numpy()
 
 
+def policy(out):
+    """A per-parameter policy through the tape inside tf.function."""
+    variables = [tf.Variable(tf.zeros(kshape), name=n) for n, (_, kshape, _) in POLICY.items()]
+    pol = hvd_compress.Policy({n: spec for n, (_, _, spec) in POLICY.items()})
+    gs = [tf.constant(rng(21).standard_normal(k).astype(np.float32)) for _, k, _ in POLICY.values()]
+    result = tf.function(lambda *g: grads_equal_to(variables, g, pol, hvd.Sum)[0])(*gs)
+    for n, g, r in zip(POLICY, gs, result):
+        out[f"{n}|in"], out[f"{n}|out"] = g.numpy(), r.numpy()
+    st = hctf.stats(pol).as_dict()
+    out["stats"] = np.array([st["last_sent"], st["last_dense"]])
+
+
 def mismatch(out):
     spec = "topk:density=0.05" if hvd.rank() == 0 else "randomk:density=0.05"
     try:
@@ -146,7 +158,7 @@ def mismatch(out):
 
 
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
-                                     checkpoint, mismatch)}
+                                     checkpoint, policy, mismatch)}
 
 if __name__ == "__main__":
     hvd.init()

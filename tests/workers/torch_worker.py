@@ -13,7 +13,7 @@ import hvd_compress
 import hvd_compress.torch as hct
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cases import SHAPES, SPECS  # noqa: E402
+from cases import POLICY, SHAPES, SPECS  # noqa: E402
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
 
@@ -181,6 +181,23 @@ def stock(out):
         out["topk_error"] = np.array(str(e))
 
 
+def policy(out):
+    """A per-parameter policy through the optimizer, plus Hylo.from_model on a model."""
+    model = torch.nn.Module()
+    for n, (shape, _, _) in POLICY.items():
+        model.register_parameter(n, torch.nn.Parameter(torch.zeros(shape)))
+    pol = hvd_compress.Policy({n: spec for n, (_, _, spec) in POLICY.items()})
+    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   model.named_parameters(), compression=pol, op=hvd.Sum)
+    g = {n: torch.from_numpy(rng(21).standard_normal(s).astype(np.float32))
+         for n, (s, _, _) in POLICY.items()}
+    backward_with(model, g)
+    opt.step()
+    for n, p in model.named_parameters():
+        out[f"{n}|in"], out[f"{n}|out"] = g[n].numpy(), p.grad.numpy().copy()
+    out["stats"] = np.array([opt.stats.last_sent, opt.stats.last_dense])
+
+
 def mismatch(out):
     spec = "topk:density=0.05" if hvd.rank() == 0 else "randomk:density=0.05"
     model = Params()
@@ -196,7 +213,7 @@ def mismatch(out):
 
 
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
-                                     checkpoint, stock, mismatch)}
+                                     checkpoint, stock, policy, mismatch)}
 
 if __name__ == "__main__":
     hvd.init()
