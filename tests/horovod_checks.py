@@ -77,3 +77,23 @@ def check_policy(ranks, keras=False):
         else:
             expected_sent += size * 4
     assert ranks[0]["stats"][0] == expected_sent
+
+
+def check_functional(ranks, case, dtype_name):
+    """The functional allreduce on an awkward tensor (topk:density=0.2, op Sum):
+    ``dtype_name`` maps "int"/"fp16"/"bf16" to the framework's dtype name."""
+    out0, out1 = ranks[0][f"{case}|out"], ranks[1][f"{case}|out"]
+    np.testing.assert_array_equal(out0, out1)
+    inputs = [r[f"{case}|in"] for r in ranks]
+    assert out0.shape == inputs[0].shape
+    if case == "int":                 # integers go uncompressed and stay integers
+        assert str(ranks[0][f"{case}|dtype"]) == dtype_name["int"]
+        np.testing.assert_array_equal(out0, inputs[0] + inputs[1])
+        return
+    expected = sum(reference_contribution("topk:density=0.2", g.astype(np.float32))
+                   for g in inputs)
+    if case in ("fp16", "bf16"):      # the result keeps the gradient's dtype
+        assert str(ranks[0][f"{case}|dtype"]) == dtype_name[case]
+        np.testing.assert_allclose(out0, expected, rtol=1e-2, atol=1e-2)
+    else:
+        np.testing.assert_allclose(out0, expected, rtol=1e-6)

@@ -3,13 +3,14 @@ eagerly and inside tf.function.  Expected values are computed here, from both ra
 inputs, without hvd_compress."""
 import math
 
-import numpy as np
 import pytest
 
-from conftest import load_ranks, reference_contribution
+from conftest import load_ranks
 from horovod_checks import (SPECS, check_aggregate, check_checkpoint, check_empty_rank,
-                            check_mismatch_fails_clearly, check_nonfinite, check_policy)
+                            check_functional, check_mismatch_fails_clearly, check_nonfinite,
+                            check_policy)
 
+DTYPES = {"int": "int32", "fp16": "float16", "bf16": "bfloat16"}
 CASES = [(s, op, m) for s in SPECS for op in ("average", "sum") for m in ("eager", "function")]
 
 
@@ -28,21 +29,7 @@ def test_stats_count_topk_payload_bytes(tf_job, mode):
 
 @pytest.mark.parametrize("case", ["zero_d", "empty", "int", "fp16", "bf16", "sparse"])
 def test_functional_awkward_tensors(tf_job, case):
-    ranks = load_ranks(tf_job, "tf_functional")
-    out0, out1 = ranks[0][f"{case}|out"], ranks[1][f"{case}|out"]
-    np.testing.assert_array_equal(out0, out1)
-    inputs = [r[f"{case}|in"] for r in ranks]
-    assert out0.shape == inputs[0].shape
-    if case == "int":
-        assert str(ranks[0][f"{case}|dtype"]) == "int32"
-        np.testing.assert_array_equal(out0, inputs[0] + inputs[1])
-        return
-    expected = sum(reference_contribution("topk:density=0.2", g) for g in inputs)
-    if case in ("fp16", "bf16"):
-        assert str(ranks[0][f"{case}|dtype"]) == {"fp16": "float16", "bf16": "bfloat16"}[case]
-        np.testing.assert_allclose(out0, expected, rtol=1e-2, atol=1e-2)
-    else:
-        np.testing.assert_allclose(out0, expected, rtol=1e-6)
+    check_functional(load_ranks(tf_job, "tf_functional"), case, DTYPES)
 
 
 def test_rank_with_nothing_to_send_does_not_hang(tf_job):

@@ -7,10 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from conftest import load_ranks, reference_contribution
+from conftest import load_ranks
 from horovod_checks import (SPECS, check_aggregate, check_checkpoint, check_empty_rank,
-                            check_mismatch_fails_clearly, check_nonfinite, check_policy)
+                            check_functional, check_mismatch_fails_clearly, check_nonfinite,
+                            check_policy)
 
+DTYPES = {"int": "torch.int32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
 CASES = [(s, op, b) for s in SPECS for op in ("average", "sum") for b in (1, 2)]
 
 
@@ -32,22 +34,7 @@ def test_stats_count_topk_payload_bytes(torch_job):
 
 @pytest.mark.parametrize("case", ["zero_d", "empty", "int", "fp16", "bf16", "noncontig", "sparse"])
 def test_functional_awkward_tensors(torch_job, case):
-    ranks = load_ranks(torch_job, "torch_functional")
-    out0, out1 = ranks[0][f"{case}|out"], ranks[1][f"{case}|out"]
-    np.testing.assert_array_equal(out0, out1)
-    inputs = [r[f"{case}|in"] for r in ranks]
-    assert tuple(ranks[0][f"{case}|shape"]) == inputs[0].shape
-    if case == "int":     # integers go uncompressed and stay integers
-        assert str(ranks[0][f"{case}|dtype"]) == "torch.int32"
-        np.testing.assert_array_equal(out0, inputs[0] + inputs[1])
-        return
-    expected = sum(reference_contribution("topk:density=0.2", g.astype(np.float32))
-                   for g in inputs)
-    if case in ("fp16", "bf16"):
-        assert str(ranks[0][f"{case}|dtype"]) == f"torch.{'float16' if case == 'fp16' else 'bfloat16'}"
-        np.testing.assert_allclose(out0, expected, rtol=1e-2, atol=1e-2)
-    else:
-        np.testing.assert_allclose(out0, expected, rtol=1e-6)
+    check_functional(load_ranks(torch_job, "torch_functional"), case, DTYPES)
 
 
 def test_rank_with_nothing_to_send_does_not_hang(torch_job):
