@@ -11,10 +11,10 @@ __version__ = "0.1.0"
 
 from .compressors import (BF16, DGC, FP16, REGISTRY, Compressor, Ctx, GaussianK,  # noqa: F401
                           LaplaceTopK, NoneCompressor, RandomK, SIDCoExp, Threshold, TopK)
-from .compressors import KernelSelect, TwoBit  # noqa: F401
+from .compressors import DCTSparse, KernelSelect, RangeFloat, TwoBit  # noqa: F401
 from .policy import Hylo, Policy  # noqa: F401
 from .spec import ENV_VAR, from_env, from_spec  # noqa: F401
 
 __all__ = ["Compressor", "Ctx", "NoneCompressor", "FP16", "BF16", "TopK", "RandomK",
            "Threshold", "LaplaceTopK", "DGC", "GaussianK", "SIDCoExp", "TwoBit", "KernelSelect",
-           "Policy", "Hylo", "REGISTRY", "from_spec", "from_env", "ENV_VAR", "__version__"]
+           "RangeFloat", "DCTSparse", "Policy", "Hylo", "REGISTRY", "from_spec", "from_env", "ENV_VAR", "__version__"]

@@ -12,3 +12,5 @@ from .abs_stats import abs_sum_max, abs_sum_max_reference  # noqa: F401
 from .compact import compact_above, compact_above_reference  # noqa: F401
 from .threshold_count import count_above, count_above_reference  # noqa: F401
 from . import twobit  # noqa: F401,E402
+from . import rangefloat  # noqa: F401,E402
+from . import dct  # noqa: F401,E402

@@ -78,10 +78,36 @@ def to_bf16(g):
     return torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).bfloat16().float().numpy()
 
 
+def rangefloat_reference(x, bits, e=None):
+    """Range-based float quantization in numpy (frexp arithmetic, not bit tricks)."""
+    e = e or {4: 2, 6: 3, 8: 4, 12: 5, 16: 5}[bits]
+    m = bits - 1 - e
+    x = np.asarray(x, np.float64)
+    a = np.abs(x)
+    if not a.size or a.max() == 0:
+        return np.zeros_like(x, np.float32)
+    big = np.frexp(a.max())[1] - 1                       # exponent of max|x|
+    mant, ex = np.frexp(a)                               # a = mant 2^ex, mant in [0.5, 1)
+    ex = ex - 1                                          # a = (2 mant) 2^ex
+    q = np.floor((2 * mant - 1) * 2**m + 0.5)            # round half up
+    ex, q = np.where(q == 2**m, ex + 1, ex), np.where(q == 2**m, 0, q)
+    over = ex > big
+    ex, q = np.where(over, big, ex), np.where(over, 2**m - 1, q)
+    value = (1 + q / 2**m) * np.exp2(ex.astype(np.float64))
+    value = np.where((a == 0) | (ex < big - 2**e + 2) | (a < 2.0**-126), 0, value)
+    return (np.sign(x) * value).astype(np.float32)
+
+
 def reference_contribution(spec, g):
     """What one rank's gradient ``g`` contributes to the sum, computed without hvd_compress."""
     name, _, params = spec.partition(":")
     kv = dict(p.split("=") for p in params.split(",") if p)
+    if kv.get("values", "float").startswith("rangefloat"):     # sparsifier's value codec
+        plain = reference_contribution(spec.replace(f",values={kv['values']}", ""), g)
+        kept = plain != 0
+        out = np.zeros_like(plain)
+        out[kept] = rangefloat_reference(plain[kept], int(kv["values"][10:]))
+        return out
     if name == "none":
         return g
     if name == "fp16":
@@ -91,6 +117,8 @@ def reference_contribution(spec, g):
     if name == "laplace_topk":
         assert kv.get("exact") == "1", "only exact=1 has a unique reference"
         return np.where(topk_mask(g, float(kv["density"])), g, 0)
+    if name == "rangefloat":
+        return rangefloat_reference(g, int(kv.get("bits", 8)))
     if name == "twobit":                   # adaptive threshold t = mean|g|, first step
         t = float(kv["threshold"]) if "threshold" in kv else np.abs(g).astype(np.float64).mean()
         t = np.float32(t)

@@ -6,3 +6,5 @@ from .laplace import LaplaceTopK  # noqa: F401
 from .estimated_threshold import DGC, GaussianK, SIDCoExp  # noqa: F401
 from .quantize import TwoBit  # noqa: F401
 from .kernel_select import KernelSelect  # noqa: F401
+from .rangefloat import RangeFloat  # noqa: F401
+from .dct import DCTSparse  # noqa: F401

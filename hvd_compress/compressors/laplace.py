@@ -57,8 +57,8 @@ class LaplaceTopK(DensitySparsifier):
 
     name = "laplace_topk"
 
-    def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False):
-        super().__init__(density=density, ef=ef)
+    def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False, values=None):
+        super().__init__(density=density, ef=ef, values=values)
         if not 0.0 <= float(tol) < 1.0:
             raise ValueError(f"tol must be in [0, 1), got {tol!r}")
         if int(passes) < 1:

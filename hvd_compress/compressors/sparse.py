@@ -27,10 +27,20 @@ def check_density(density):
 
 
 class Sparsifier(Compressor):
-    """Base of the sparsifiers: subclasses implement :meth:`select`."""
+    """Base of the sparsifiers: subclasses implement :meth:`select`.
+
+    ``values``: how the selected values travel: ``float`` (their own dtype, default) or
+    ``rangefloat4/6/8/12/16`` (payload ``(bytes, header, indices)``).
+    """
 
     collective = "allgather"
     biased = True
+
+    def __init__(self, ef=None, values=None):
+        super().__init__(ef=ef)
+        from .rangefloat import RangeFloatCodec
+        self.codec = RangeFloatCodec.from_name(values)
+        self.values = None if self.codec is None else values
 
     def select(self, flat, ctx, ops, step):
         """int32 indices of the entries to send (may be empty)."""
@@ -40,13 +50,20 @@ class Sparsifier(Compressor):
         idx = ops.cond(ops.all_finite(flat),
                        lambda: self.select(flat, ctx, ops, step),
                        lambda: ops.arange(ctx.numel, flat))
-        return ops.gather(flat, idx), idx
+        values = ops.gather(flat, idx)
+        if self.codec is None:
+            return values, idx
+        return (*self.codec.encode(values, ops), idx)
 
     def decode(self, payload, ctx, ops):
-        if len(payload) != 2:
-            raise ValueError(f"{self.name}: a payload is (values, indices), got "
-                             f"{len(payload)} tensors")
-        values, idx = payload
+        parts = 2 if self.codec is None else 3
+        if len(payload) != parts:
+            raise ValueError(f"{self.name}: a payload is ({'values' if parts == 2 else 'bytes, header'}"
+                             f", indices), got {len(payload)} tensors")
+        if self.codec is None:
+            values, idx = payload
+        else:
+            values, idx = self.codec.decode(payload[0], payload[1], ops), payload[2]
         nv, ni = ops.length(values), ops.length(idx)
         if isinstance(nv, int) and isinstance(ni, int) and nv != ni:
             raise ValueError(f"{self.name}: payload has {nv} values but {ni} indices")
@@ -57,8 +74,8 @@ class Sparsifier(Compressor):
 class DensitySparsifier(Sparsifier):
     """A sparsifier that sends ``k = ceil(density * n)`` entries (at least 1)."""
 
-    def __init__(self, density=0.01, ef=None):
-        super().__init__(ef=ef)
+    def __init__(self, density=0.01, ef=None, values=None):
+        super().__init__(ef=ef, values=values)
         self.density = check_density(density)
 
     def k(self, n):
@@ -91,8 +108,8 @@ class RandomK(DensitySparsifier):
     name = "randomk"
     uses_step = True
 
-    def __init__(self, density=0.01, ef=None, seed=0):
-        super().__init__(density=density, ef=ef)
+    def __init__(self, density=0.01, ef=None, seed=0, values=None):
+        super().__init__(density=density, ef=ef, values=values)
         self.seed = int(seed)
 
     def select(self, flat, ctx, ops, step):
@@ -105,8 +122,8 @@ class Threshold(Sparsifier):
 
     name = "threshold"
 
-    def __init__(self, threshold=0.001, ef=None):
-        super().__init__(ef=ef)
+    def __init__(self, threshold=0.001, ef=None, values=None):
+        super().__init__(ef=ef, values=values)
         value = float(threshold)
         if not value >= 0.0 or math.isinf(value):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")

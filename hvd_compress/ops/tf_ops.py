@@ -258,3 +258,94 @@ def from_kernel_matrix(rows, shape):
 
 def row_norms(rows):
     return _tf.norm(_tf.cast(rows, _tf.float32), axis=1)
+
+
+# -- range-based float and block DCT (TensorFlow references of the kernels) ------------
+
+def max_exponent(flat):
+    a = _tf.abs(_tf.cast(_tf.reshape(flat, [-1]), _tf.float32))
+    peak = _tf.reduce_max(_tf.concat([a, [0.0]], 0))      # also for empty, dynamic sizes
+    e = _tf.bitwise.bitwise_and(_tf.bitwise.right_shift(_tf.bitcast(peak, _tf.int32), 23), 0xFF) - 127
+    return _tf.where(_tf.math.is_finite(peak), e, 128)
+
+
+def _group(bits):
+    import math
+    lcm = bits * 8 // math.gcd(bits, 8)
+    return lcm // bits, lcm // 8
+
+
+def rangefloat_encode(flat, emax, e, m):
+    bits_w = 1 + e + m
+    g, nb = _group(bits_w)
+    x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
+    n = _tf.size(x)
+    n_groups = (n + g - 1) // g
+    x = _tf.pad(x, [[0, n_groups * g - n]])
+    b = _tf.cast(_tf.bitcast(x, _tf.int32), _tf.int64)
+    sh, band = _tf.bitwise.right_shift, _tf.bitwise.bitwise_and
+    sign, expf, mant = band(sh(b, 31), 1), band(sh(b, 23), 0xFF), band(b, 0x7FFFFF)
+    shift = 23 - m
+    q = sh(mant + (1 << (shift - 1)), shift)
+    carry = sh(q, m)
+    q = band(q, (1 << m) - 1)
+    q = _tf.where((expf == 255) & (mant != 0), _tf.constant((1 << m) - 1, _tf.int64), q)
+    c = _tf.cast(emax, _tf.int64) - (expf - 127 + carry) + 1
+    q = _tf.where(c < 1, _tf.constant((1 << m) - 1, _tf.int64), q)
+    c = _tf.maximum(c, 1)
+    zero = (expf == 0) | (c > (1 << e) - 1)
+    ls = _tf.bitwise.left_shift
+    code = _tf.where(zero, _tf.constant(0, _tf.int64),
+                     _tf.bitwise.bitwise_or(_tf.bitwise.bitwise_or(ls(sign, e + m), ls(c, m)), q))
+    word = _tf.reduce_sum(ls(_tf.reshape(code, [-1, g]),
+                             bits_w * _tf.range(g, dtype=_tf.int64)), axis=1)
+    out = band(sh(word[:, None], 8 * _tf.range(nb, dtype=_tf.int64)), 0xFF)
+    return _tf.cast(_tf.reshape(out, [-1]), _tf.uint8)
+
+
+def rangefloat_decode(data, emax_per_group, e, m):
+    bits_w = 1 + e + m
+    g, nb = _group(bits_w)
+    sh, band, ls = _tf.bitwise.right_shift, _tf.bitwise.bitwise_and, _tf.bitwise.left_shift
+    raw = _tf.cast(_tf.reshape(data, [-1, nb]), _tf.int64)
+    word = _tf.reduce_sum(ls(raw, 8 * _tf.range(nb, dtype=_tf.int64)), axis=1)
+    code = band(sh(word[:, None], bits_w * _tf.range(g, dtype=_tf.int64)), (1 << bits_w) - 1)
+    sign, c, q = band(sh(code, e + m), 1), band(sh(code, m), (1 << e) - 1), band(code, (1 << m) - 1)
+    expf = _tf.cast(emax_per_group, _tf.int64)[:, None] - c + 1 + 127
+    bits = _tf.bitwise.bitwise_or(_tf.bitwise.bitwise_or(ls(sign, 31), ls(expf, 23)), ls(q, 23 - m))
+    bits = _tf.cast(_tf.where(bits >= 2**31, bits - 2**32, bits), _tf.int32)
+    value = _tf.where(c == 0, 0.0, _tf.bitcast(bits, _tf.float32))
+    return _tf.reshape(value, [-1])
+
+
+def repeat_interleave(values, repeats):
+    return _tf.repeat(values, _tf.cast(repeats, _tf.int64))
+
+
+def _dct_basis(block):
+    import math
+    import numpy as np
+    k = np.arange(block)[:, None]
+    i = np.arange(block)[None, :]
+    d = np.cos(math.pi * (2 * i + 1) * k / (2 * block)) * math.sqrt(2.0 / block)
+    d[0] /= math.sqrt(2.0)
+    return _tf.constant(d.astype(np.float32))
+
+
+def block_dct(flat, block):
+    x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
+    x = _tf.pad(x, [[0, -numel(flat) % block]])
+    return _tf.reshape(_tf.matmul(_tf.reshape(x, [-1, block]), _dct_basis(block), transpose_b=True), [-1])
+
+
+def block_idct(coefs, block):
+    return _tf.reshape(_tf.matmul(_tf.reshape(_tf.cast(coefs, _tf.float32), [-1, block]),
+                                  _dct_basis(block)), [-1])
+
+
+def head(t, n):
+    return t[:n]
+
+
+def stack_int32(values, like):
+    return _tf.stack([_tf.cast(v, _tf.int32) for v in values])

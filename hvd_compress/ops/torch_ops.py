@@ -262,3 +262,44 @@ def _prod(dims):
     for d in dims:
         out *= int(d)
     return out
+
+
+# -- range-based float and block DCT ----------------------------------------------------
+
+def max_exponent(flat):
+    from ..kernels import rangefloat
+    return rangefloat.max_exponent(flat)
+
+
+def rangefloat_encode(flat, emax, e, m):
+    from ..kernels import rangefloat
+    return rangefloat.encode(flat, emax, e, m)
+
+
+def rangefloat_decode(data, emax_per_group, e, m):
+    from ..kernels import rangefloat
+    return rangefloat.decode(data, emax_per_group, e, m)
+
+
+def repeat_interleave(values, repeats):
+    return _torch.repeat_interleave(values, repeats.to(_torch.int64))
+
+
+def block_dct(flat, block):
+    from ..kernels import dct
+    return dct.dct(flat, block)
+
+
+def block_idct(coefs, block):
+    from ..kernels import dct
+    return dct.idct(coefs, block)
+
+
+def head(t, n):
+    return t[:n]
+
+
+def stack_int32(values, like):
+    return _torch.stack([v.to(_torch.int32) if hasattr(v, "to")
+                         else _torch.tensor(v, dtype=_torch.int32, device=like.device)
+                         for v in values]).to(like.device)

@@ -1,0 +1,55 @@
+"""DCT-domain sparsification with range-based float values (seed 002).
+
+    c = DCT-II_blocks(pad(g))          orthonormal, per block of ``block`` values
+    S = the ~k largest |c|, k = ceil(density * len(c))   (laplace_topk's selection)
+    send  rangefloat_bits(c[S]), S
+    g_hat = trim(IDCT_blocks(scatter(S, decode(values))))
+
+Gradients are smooth along their memory layout in places (convolution kernels, rows of
+embeddings), so energy concentrates in few low-frequency coefficients there; elsewhere a
+DCT spreads it (see benchmarks/dct.py for where it wins).  Error feedback works in the
+gradient domain: the residual is the compensated gradient minus exactly ``g_hat``, what
+the receivers reconstruct (quantization of the values included).
+"""
+from ..kernels.dct import BLOCKS  # noqa: F401  (valid block sizes, re-exported)
+from .base import register
+from .laplace import LaplaceTopK
+from .sparse import DensitySparsifier, check_density
+
+
+def check_dct_block(block):
+    try:
+        value = int(block)
+    except (TypeError, ValueError):
+        value = None
+    if value not in BLOCKS:
+        raise ValueError(f"block must be one of {', '.join(map(str, BLOCKS))}, got {block!r}")
+    return value
+
+
+@register
+class DCTSparse(DensitySparsifier):
+    """Keep the largest DCT coefficients (``density`` of all, padding included), values
+    as ``bits``-bit range-based floats; error feedback on by default."""
+
+    name = "dct"
+
+    def __init__(self, density=0.01, block=256, bits=8, ef=None):
+        super().__init__(density=density, ef=ef, values=f"rangefloat{bits}")
+        self.block, self.bits = check_dct_block(block), int(bits)
+        self._select = LaplaceTopK(density=check_density(density), ef=False)
+
+    def coefficients_ctx(self, ctx):
+        padded = -(-ctx.numel // self.block) * self.block
+        return ctx._replace(numel=padded, shape=(padded,))
+
+    def select(self, coefs, cctx, ops, step):
+        return self._select.select(coefs, cctx, ops, step)
+
+    def encode(self, flat, ctx, ops, step):
+        coefs = ops.block_dct(flat, self.block)
+        return super().encode(coefs, self.coefficients_ctx(ctx), ops, step)
+
+    def decode(self, payload, ctx, ops):
+        coefs = super().decode(payload, self.coefficients_ctx(ctx), ops)
+        return ops.head(ops.block_idct(coefs, self.block), ctx.numel)

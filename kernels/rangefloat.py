@@ -1,0 +1,168 @@
+"""Range-based float: encode float32 into ``bits = 1 + e + m``-bit codes whose exponent
+range is taken from the data, bit-packed into bytes (seed 002).
+
+Code of ``x`` (``E`` = exponent of ``max|x|``): sign bit, exponent code
+``c = E - exponent(x) + 1`` in ``1 .. 2^e - 1`` (``c = 0`` means zero), and the
+mantissa rounded to ``m`` bits (half up; a carry raises the exponent; above ``E`` it
+clamps to the largest code).  Values whose exponent is below ``E - 2^e + 2``, zeros and
+subnormals encode as 0.  Non-finite values keep ``E = 128`` so Inf/NaN decode as
+Inf/NaN.  Everything is integer bit manipulation of the float32 pattern, so kernel and
+reference agree bit for bit.
+
+Packing: ``g = lcm(bits, 8) / bits`` codes fill ``lcm(bits, 8) / 8`` bytes, little
+endian (4 bits: 2 codes/byte; 6: 4 codes/3 bytes; 8: 1/byte; 12: 2/3 bytes;
+16: 1/2 bytes).  Codes are padded to whole groups.
+"""
+import functools
+import math
+
+import torch
+
+from ._backend import pick_backend
+
+SPLITS = {4: (2, 1), 6: (3, 2), 8: (4, 3), 12: (5, 6), 16: (5, 10)}   # bits: (e, m)
+
+
+def group(bits):
+    """``(codes per group, bytes per group)`` for a code width."""
+    lcm = bits * 8 // math.gcd(bits, 8)
+    return lcm // bits, lcm // 8
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _encode_kernel(x_ptr, emax_ptr, out_ptr, n, n_groups, E_BITS: tl.constexpr,
+                       M_BITS: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        grp = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        lane = tl.arange(0, G)
+        idx = grp[:, None] * G + lane[None, :]
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+        bits = x.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        expf = (bits >> 23) & 0xFF
+        mant = bits & 0x7FFFFF
+        shift: tl.constexpr = 23 - M_BITS
+        q = (mant + (1 << (shift - 1))) >> shift
+        carry = q >> M_BITS
+        q = q & ((1 << M_BITS) - 1)
+        q = tl.where((expf == 255) & (mant != 0), (1 << M_BITS) - 1, q)      # NaN stays NaN
+        c = tl.load(emax_ptr) - (expf - 127 + carry) + 1
+        q = tl.where(c < 1, (1 << M_BITS) - 1, q)
+        c = tl.where(c < 1, 1, c)
+        zero = (expf == 0) | (c > (1 << E_BITS) - 1)
+        code = tl.where(zero, 0, (sign << (E_BITS + M_BITS)) | (c << M_BITS) | q).to(tl.int64)
+        word = tl.sum(code << ((E_BITS + M_BITS + 1) * lane[None, :]).to(tl.int64), axis=1)
+        byte = tl.arange(0, 4)
+        out = ((word[:, None] >> (8 * byte[None, :]).to(tl.int64)) & 0xFF).to(tl.uint8)
+        tl.store(out_ptr + grp[:, None] * NB + byte[None, :], out,
+                 mask=(grp < n_groups)[:, None] & (byte < NB)[None, :])
+
+    @triton.jit
+    def _decode_kernel(in_ptr, emax_ptr, out_ptr, n_groups, E_BITS: tl.constexpr,
+                       M_BITS: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        grp = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        byte = tl.arange(0, 4)
+        ok = grp < n_groups
+        raw = tl.load(in_ptr + grp[:, None] * NB + byte[None, :],
+                      mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
+        word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
+        lane = tl.arange(0, G)
+        B: tl.constexpr = E_BITS + M_BITS + 1
+        code = ((word[:, None] >> (B * lane[None, :]).to(tl.int64)) & ((1 << B) - 1)).to(tl.int32)
+        sign = (code >> (E_BITS + M_BITS)) & 1
+        c = (code >> M_BITS) & ((1 << E_BITS) - 1)
+        q = code & ((1 << M_BITS) - 1)
+        emax = tl.load(emax_ptr + grp, mask=ok, other=0)
+        expf = emax[:, None] - c + 1 + 127
+        bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
+        value = tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))
+        tl.store(out_ptr + grp[:, None] * G + lane[None, :], value, mask=ok[:, None])
+
+    return triton, _encode_kernel, _decode_kernel
+
+
+def max_exponent(x):
+    """int32 0-d tensor: the float32 exponent of ``max|x|`` (128 if non-finite)."""
+    xf = x.reshape(-1).float()
+    peak = xf.abs().max() if xf.numel() else torch.zeros((), device=x.device)
+    e = ((peak.reshape(1).view(torch.int32) >> 23) & 0xFF)[0] - 127
+    return torch.where(torch.isfinite(peak), e, torch.full_like(e, 128))   # no host sync
+
+
+def encode_reference(x, emax, e, m):
+    """uint8 bytes of the codes of flat ``x`` (padded to whole groups)."""
+    bits_w = 1 + e + m
+    g, nb = group(bits_w)
+    xf = x.reshape(-1).float()
+    n_groups = -(-xf.numel() // g)
+    xf = torch.nn.functional.pad(xf, (0, n_groups * g - xf.numel()))
+    b = xf.view(torch.int32).to(torch.int64)
+    sign, expf, mant = (b >> 31) & 1, (b >> 23) & 0xFF, b & 0x7FFFFF
+    shift = 23 - m
+    q = (mant + (1 << (shift - 1))) >> shift
+    carry = q >> m
+    q = q & ((1 << m) - 1)
+    q = torch.where((expf == 255) & (mant != 0), (1 << m) - 1, q)
+    c = torch.as_tensor(emax, device=x.device).to(torch.int64) - (expf - 127 + carry) + 1
+    q = torch.where(c < 1, (1 << m) - 1, q)
+    c = torch.clamp(c, min=1)
+    zero = (expf == 0) | (c > (1 << e) - 1)
+    code = torch.where(zero, 0, (sign << (e + m)) | (c << m) | q)
+    lanes = bits_w * torch.arange(g, device=x.device)
+    word = (code.view(-1, g) << lanes).sum(1)
+    out = (word[:, None] >> (8 * torch.arange(nb, device=x.device))) & 0xFF
+    return out.reshape(-1).to(torch.uint8)
+
+
+def decode_reference(data, emax_per_group, e, m):
+    """float32 values (``g`` per group) of packed codes; ``emax_per_group`` int32."""
+    bits_w = 1 + e + m
+    g, nb = group(bits_w)
+    raw = data.reshape(-1, nb).to(torch.int64)
+    word = (raw << (8 * torch.arange(nb, device=data.device))).sum(1)
+    code = (word[:, None] >> (bits_w * torch.arange(g, device=data.device))) & ((1 << bits_w) - 1)
+    sign, c, q = (code >> (e + m)) & 1, (code >> m) & ((1 << e) - 1), code & ((1 << m) - 1)
+    expf = emax_per_group.to(torch.int64)[:, None] - c + 1 + 127
+    bits = (sign << 31) | (expf << 23) | (q << (23 - m))
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    value = torch.where(c == 0, 0.0, bits.view(torch.float32))
+    return value.reshape(-1)
+
+
+def encode(x, emax, e, m, backend=None, block=256):
+    """Pack the rangefloat codes of flat ``x`` into bytes (kernel on CUDA)."""
+    if pick_backend(x, backend) == "torch" or x.numel() == 0:
+        return encode_reference(x, emax, e, m)
+    triton, encode_kernel, _ = _kernels()
+    x = x.reshape(-1).contiguous()
+    g, nb = group(1 + e + m)
+    n_groups = -(-x.numel() // g)
+    out = torch.empty(n_groups * nb, dtype=torch.uint8, device=x.device)
+    emax = torch.as_tensor(emax, dtype=torch.int32, device=x.device).reshape(1)
+    encode_kernel[(triton.cdiv(n_groups, block),)](x, emax, out, x.numel(), n_groups, E_BITS=e,
+                                                   M_BITS=m, G=g, NB=nb, BLOCK=block)
+    return out
+
+
+def decode(data, emax_per_group, e, m, backend=None, block=256):
+    """float32 values of packed codes (``g`` per group; kernel on CUDA)."""
+    if pick_backend(data, backend) == "torch" or data.numel() == 0:
+        return decode_reference(data, emax_per_group, e, m)
+    triton, _, decode_kernel = _kernels()
+    g, nb = group(1 + e + m)
+    n_groups = data.numel() // nb
+    out = torch.empty(n_groups * g, dtype=torch.float32, device=data.device)
+    decode_kernel[(triton.cdiv(n_groups, block),)](data.contiguous(),
+                                                   emax_per_group.to(torch.int32).contiguous(),
+                                                   out, n_groups, E_BITS=e, M_BITS=m, G=g,
+                                                   NB=nb, BLOCK=block)
+    return out
