@@ -1,5 +1,5 @@
 """MNIST-5k through real horovodrun -np 2 (the examples), same seed and steps:
-top-k (1%, error feedback) and Hylo's per-layer policy within one point of uncompressed
+top-k (1%, error feedback), Hylo's per-layer policy and DCT (>= 50x) within one point of uncompressed
 training, and laplace_topk (1%) within one point of exact top-k; bytes saved are reported."""
 import functools
 import json
@@ -51,3 +51,10 @@ def test_hylo_within_one_point_of_uncompressed(framework):
     dense, hylo = train(framework, "none"), train(framework, "hylo")
     assert final(hylo) >= final(dense) - 0.01, (final(hylo), final(dense))
     assert final(hylo, "ratio") > 5                  # conv2 kernels + 2-bit fc1 on this net
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+def test_dct_at_50x_within_one_point_of_uncompressed(framework):
+    dense, dct = train(framework, "none"), train(framework, "dct:density=0.01,block=64")
+    assert final(dct, "ratio") >= 50
+    assert final(dct) >= final(dense) - 0.01, (final(dct), final(dense))
