@@ -14,7 +14,7 @@ the receivers reconstruct (quantization of the values included).
 from ..kernels.dct import BLOCKS  # noqa: F401  (valid block sizes, re-exported)
 from .base import register
 from .laplace import LaplaceTopK
-from .sparse import DensitySparsifier, check_density
+from .sparse import DensitySparsifier
 
 
 def check_dct_block(block):
@@ -37,7 +37,7 @@ class DCTSparse(DensitySparsifier):
     def __init__(self, density=0.01, block=256, bits=8, ef=None):
         super().__init__(density=density, ef=ef, values=f"rangefloat{bits}")
         self.block, self.bits = check_dct_block(block), int(bits)
-        self._select = LaplaceTopK(density=check_density(density), ef=False)
+        self._select = LaplaceTopK(density=self.density, ef=False)
 
     def coefficients_ctx(self, ctx):
         padded = -(-ctx.numel // self.block) * self.block

@@ -28,6 +28,12 @@ The primitives (both modules define all of them, with the same meaning):
 ``size_bytes(t)``       bytes of ``t`` (python int in torch, int64 tensor in TF)
 ``new_store()``         a :class:`~hvd_compress.memory` state store for this framework
 =====================  ===========================================================
+
+Further groups, each with its docstrings in ``torch_ops.py`` (where the Triton kernels
+are dispatched) and mirrored in ``tf_ops.py``: threshold selection (``abs_sum_max``,
+``count_above``, ``compact_above``, the bit-space search helpers), 2-bit packing and
+convolution kernels (``twobit_pack``, ``kernel_matrix``, ...), and range-based float and
+block DCT (``rangefloat_encode``, ``block_dct``, ...).
 """
 
 

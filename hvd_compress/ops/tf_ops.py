@@ -196,9 +196,6 @@ def mask_indices(mask):
     return _tf.reshape(_tf.where(mask), [-1])
 
 
-def sort_desc_stable(t):
-    return _tf.argsort(t, direction="DESCENDING", stable=True)
-
 
 def random_sample(t, m, seed, step):
     return gather(t, random_indices(numel(t), m, seed, step))

@@ -160,7 +160,7 @@ def shrink_candidates(t):
 
 
 def to_float32(t):
-    return t.float() if hasattr(t, "float") else _torch.tensor(float(t))
+    return t.float()
 
 
 def scalar(value, like):
@@ -199,10 +199,6 @@ def cumsum(t):
 def mask_indices(mask):
     return _torch.nonzero(mask, as_tuple=False).reshape(-1)
 
-
-def sort_desc_stable(t):
-    """Indices that sort ``t`` descending, ties by position."""
-    return _torch.sort(t, descending=True, stable=True).indices
 
 
 def random_sample(t, m, seed, step):
