@@ -19,6 +19,7 @@ class TorchStore:
 
     def __init__(self):
         self._tensors = {}
+        self._spares = {}
 
     def get(self, key, init):
         """Current value of ``key``; ``init()`` creates it the first time."""
@@ -31,6 +32,18 @@ class TorchStore:
 
     def keys(self):
         return list(self._tensors)
+
+    def spare(self, key, like):
+        """A reusable buffer shaped like ``like``; scratch space, not state (not saved)."""
+        buf = self._spares.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype \
+                or buf.device != like.device:
+            import torch
+            buf = self._spares[key] = torch.empty_like(like)
+        return buf
+
+    def set_spare(self, key, value):
+        self._spares[key] = value
 
     def next_count(self, key):
         """Return the counter ``key`` (from 0) and increment it."""
@@ -91,13 +104,24 @@ class TFStore:
 
 
 class ResidualMemory:
-    """Per-name residuals ``r`` on top of a store (see the module docstring)."""
+    """Per-name residuals ``r`` on top of a store (see the module docstring).
+
+    ``reuse=True`` (PyTorch, compressors whose payload never aliases their input):
+    ``c = g + r`` is written into a second buffer per tensor and the update is done in
+    place on ``c``, which then *becomes* the residual while the old residual's buffer
+    holds the next ``c``.  Two buffers per tensor, no allocation per step and one
+    pass fewer over the gradient; the values are the same bits as ``c - sent`` computed
+    out of place.  So a residual returned by :meth:`residual` is live: copy it to keep
+    it (``state_dict()`` copies).
+    """
 
     PREFIX = "residual/"
+    SPARE = "spare/"
 
-    def __init__(self, store, ops):
+    def __init__(self, store, ops, reuse=False):
         self.store = store
         self.ops = ops
+        self.reuse = reuse and ops.supports_inplace()
 
     def _residual(self, name, flat):
         ops = self.ops
@@ -106,12 +130,26 @@ class ResidualMemory:
     def compensate(self, name, flat):
         """``c = g + r`` for the flattened gradient ``flat`` of tensor ``name``."""
         r = self._residual(name, flat)
-        return flat + self.ops.cast(r, flat.dtype)
+        if not self.reuse:
+            return flat + self.ops.cast(r, flat.dtype)
+        spare = self.store.spare(self.SPARE + name, r)
+        return self.ops.add_into(flat, self.ops.cast(r, flat.dtype), spare)
 
-    def update(self, name, compensated, sent, finite):
-        """``r = c - sent``; left unchanged where ``finite`` is false (no poisoning)."""
+    def update(self, name, compensated, subtract_sent, finite):
+        """``r = c - sent``; left unchanged where ``finite`` is false (no poisoning).
+
+        ``subtract_sent(c, inplace)`` returns ``c - sent`` (in place on ``c`` when
+        ``inplace``): the compressor knows the cheapest way (sparse payloads touch
+        only the sent entries).
+        """
         old = self._residual(name, compensated)
-        new = compensated - self.ops.cast(sent, compensated.dtype)
+        if self.reuse:
+            if self.ops.host_bool(finite):
+                new = subtract_sent(compensated, True)
+                self.store.set(self.PREFIX + name, new)          # c's buffer is r now
+                self.store.set_spare(self.SPARE + name, old)     # and r's the next c
+            return
+        new = subtract_sent(compensated, False)
         self.store.set(self.PREFIX + name, self.ops.select(finite, new, old))
 
     def residual(self, name):

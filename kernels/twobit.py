@@ -8,6 +8,7 @@ quantized for an all-zero tensor).
 """
 import functools
 
+import numpy as np
 import torch
 
 from ._backend import pick_backend
@@ -68,10 +69,73 @@ def unpack_reference(words):
     return torch.where(code == 1, 1.0, torch.where(code == 2, -1.0, 0.0)).reshape(-1)
 
 
+# -- CPU path: vectorised, bit-identical to the references -------------------------------
+# Word layout is little endian: byte j of a word holds codes 4j..4j+3 at bits 2i, so a
+# word is four independently packed bytes and the byte view of an int32 tensor is the
+# packed stream.  (Every platform torch supports on the CPU is little endian.)
+
+@functools.lru_cache(maxsize=None)
+def _byte_signs():
+    """(256, 4) float32: the signs of the four codes in every possible byte."""
+    code = (torch.arange(256)[:, None] >> (2 * torch.arange(4))) & 3
+    return torch.where(code == 1, 1.0, torch.where(code == 2, -1.0, 0.0)).float().numpy()
+
+
+def pack_cpu(x, t):
+    """:func:`pack_reference`, about 30x faster: codes as bytes, four per byte, no int64."""
+    xf = x.reshape(-1)
+    xf = xf if xf.dtype == torch.float32 else xf.float()
+    n = xf.numel()
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    code = torch.zeros(-(-n // PER_WORD) * PER_WORD, dtype=torch.uint8, device=x.device)
+    head = code[:n]
+    torch.ge(xf, t, out=head.view(torch.bool))                   # 1 where x >= t
+    le = torch.le(xf, -t).view(torch.uint8)                        # 2 where x <= -t
+    head.add_(le).add_(le)
+    q = code.view(-1, 4)
+    byte = q[:, 3] << 6
+    byte |= q[:, 2] << 4
+    byte |= q[:, 1] << 2
+    byte |= q[:, 0]
+    return byte.view(torch.int32)
+
+
+def unpack_cpu(words, scale=None, n=None):
+    """:func:`unpack_reference` through a 256-entry table of bytes (CPU tensors).
+
+    With ``scale`` (one float per *row* of ``words`` viewed as ``(len(scale), -1)``):
+    ``sum_r scale[r] * signs_r[:n]``, the 2-bit decoder of ``len(scale)`` ranks'
+    payloads.  Bit-identical to the reference multiply-then-sum: the products are the
+    same, and the rows are summed by ``torch.sum`` over a contiguous ``(rows, n)``
+    tensor (its order of additions depends on the row count), except for one or two
+    rows of positive scales, where ``a`` and ``a + b`` are the same bits and cheaper (two
+    rows: one lookup per pair of bytes in a table of every ``s0 * a + s1 * b``).
+    """
+    table = _byte_signs()
+    raw = words.contiguous().view(torch.uint8).numpy()
+    if scale is None:
+        return torch.from_numpy(np.take(table, raw, axis=0).reshape(-1))
+    scale = scale.float().reshape(-1)
+    rows = raw.reshape(scale.numel(), -1)
+    positive = bool((scale > 0).all())                     # then no -0.0 anywhere
+    if rows.shape[0] == 2 and positive:
+        # two ranks: one lookup per byte pair in a 65536 x 4 table of s0*a + s1*b
+        s0, s1 = (np.float32(s) for s in scale.tolist())
+        pair_table = ((table * s0)[None, :, :] + (table * s1)[:, None, :]).reshape(-1, 4)
+        pair = rows[0].astype(np.uint16) | (rows[1].astype(np.uint16) << np.uint16(8))
+        return torch.from_numpy(np.take(pair_table, pair, axis=0).reshape(-1)[:n])
+    scaled = np.empty((rows.shape[0], rows.shape[1] * 4), dtype=np.float32)
+    for r, s in enumerate(scale.tolist()):
+        np.take(table * np.float32(s), rows[r], axis=0, out=scaled[r].reshape(-1, 4))
+    if rows.shape[0] == 1 and positive:
+        return torch.from_numpy(scaled[0, :n])
+    return torch.sum(torch.from_numpy(np.ascontiguousarray(scaled[:, :n])), 0)
+
+
 def pack(x, t, backend=None, block_words=256):
     """Quantize flat ``x`` with threshold ``t`` and pack 16 codes per int32 word."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
-        return pack_reference(x, t)
+        return pack_cpu(x, t) if x.device.type == "cpu" else pack_reference(x, t)
     triton, pack_kernel, _ = _kernels()
     x = x.reshape(-1).contiguous()
     n = x.numel()
@@ -85,7 +149,7 @@ def pack(x, t, backend=None, block_words=256):
 def unpack(words, backend=None, block_words=256):
     """float32 signs of every code in ``words`` (``16 * len(words)`` values)."""
     if pick_backend(words, backend) == "torch" or words.numel() == 0:
-        return unpack_reference(words)
+        return unpack_cpu(words) if words.device.type == "cpu" else unpack_reference(words)
     triton, _, unpack_kernel = _kernels()
     words = words.contiguous()
     out = torch.empty(words.numel() * PER_WORD, dtype=torch.float32, device=words.device)

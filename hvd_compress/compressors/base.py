@@ -47,6 +47,8 @@ class Compressor:
     collective = "allreduce"   #: which collective the payload needs
     biased = False             #: biased compressors default to error feedback
     uses_step = False          #: needs a per-tensor step counter (e.g. random-k)
+    payload_is_copy = True     #: the payload never aliases encode's input (so error
+                               #: feedback may reuse that buffer in place)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -87,12 +89,18 @@ class Compressor:
         step = self._state(ops).next_count("step/" + name) if self.uses_step else None
         if not self.ef:
             return self.encode(flat, ctx, ops, step), ctx
-        memory = ResidualMemory(self._state(ops), ops)
+        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
         compensated = memory.compensate(name, flat)
         payload = self.encode(compensated, ctx, ops, step)
-        sent = self.decode(payload, ctx, ops)
-        memory.update(name, compensated, sent, ops.all_finite(compensated))
+        memory.update(name, compensated,
+                      lambda c, inplace: self.subtract_sent(c, payload, ctx, ops, inplace),
+                      ops.all_finite(compensated))
         return payload, ctx
+
+    def subtract_sent(self, compensated, payload, ctx, ops, inplace):
+        """``c - D(payload)``: the residual error feedback keeps (in place if asked)."""
+        sent = ops.cast(self.decode(payload, ctx, ops), compensated.dtype)
+        return ops.subtract(compensated, sent, inplace)
 
     def decompress(self, payload, ctx):
         """Tensor of ``ctx.shape`` and ``ctx.dtype``: the sum of what every rank sent."""

@@ -33,6 +33,7 @@ class DCTSparse(DensitySparsifier):
     as ``bits``-bit range-based floats; error feedback on by default."""
 
     name = "dct"
+    sparse_residual = False   # indices are of coefficients; the residual is in the gradient domain
 
     def __init__(self, density=0.01, block=256, bits=8, ef=None):
         super().__init__(density=density, ef=ef, values=f"rangefloat{bits}")

@@ -19,6 +19,7 @@ class NoneCompressor(Compressor):
     """Send the gradient as it is (Horovod's ``Compression.none``)."""
 
     name = "none"
+    payload_is_copy = False    # the payload is the gradient itself
 
     def encode(self, flat, ctx, ops, step):
         return ops.cast(flat, ops.float32) if flat.dtype == ops.bfloat16 else flat
@@ -32,6 +33,7 @@ class FP16(Compressor):
     """Cast to IEEE half precision for the allreduce (Horovod's ``Compression.fp16``)."""
 
     name = "fp16"
+    payload_is_copy = False    # an fp16 gradient is its own payload
 
     def encode(self, flat, ctx, ops, step):
         return ops.cast(flat, ops.float16)
@@ -46,6 +48,7 @@ class BF16(Compressor):
 
     name = "bf16"
     collective = "allgather"
+    payload_is_copy = False    # a bf16 gradient's payload is a view of it
 
     def encode(self, flat, ctx, ops, step):
         return (ops.bitcast(ops.cast(flat, ops.bfloat16), ops.int16),)

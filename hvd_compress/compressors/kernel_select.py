@@ -34,6 +34,7 @@ class KernelSelect(Sparsifier):
     adaptive.  Payload: (values of the chosen kernels, int32 kernel ids)."""
 
     name = "kernel_select"
+    sparse_residual = False   # ids are of whole kernels, not of elements
 
     def __init__(self, fraction=None, ef=None):
         super().__init__(ef=ef)

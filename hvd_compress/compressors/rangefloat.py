@@ -72,6 +72,9 @@ class RangeFloatCodec:
         if isinstance(n_bytes, int) and ops.host_bool(expected != n_bytes):
             raise ValueError(f"rangefloat: {n_bytes} bytes where the headers say "
                              f"{int(expected)}; the payload is malformed")
+        fast = ops.rangefloat_decode_ranks(data, emax, counts, self.e, self.m)
+        if fast is not None:                           # the CPU path: rank by rank
+            return fast
         values = ops.rangefloat_decode(data, ops.repeat_interleave(emax, groups), self.e, self.m)
         padded = groups * self.per_group
         starts = ops.cumsum(padded) - padded

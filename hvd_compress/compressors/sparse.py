@@ -55,6 +55,19 @@ class Sparsifier(Compressor):
             return values, idx
         return (*self.codec.encode(values, ops), idx)
 
+    sparse_residual = True   #: payload indices are element indices of the input
+
+    def subtract_sent(self, compensated, payload, ctx, ops, inplace):
+        """``c - scatter(payload)`` touching only the sent entries (own indices are
+        distinct); the same bits as the dense subtraction."""
+        if not self.sparse_residual:
+            return super().subtract_sent(compensated, payload, ctx, ops, inplace)
+        if self.codec is None:
+            values, idx = payload
+        else:
+            values, idx = self.codec.decode(payload[0], payload[1], ops), payload[2]
+        return ops.subtract_at(compensated, idx, values, inplace)
+
     def decode(self, payload, ctx, ops):
         parts = 2 if self.codec is None else 3
         if len(payload) != parts:

@@ -109,6 +109,20 @@ def zeros(n, dtype, like=None):
     return _tf.zeros([n], dtype=dtype)
 
 
+def supports_inplace():
+    """No in-place buffers: state lives in tf.Variables, updated by assign."""
+    return False
+
+
+def subtract(a, b, inplace=False):
+    return a - b
+
+
+def subtract_at(a, idx, values, inplace=False):
+    """``a - cast(scatter_sum(len(a), idx, values))`` (``idx`` distinct)."""
+    return a - cast(scatter_sum(numel(a), idx, values, float32), a.dtype)
+
+
 def new_store():
     from ..memory import TFStore
     return TFStore()
@@ -241,6 +255,13 @@ def twobit_unpack(words):
     return _tf.reshape(sign, [-1])
 
 
+def twobit_decode_sum(words, thresholds, n):
+    """``sum_r thresholds[r] * signs(words of rank r)[:n]``: the 2-bit decoder."""
+    per_rank = -(-n // 16) * 16
+    signs = _tf.reshape(twobit_unpack(words), [-1, per_rank])[:, :n]
+    return sum_rows(_tf.reshape(signs * thresholds[:, None], [-1]), n)
+
+
 def kernel_matrix(flat, shape):
     """Keras convolution kernel (*kernel, in, out) as rows: (in * out, prod(kernel))."""
     ksize = 1
@@ -313,6 +334,11 @@ def rangefloat_decode(data, emax_per_group, e, m):
     bits = _tf.cast(_tf.where(bits >= 2**31, bits - 2**32, bits), _tf.int32)
     value = _tf.where(c == 0, 0.0, _tf.bitcast(bits, _tf.float32))
     return _tf.reshape(value, [-1])
+
+
+def rangefloat_decode_ranks(data, emax, counts, e, m):
+    """No rank-by-rank fast path in TensorFlow: the codec's generic decode runs."""
+    return None
 
 
 def repeat_interleave(values, repeats):

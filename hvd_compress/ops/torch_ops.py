@@ -114,6 +114,31 @@ def zeros(n, dtype, like=None):
     return _torch.zeros(n, dtype=dtype, device=like.device if like is not None else None)
 
 
+def supports_inplace():
+    """Error feedback may update its buffers in place (see memory.ResidualMemory)."""
+    return True
+
+
+def add_into(a, b, out):
+    """``a + b`` written into ``out``."""
+    return _torch.add(a, b, out=out)
+
+
+def subtract(a, b, inplace=False):
+    """``a - b``, in place on ``a`` when ``inplace``."""
+    return a.sub_(b) if inplace else a - b
+
+
+def subtract_at(a, idx, values, inplace=False):
+    """``a - cast(scatter_sum(len(a), idx, values))`` for *distinct* ``idx``, touching only
+    those entries (the same bits: ``0.0 + v`` is what the scatter into zeros holds)."""
+    out = a if inplace else a.clone()
+    if idx.numel():
+        i = idx.long()
+        out.index_put_((i,), a[i] - (0.0 + values.float()).to(a.dtype))
+    return out
+
+
 def new_store():
     from ..memory import TorchStore
     return TorchStore()
@@ -240,6 +265,17 @@ def twobit_unpack(words):
     return twobit.unpack(words)
 
 
+def twobit_decode_sum(words, thresholds, n):
+    """``sum_r thresholds[r] * signs(words of rank r)[:n]``: the 2-bit decoder.  On the
+    CPU one table lookup per byte, scaled per rank (bit-identical to the generic path)."""
+    from ..kernels import twobit
+    if not words.is_cuda:
+        return twobit.unpack_cpu(words, scale=thresholds, n=n)
+    per_rank = -(-n // 16) * 16
+    signs = twobit_unpack(words).reshape(-1, per_rank)[:, :n]
+    return sum_rows((signs * thresholds[:, None]).reshape(-1), n)
+
+
 def kernel_matrix(flat, shape):
     """Convolution weight (out, in, *kernel) as rows of kernels: (out * in, prod(kernel))."""
     return flat.reshape(-1, _prod(shape[2:]))
@@ -275,6 +311,16 @@ def rangefloat_encode(flat, emax, e, m):
 def rangefloat_decode(data, emax_per_group, e, m):
     from ..kernels import rangefloat
     return rangefloat.decode(data, emax_per_group, e, m)
+
+
+def rangefloat_decode_ranks(data, emax, counts, e, m):
+    """Optional fast path of the codec's decode: every rank's values, unpadded, decoded
+    rank by rank with one table per exponent (CPU).  None where there is none (CUDA:
+    the codec's generic per-group decode runs the kernel without host synchronisation)."""
+    if data.is_cuda:
+        return None
+    from ..kernels import rangefloat
+    return rangefloat.decode_ranks_cpu(data, emax, counts, e, m)
 
 
 def repeat_interleave(values, repeats):
