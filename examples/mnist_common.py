@@ -67,14 +67,17 @@ class Report:
     """Prints one line per epoch on rank 0 and optionally writes them as JSON."""
 
     def __init__(self, args, framework, size):
+        import time
         self.args, self.rows = args, []
+        self._clock, self._start = time.perf_counter, time.perf_counter()   # wall clock
         self.header = dict(framework=framework, compression=args.compression, workers=size,
                            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                            seed=args.seed)
 
     def epoch(self, epoch, loss, accuracy, stats):
         from hvd_compress.stats import human_bytes
-        row = dict(epoch=epoch, loss=float(loss), test_accuracy=float(accuracy),
+        row = dict(epoch=epoch, elapsed_s=self._clock() - self._start,
+                   loss=float(loss), test_accuracy=float(accuracy),
                    bytes_sent=stats["total_sent"], bytes_dense=stats["total_dense"],
                    ratio=stats["ratio"])
         self.rows.append(row)

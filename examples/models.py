@@ -1,4 +1,5 @@
-"""Small CIFAR-sized (3x32x32) models for benchmarks: a VGG-like and a ResNet-like net."""
+"""Small CIFAR-sized (3x32x32) models for benchmarks: a VGG-like and a ResNet-like net, and
+a 6.4M-parameter CNN+MLP whose size is one large fully-connected layer."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -51,3 +52,20 @@ class ResNetSmall(nn.Module):
     def forward(self, x):
         x = self.blocks(self.stem(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class CNNMLPLarge(nn.Module):
+    """A 6.4M-parameter model dominated by one fully-connected layer (like VGG's or
+    AlexNet's classifier): two convolutions on 3x32x32 input, then 4096 -> 1536 -> 10."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 8 * 8, 1536)
+        self.fc2 = nn.Linear(1536, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))

@@ -9,16 +9,26 @@ class Stats:
     uncompressed float32 gradient would contribute).  ``ratio = dense / sent``.
     """
 
+    TIMES = ("compress_s", "wait_s", "decompress_s")
+
     def __init__(self):
         self.steps = 0
         self.last_sent = self.last_dense = 0
         self.total_sent = self.total_dense = 0
         self._sent = self._dense = 0
+        self._times = [0.0, 0.0, 0.0]
+        self.last_times = dict.fromkeys(self.TIMES, 0.0)
+        self.total_times = dict.fromkeys(self.TIMES, 0.0)
 
     def add(self, sent, dense):
         """Count one tensor's payload in the current step."""
         self._sent += int(sent)
         self._dense += int(dense)
+
+    def add_time(self, compress_s, wait_s, decompress_s):
+        """Add one tensor's seconds (PyTorch glue: wall clock of the calling thread)."""
+        for i, t in enumerate((compress_s, wait_s, decompress_s)):
+            self._times[i] += float(t)
 
     def end_step(self):
         """Close the current step: it becomes ``last_*`` and is added to the totals."""
@@ -27,10 +37,22 @@ class Stats:
         self.total_dense += self._dense
         self.steps += 1
         self._sent = self._dense = 0
+        self.last_times = dict(zip(self.TIMES, self._times))
+        for k, t in self.last_times.items():
+            self.total_times[k] += t
+        self._times = [0.0, 0.0, 0.0]
 
     def as_dict(self):
-        return summarize(self.steps, self.last_sent, self.last_dense,
-                         self.total_sent, self.total_dense)
+        """Bytes (``last_*``, ``total_*``, ``ratio``) and, where the glue measures them
+        (PyTorch), seconds: ``last_compress_s`` (compressing, inside backward's hooks),
+        ``last_wait_s`` (blocked on Horovod in ``synchronize()``: communication that
+        backward did not hide), ``last_decompress_s``, and their ``total_*``."""
+        out = summarize(self.steps, self.last_sent, self.last_dense,
+                        self.total_sent, self.total_dense)
+        for k in self.TIMES:
+            out["last_" + k] = self.last_times[k]
+            out["total_" + k] = self.total_times[k]
+        return out
 
     def __repr__(self):
         d = self.as_dict()

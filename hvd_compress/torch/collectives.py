@@ -3,6 +3,7 @@ optimizer).  Every collective is named after the tensor (``hvd_compress.<name>[.
 Horovod pairs unnamed operations by issue order, which differs between ranks.
 """
 import hashlib
+import time
 
 import horovod.torch as hvd
 import torch
@@ -33,20 +34,25 @@ class Handle:
     """An in-flight compressed reduction; pass it to :func:`synchronize`."""
 
     def __init__(self, compressor, ctx, handles, dtypes, op, process_set, sent, dense,
-                 result=None):
+                 result=None, compress_s=0.0):
         self.compressor, self.ctx, self.handles, self.dtypes = compressor, ctx, handles, dtypes
         self.op, self.process_set = op, process_set
         self.sent_bytes, self.dense_bytes = sent, dense
         self.result = result
+        #: seconds spent compressing, waiting for the collective (after its launch, in
+        #: :func:`synchronize`) and decompressing; filled in by :func:`synchronize`
+        self.compress_s, self.wait_s, self.decompress_s = compress_s, 0.0, 0.0
 
 
 def allreduce_async(tensor, name, compression=None, op=hvd.Average,
-                    process_set=hvd.global_process_set):
+                    process_set=hvd.global_process_set, inplace=False):
     """Compress ``tensor`` and start its collective; returns a :class:`Handle`.
 
     ``compression``: a compressor, a spec string, or None for ``$HVD_COMPRESS``.
     Empty tensors need no collective; integer tensors go uncompressed; sparse
-    tensors are made dense first.
+    tensors are made dense first.  ``inplace=True`` lets an uncompressed payload be
+    reduced in ``tensor``'s own memory, as Horovod does with gradients (no copy); the
+    optimizer passes it for ``p.grad``.
     """
     check_op(op)
     if not name:
@@ -57,10 +63,14 @@ def allreduce_async(tensor, name, compression=None, op=hvd.Average,
     if tensor.numel() == 0:
         return Handle(compressor, None, [], [], op, process_set, 0, 0, result=tensor.clone())
     compressor = compressor.for_tensor(name, tensor)
+    start = time.perf_counter()
     payload, ctx = compressor.compress(tensor.detach(), name)
+    compress_s = time.perf_counter() - start
     if compressor.collective == "allreduce":
-        handles = [hvd.allreduce_async(payload, name=PREFIX + name, op=hvd.Sum,
-                                       process_set=process_set)]
+        in_place = inplace and payload.is_contiguous() and payload.data_ptr() == \
+            tensor.data_ptr() and payload.dtype == tensor.dtype
+        reduce = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+        handles = [reduce(payload, name=PREFIX + name, op=hvd.Sum, process_set=process_set)]
         dtypes = [payload.dtype]
     else:
         handles = [hvd.allgather_async(_to_wire(t), name=f"{PREFIX}{name}.{i}",
@@ -68,14 +78,16 @@ def allreduce_async(tensor, name, compression=None, op=hvd.Average,
                    for i, t in enumerate(payload)]
         dtypes = [t.dtype for t in payload]
     return Handle(compressor, ctx, handles, dtypes, op, process_set,
-                  payload_bytes(payload, torch_ops), tensor.numel() * 4)
+                  payload_bytes(payload, torch_ops), tensor.numel() * 4, compress_s=compress_s)
 
 
 def synchronize(handle):
     """Wait for ``handle``; return the decoded sum (or average) over the ranks."""
     if handle.result is not None:
         return handle.result
+    start = time.perf_counter()
     outputs = [hvd.synchronize(h) for h in handle.handles]
+    waited = time.perf_counter()
     if handle.compressor.collective == "allreduce":
         payload = outputs[0]
     else:
@@ -83,8 +95,10 @@ def synchronize(handle):
     out = handle.compressor.decompress(payload, handle.ctx)
     if handle.op == hvd.Average:
         size = handle.process_set.size()
-        out = out / size if out.is_floating_point() else \
+        # ``out`` is a new tensor (or, in place, the gradient): divide without a copy
+        out = out.div_(size) if out.is_floating_point() else \
             torch.div(out, size, rounding_mode="trunc").to(out.dtype)
+    handle.wait_s, handle.decompress_s = waited - start, time.perf_counter() - waited
     return out
 
 

@@ -83,7 +83,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return collectives.allreduce_async(p.grad, self._names[p], self.compression,
-                                           self.op, self.process_set)
+                                           self.op, self.process_set, inplace=True)
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
@@ -98,9 +98,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             out = collectives.synchronize(handle)
             if p.grad.is_sparse:
                 p.grad = out
-            else:
+            elif out.data_ptr() != p.grad.data_ptr():     # in place already: no copy
                 p.grad.copy_(out)
             self.stats.add(handle.sent_bytes, handle.dense_bytes)
+            self.stats.add_time(handle.compress_s, handle.wait_s, handle.decompress_s)
             self._delay[p] = self.backward_passes_per_step
         self._handles.clear()
         self.stats.end_step()

@@ -1,0 +1,128 @@
+"""One horovodrun worker of benchmarks/step_time.py: trains one model for a few steps
+with each compressor in turn and (rank 0) writes the median step time and its split.
+
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/step_time_worker.py \\
+        --model cnn_mlp_large --specs "none;topk:density=0.01" --out result.json
+
+Split of a step (PyTorch glue timers, see hvd_compress.stats):
+  compute      forward + backward + optimizer step, minus the time spent compressing in
+               backward's hooks
+  compress     compressing every gradient (inside backward, as each gradient is ready)
+  communicate  blocked on Horovod in synchronize(): communication backward did not hide
+  decompress   decoding the aggregates
+  other        the rest of synchronize() (launching late collectives, copying into .grad)
+"""
+import sys
+from pathlib import Path
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvd_compress.torch as hct  # noqa: E402
+
+
+def make_model(name):
+    """(model, input shape) for a model name of the benchmark."""
+    import models
+    if name == "mnist_cnn":
+        from pytorch_mnist import Net
+        return Net(), (1, 28, 28)
+    if name == "vgg_small":
+        return models.vgg_small(), (3, 32, 32)
+    if name == "resnet_small":
+        return models.ResNetSmall(), (3, 32, 32)
+    if name == "cnn_mlp_large":
+        return models.CNNMLPLarge(), (3, 32, 32)
+    raise ValueError(f"unknown model {name!r}")
+
+
+def measure(model_name, spec, steps, warmup, batch):
+    from mnist_common import build_compression
+    torch.manual_seed(0)
+    model, shape = make_model(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if spec == "horovod":        # Horovod's own optimizer, no compression: the baseline
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    else:
+        opt = hct.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=build_compression(spec, model))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    x = torch.randn((batch, *shape), generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    rows = []
+    for step in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.synchronize()
+        t2 = time.perf_counter()
+        if spec == "horovod":
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        t3 = time.perf_counter()
+        if step < warmup:
+            continue
+        if spec == "horovod":    # no timers inside Horovod: synchronize() is communication
+            st = dict(last_compress_s=0.0, last_wait_s=t2 - t1, last_decompress_s=0.0,
+                      last_sent=sum(4 * p.numel() for p in model.parameters()))
+            st["last_dense"] = st["last_sent"]
+        else:
+            st = opt.stats.as_dict()
+        compress, wait, decomp = st["last_compress_s"], st["last_wait_s"], st["last_decompress_s"]
+        rows.append(dict(total=t3 - t0, compute=(t1 - t0) - compress + (t3 - t2),
+                         compress=compress, communicate=wait, decompress=decomp,
+                         other=max(0.0, (t2 - t1) - wait - decomp), sent=st["last_sent"],
+                         dense=st["last_dense"]))
+    for h in getattr(opt, "_hooks", []) + getattr(opt, "_grad_accs", []):
+        if hasattr(h, "remove"):
+            h.remove()
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out["n_params"] = sum(p.numel() for p in model.parameters())
+    out["n_tensors"] = sum(1 for p in model.parameters() if p.requires_grad)
+    out["steps"] = steps
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--specs", required=True, help="compressor specs separated by ';'")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    results = []
+    for spec in args.specs.split(";"):
+        row = measure(args.model, spec, args.steps, args.warmup, args.batch)
+        # the step is as slow as the slower rank: keep the larger median of the two
+        totals = hvd.allgather_object(row["total"], name=f"step_time.{spec}")
+        row.update(spec=spec, model=args.model, total_max_rank=max(totals))
+        results.append(row)
+        if hvd.rank() == 0:
+            print(f"  {args.model:14s} {spec:45s} {1e3 * row['total']:8.1f} ms", flush=True)
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
