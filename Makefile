@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test demo demo-tf bench clean
+.PHONY: setup test demo demo-tf bench clean gpu-test
 
 setup:
 	@bash ci/setup.sh
@@ -21,3 +21,8 @@ demo-tf: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# make gpu-test - every kernel and compressor on CUDA, sync counts, GPU benchmarks (ci/gpu.sh);
+#                no .venv, no Horovod/TensorFlow, no network: python3 (or $$PYTHON) with torch+triton
+gpu-test:
+	@bash ci/gpu.sh

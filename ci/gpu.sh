@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# make gpu-test: everything that needs a CUDA GPU, in one command.
+#
+#   1. preflight  versions, device; hvd_compress and its kernels import with no Horovod/TF
+#   2. tests      tests/gpu (every kernel and compressor on CUDA, sync counts) and
+#                 tests/test_kernels.py (which runs on CUDA tensors when there is a GPU)
+#   3. benchmarks select.py on CUDA (1M-100M, laplace_topk vs torch.topk), codecs and DCT,
+#                 compress+decompress per step of examples/models.py
+#   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
+#
+# Needs python with torch (and triton for the kernels); installs nothing and uses no
+# network.  Horovod and TensorFlow are made unimportable for every step, as on the GPU
+# machine; hvd_compress is imported from this checkout (kernels/ mapped to
+# hvd_compress.kernels as setup.py does), nothing is pip-installed.
+#
+# Environment:
+#   PYTHON          interpreter (default: python3 if it has torch, else .venv/bin/python)
+#   RESULTS_DIR     where the results go (default benchmarks/results/gpu_<date>)
+#   GPU_TEST_BUDGET seconds for all steps (default 450: the issue's 8 minutes, with margin)
+#   REQUIRE_CUDA=1  exit 3 when there is no CUDA device (default: exit 0, status "no_cuda")
+#   PEAK_GBPS       peak memory bandwidth of the device, if its name is not in the table
+#
+# Exit status: 0 all passed (or no CUDA device, reported as such), 1 a test or step
+# failed, 2 the environment is unusable (no torch, hvd_compress does not import).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+START=$SECONDS
+BUDGET=${GPU_TEST_BUDGET:-450}
+STAMP=$(date -u +%Y-%m-%d)
+
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif python3 -c 'import torch' >/dev/null 2>&1; then
+  PY=python3
+elif [ -x "$ROOT/.venv/bin/python" ]; then
+  PY=$ROOT/.venv/bin/python
+else
+  PY=python3
+fi
+
+RESULTS=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu_$STAMP}
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+rm -f "$RESULTS"/.steps.tsv "$RESULTS"/.records.json "$RESULTS"/.preflight.json "$RESULTS"/.select_*
+LOG=$RESULTS/gpu.log
+exec > >(tee "$LOG") 2>&1
+TEE_PID=$!
+
+# A python start-up hook for every step: Horovod and TensorFlow (and Keras) cannot be
+# imported (None in sys.modules: `import` raises ModuleNotFoundError and
+# importlib.util.find_spec returns None, exactly as when they are not installed), and
+# `hvd_compress.kernels` is found in kernels/ without installing the package.
+SHIM=$(mktemp -d)
+trap 'rm -rf "$SHIM"; exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null' EXIT
+cat > "$SHIM/sitecustomize.py" <<'EOF'
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+for _name in filter(None, os.environ.get("HVD_COMPRESS_BLOCK_IMPORTS", "").split(",")):
+    sys.modules.setdefault(_name, None)
+
+
+class _KernelsFinder(importlib.abc.MetaPathFinder):
+    """hvd_compress.kernels -> <repo>/kernels (setup.py's package_dir)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "hvd_compress.kernels":
+            return None
+        init = os.path.join(os.environ["HVD_COMPRESS_ROOT"], "kernels", "__init__.py")
+        return importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[os.path.dirname(init)])
+
+
+sys.meta_path.insert(0, _KernelsFinder())
+
+# run the sitecustomize this one shadows, if any
+_here = os.path.dirname(os.path.abspath(__file__))
+for _entry in sys.path:
+    _file = os.path.join(os.path.abspath(_entry or "."), "sitecustomize.py")
+    if os.path.dirname(_file) != _here and os.path.isfile(_file):
+        try:
+            with open(_file) as _f:
+                exec(compile(_f.read(), _file, "exec"), {"__name__": "sitecustomize", "__file__": _file})
+        except Exception:
+            pass
+        break
+EOF
+export HVD_COMPRESS_ROOT=$ROOT
+export HVD_COMPRESS_BLOCK_IMPORTS=${HVD_COMPRESS_BLOCK_IMPORTS:-horovod,tensorflow,keras,tf_keras}
+export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+unset HVD_COMPRESS_BACKEND TRITON_INTERPRET
+
+echo "==> [gpu] $(date -u '+%Y-%m-%d %H:%M:%S') UTC, python: $PY, results: $RESULTS, budget ${BUDGET}s"
+
+# run_step NAME SECONDS CMD...: run CMD with a timeout clipped to what is left of the
+# budget; record "NAME rc seconds status" for the summary.
+run_step() {
+  local name=$1 want=$2; shift 2
+  local left=$(( BUDGET - (SECONDS - START) - 15 ))
+  local limit=$(( want < left ? want : left ))
+  if [ "$limit" -lt 10 ]; then
+    echo "==> [gpu] $name: skipped, the ${BUDGET}s budget is spent"
+    printf '%s\t%s\t%s\t%s\n' "$name" "" 0 "skipped: budget spent" >> "$RESULTS/.steps.tsv"
+    return 0
+  fi
+  echo "==> [gpu] $name (at most ${limit}s)"
+  local t0=$SECONDS rc status
+  timeout --kill-after=15 "$limit" "$@"
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    124|137) status="timed out after ${limit}s" ;;
+    *) status="failed (exit $rc)" ;;
+  esac
+  echo "==> [gpu] $name: $status in $(( SECONDS - t0 ))s"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( SECONDS - t0 ))" "$status" >> "$RESULTS/.steps.tsv"
+  return $rc
+}
+
+skip_step() {
+  echo "==> [gpu] $1: skipped ($2)"
+  printf '%s\t%s\t%s\t%s\n' "$1" "" 0 "skipped: $2" >> "$RESULTS/.steps.tsv"
+}
+
+BENCH=("$PY" benchmarks/gpu_bench.py)
+
+# 1. preflight
+if ! run_step preflight 120 "${BENCH[@]}" preflight --out "$RESULTS/.preflight.json" \
+      ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}; then
+  "${BENCH[@]}" summary --results "$RESULTS" >/dev/null 2>&1 || true
+  echo "!! [gpu] the environment is unusable (see above): nothing was tested"
+  exit 2
+fi
+HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+
+# 2. tests (no CUDA: the GPU tests are collected and skipped, and counted as skipped)
+export HVD_COMPRESS_GPU_RECORD=$RESULTS/.records.json
+TESTS=(tests/gpu)
+[ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/test_kernels.py)
+run_step tests 240 "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
+  --junitxml="$RESULTS/tests.xml" "${TESTS[@]}"
+
+# 3. benchmarks (CUDA only); the key case (25M) first, each part its own JSON
+if [ "$HAVE_CUDA" = 1 ]; then
+  SELECT=("$PY" benchmarks/select.py --device cuda --no-progress --repeat 5)
+  run_step "select 25M" 90 "${SELECT[@]}" --sizes 25M --inputs laplace,gaussian,student_t2 \
+    --out "$RESULTS/.select_2_25M.json"
+  run_step codecs 90 "${BENCH[@]}" codecs --out "$RESULTS/codecs.json" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
+  run_step models 75 "${BENCH[@]}" models --out "$RESULTS/models.json"
+  run_step "select 1M,4M + real" 60 "${SELECT[@]}" --sizes 1M,4M --inputs laplace,gaussian,student_t2,real \
+    --out "$RESULTS/.select_1_small.json"
+  run_step "select 100M" 90 "${SELECT[@]}" --sizes 100M --inputs laplace,gaussian \
+    --methods topk,laplace_topk,laplace_topk_exact,gaussian_k,sidco_exp \
+    --out "$RESULTS/.select_3_100M.json"    # no dgc: its sample is drawn on the CPU
+else
+  for s in "select 25M" codecs models "select 1M,4M + real" "select 100M"; do
+    skip_step "$s" "no CUDA device"
+  done
+fi
+
+# 4. summary
+"${BENCH[@]}" summary --results "$RESULTS"
+rc=$?
+echo "==> [gpu] done in $(( SECONDS - START ))s; results in $RESULTS"
+if [ "$HAVE_CUDA" != 1 ] && [ "${REQUIRE_CUDA:-0}" = 1 ]; then
+  echo "!! [gpu] REQUIRE_CUDA=1 and there is no CUDA device"
+  exit 3
+fi
+exit $rc

@@ -1,0 +1,130 @@
+"""Host synchronisations per call on CUDA, counted with
+``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising operation: a
+``.item()``, a ``bool()`` of a tensor, a ``nonzero``, a blocking copy).
+
+Asserted where a docstring promises a number:
+
+- ``kernels.rangefloat.max_exponent``: "no host sync" -> 0;
+- ``kernels.compact_above`` (threshold already on the device): "the only host
+  synchronisation: the size of an allocation" -> 1.
+
+Everything else promises no number, so the measured counts are recorded (``record``) and
+end up in the summary JSON of ``make gpu-test``: each kernel launcher, and ``compress`` and
+``decompress`` of every compressor (after a warm-up call, so compiling kernels and creating
+error-feedback state are not counted).
+"""
+import math
+import warnings
+
+import pytest
+import torch
+
+import hvd_compress
+from hvd_compress import kernels as K
+from hvd_compress.kernels import dct as D
+from hvd_compress.kernels import rangefloat as RF
+from hvd_compress.kernels import twobit as TB
+from gpu_helpers import CUDA_ONLY, GPU, laplace
+from test_gpu_compressors import APPROX, EXACT, aggregate, shape_for
+
+pytestmark = GPU + [CUDA_ONLY]
+
+N = 1_000_003
+
+
+def count_syncs(fn):
+    """(number of synchronising CUDA operations in ``fn()``, its result)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught), result
+
+
+def warm_count(fn):
+    fn()                                    # compile the kernels, fill caches
+    return count_syncs(fn)[0]
+
+
+@pytest.fixture(scope="module")
+def x():
+    return laplace(N, seed=3).cuda()
+
+
+def test_counter_counts_what_it_should(x, record):
+    assert count_syncs(lambda: (x * 2).sum())[0] == 0
+    assert count_syncs(lambda: x.sum().item())[0] == 1
+    assert count_syncs(lambda: bool(x.sum() > 0))[0] == 1
+    record("sync_counts", "calibration: torch.nonzero", count_syncs(lambda: torch.nonzero(x > 1))[0])
+    record("sync_counts", "calibration: torch.tensor(0.5, device=cuda)",
+           count_syncs(lambda: torch.tensor(0.5, device="cuda"))[0])
+
+
+def test_max_exponent_does_not_synchronise(x, record):
+    n = warm_count(lambda: RF.max_exponent(x))
+    record("sync_counts", "kernels.rangefloat.max_exponent", n)
+    assert n == 0, "max_exponent promises no host sync"
+
+
+def test_compact_above_synchronises_once(x, record):
+    t = torch.tensor(2.0, device="cuda")
+    n = warm_count(lambda: K.compact_above(x, t))
+    record("sync_counts", "kernels.compact_above (threshold on the device)", n)
+    assert n == 1, "compact_above promises one host synchronisation (the output size)"
+    record("sync_counts", "kernels.compact_above (threshold a python float)",
+           warm_count(lambda: K.compact_above(x, 2.0)))
+
+
+def test_record_kernel_launchers(x, record):
+    t = torch.tensor(0.7, device="cuda")
+    thr = torch.linspace(0.5, 5.0, 16, device="cuda")
+    emax = RF.max_exponent(x)
+    data = RF.encode(x, emax, 4, 3)
+    per_group = emax.to(torch.int32).expand(data.numel()).contiguous()
+    words = TB.pack(x, t)
+    coefs = D.dct(x, 256)
+    calls = {
+        "kernels.abs_sum_max": lambda: K.abs_sum_max(x),
+        "kernels.count_above (16 thresholds on the device)": lambda: K.count_above(x, thr),
+        "kernels.count_above (python list of 4)": lambda: K.count_above(x, [0.5, 1.0, 2.0, 4.0]),
+        "kernels.twobit.pack (threshold on the device)": lambda: TB.pack(x, t),
+        "kernels.twobit.unpack": lambda: TB.unpack(words),
+        "kernels.rangefloat.encode (8 bits)": lambda: RF.encode(x, emax, 4, 3),
+        "kernels.rangefloat.decode (8 bits)": lambda: RF.decode(data, per_group, 4, 3),
+        "kernels.dct.dct (256)": lambda: D.dct(x, 256),
+        "kernels.dct.idct (256)": lambda: D.idct(coefs, 256),
+    }
+    for label, fn in calls.items():
+        record("sync_counts", label, warm_count(fn))
+
+
+SELECT_EF0 = ["topk:density=0.001,ef=0", "laplace_topk:density=0.001,ef=0",
+              "laplace_topk:density=0.001,exact=1,ef=0", "dgc:density=0.001,ef=0",
+              "gaussian_k:density=0.001,ef=0", "sidco_exp:density=0.001,ef=0"]
+
+
+@pytest.mark.parametrize("spec", EXACT + APPROX + SELECT_EF0)
+def test_record_compress_and_decompress(spec, record):
+    shape = shape_for(spec) if spec.startswith("kernel_select") else (N,)
+    n = math.prod(shape)
+    grads = [laplace(n, seed=r).reshape(shape).cuda() for r in range(2)]
+    comps = [hvd_compress.from_spec(spec) for _ in grads]
+    for c, g in zip(comps, grads):                       # warm-up: kernels, residuals
+        c.compress(g, "layer")
+    counts = []
+    payloads = []
+    for c, g in zip(comps, grads):
+        k, (payload, ctx) = count_syncs(lambda c=c, g=g: c.compress(g, "layer"))
+        counts.append(k)
+        payloads.append(payload)
+    agg = aggregate(comps[0], payloads)
+    comps[0].decompress(agg, ctx)
+    dec, _ = count_syncs(lambda: comps[0].decompress(agg, ctx))
+    record("sync_counts", f"compress {spec} (n={n})", counts[0])
+    record("sync_counts", f"decompress {spec} (2 ranks)", dec)
+    assert counts[0] >= 0 and dec >= 0
