@@ -35,18 +35,24 @@ def inputs():
 INPUTS = inputs()
 
 
-def select(spec, g, backend=None):
-    c = hvd_compress.from_spec(spec + ",ef=0")
+# laplace_topk takes the framework's top-k below ``small`` values (262,144 in PyTorch):
+# these tests run the search itself unless a test asks for the small-tensor path.
+SEARCH, SMALL = ",small=0", ",small=1000000000"
+
+
+def select(spec, g, backend=None, path=SEARCH):
+    c = hvd_compress.from_spec(spec + path + ",ef=0")
     (values, idx), _ = c.compress(torch.from_numpy(np.asarray(g, np.float32)), "g")
     return values, idx.long().numpy()
 
 
+@pytest.mark.parametrize("path", [SEARCH, SMALL])
 @pytest.mark.parametrize("density", [0.001, 0.01])
 @pytest.mark.parametrize("name", list(INPUTS))
-def test_count_within_tolerance(name, density):
+def test_count_within_tolerance(name, density, path):
     g = INPUTS[name].astype(np.float32)
     k = math.ceil(density * N)
-    values, idx = select(f"laplace_topk:density={density}", g)
+    values, idx = select(f"laplace_topk:density={density}", g, path=path)
     nnz = np.count_nonzero(g)
     expect = min(k, nnz)
     assert abs(len(idx) - expect) <= math.floor(0.01 * expect), (len(idx), expect)
@@ -65,20 +71,31 @@ def test_exact_is_k_largest_ties_by_index(name, density):
     np.testing.assert_array_equal(np.sort(idx), want)
 
 
-def test_zero_tensor_sends_nothing_nonzero_sends_at_least_one():
-    _, idx = select("laplace_topk:density=0.001", np.zeros(5000, np.float32))
+@pytest.mark.parametrize("path", [SEARCH, SMALL])
+def test_zero_tensor_sends_nothing_nonzero_sends_at_least_one(path):
+    _, idx = select("laplace_topk:density=0.001", np.zeros(5000, np.float32), path=path)
     assert len(idx) == 0
     g = np.zeros(5000, np.float32)
     g[1234] = -1e-3
-    _, idx = select("laplace_topk:density=0.001", g)
+    _, idx = select("laplace_topk:density=0.001", g, path=path)
     assert idx.tolist() == [1234]
 
 
+@pytest.mark.parametrize("path", [SEARCH, SMALL])
 @pytest.mark.parametrize("n", [1, 3, 50])   # smaller than 1/density
-def test_tensor_smaller_than_one_over_density(n):
+def test_tensor_smaller_than_one_over_density(n, path):
     g = np.random.default_rng(n).standard_normal(n).astype(np.float32)
-    _, idx = select("laplace_topk:density=0.001", g)
+    _, idx = select("laplace_topk:density=0.001", g, path=path)
     assert idx.tolist() == [int(np.argmax(np.abs(g)))]
+
+
+def test_small_tensors_take_exact_top_k_by_default():
+    g = INPUTS["laplace"][:50_000].astype(np.float32)            # distinct magnitudes
+    _, idx = select("laplace_topk:density=0.01", g, path="")     # default cut-off
+    np.testing.assert_array_equal(np.sort(idx), np.flatnonzero(topk_mask(g, 0.01)))
+    c = hvd_compress.from_spec("laplace_topk:density=0.01,small=0")
+    assert c.small == 0 and hvd_compress.from_spec(c.spec).small == 0
+    assert "small" not in hvd_compress.from_spec("laplace_topk:density=0.01").spec
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -139,7 +156,7 @@ def test_tensorflow_in_tf_function_with_error_feedback():
     np.testing.assert_allclose(total_sent + c.residual("g").numpy(), total_in, atol=1e-4)
 
 
-@pytest.mark.parametrize("bad", ["tol=1.5", "passes=0", "density=0", "density=1.1"])
+@pytest.mark.parametrize("bad", ["tol=1.5", "passes=0", "density=0", "density=1.1", "small=-1"])
 def test_bad_parameters(bad):
     with pytest.raises(ValueError):
         hvd_compress.from_spec(f"laplace_topk:{bad}")

@@ -31,6 +31,14 @@ count lies within ``tol * k`` of ``k`` -- no sort, no sampling.  Here:
    by lowest index, without sorting anything.
 
 A nonzero tensor always yields between 1 and n entries; an all-zero tensor none.
+
+Small tensors: fitting and searching cost a fixed few passes and host decisions (about
+1 ms on the CPU) that an exact top-k of a small tensor does not.  Below ``small`` values
+(default: the framework's crossover, ``ops.small_topk_below``: 262,144 for PyTorch, where
+torch.topk is faster; none for TensorFlow), the k largest come from the framework's
+top-k instead, zeros dropped, so the contract above holds (exactly k, or every nonzero
+entry when there are fewer; ties broken by the framework, not by index).  ``exact=1``
+always searches (ties by lowest index).
 """
 import math
 
@@ -57,13 +65,17 @@ class LaplaceTopK(DensitySparsifier):
 
     name = "laplace_topk"
 
-    def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False, values=None):
+    def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False, values=None,
+                 small=None):
         super().__init__(density=density, ef=ef, values=values)
         if not 0.0 <= float(tol) < 1.0:
             raise ValueError(f"tol must be in [0, 1), got {tol!r}")
         if int(passes) < 1:
             raise ValueError(f"passes must be >= 1, got {passes!r}")
+        if small is not None and int(small) < 0:
+            raise ValueError(f"small must be >= 0 (values), got {small!r}")
         self.tol, self.passes, self.exact = float(tol), int(passes), bool(exact)
+        self.small = None if small is None else int(small)
 
     def threshold_estimate(self, abs_sum, n):
         """``t0 = mean|g| * ln(1/density)``."""
@@ -71,6 +83,11 @@ class LaplaceTopK(DensitySparsifier):
 
     def select(self, flat, ctx, ops, step):
         n, k = ctx.numel, self.k(ctx.numel)
+        small = ops.small_topk_below(flat) if self.small is None else self.small
+        if n < small and not self.exact:
+            mags = ops.abs(flat)
+            idx = ops.topk_indices(mags, k)
+            return ops.gather(idx, ops.mask_indices(ops.gather(mags, idx) > 0))
         abs_sum, abs_max = ops.abs_sum_max(flat)
         t_cand = 0.5 * self.threshold_estimate(abs_sum, n)
         values, idx = ops.compact_above(flat, t_cand)

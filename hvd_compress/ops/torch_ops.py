@@ -240,6 +240,14 @@ def reduce_sum_int(mask):
     return mask.sum(dtype=_torch.int64)
 
 
+def small_topk_below(t):
+    """Tensors smaller than this take torch.topk in laplace_topk: on the CPU (2026-11-22,
+    benchmarks/select.py) torch.topk of 80k-235k values took 0.2-1.7 ms against the
+    search's ~1.1-1.6 ms, and the search wins from about 1M values.  On CUDA the same
+    cut-off is used until a GPU measurement says otherwise."""
+    return 1 << 18
+
+
 def search_grid(t):
     """Thresholds per counting pass: one kernel pass counts 16 on CUDA; on the CPU
     each threshold costs a compare over the candidates, so 8."""
