@@ -36,7 +36,14 @@ SPECS = ["horovod", "none", "fp16", "topk:density=0.01", "laplace_topk:density=0
          "twobit", "hylo", "rangefloat:bits=8"]
 MODELS = ["mnist_cnn", "vgg_small", "resnet_small", "cnn_mlp_large"]
 LINKS = {"plain": None, "1gbit": "1gbit", "100mbit": "100mbit"}
-STEPS = {"plain": (10, 3), "1gbit": (8, 2), "100mbit": (5, 2)}      # measured, warm-up
+# (measured steps, warm-up steps) per link and model: more steps where steps are short,
+# so that every median is of several seconds of training where it can be
+STEPS = {"plain": {"mnist_cnn": (60, 5), "vgg_small": (20, 3), "resnet_small": (20, 3),
+                   "cnn_mlp_large": (15, 3)},
+         "1gbit": {"mnist_cnn": (40, 5), "vgg_small": (12, 3), "resnet_small": (12, 3),
+                   "cnn_mlp_large": (10, 3)},
+         "100mbit": {"mnist_cnn": (30, 5), "vgg_small": (8, 2), "resnet_small": (8, 2),
+                     "cnn_mlp_large": (6, 2)}}
 PARTS = ["compute", "compress", "communicate", "decompress", "other"]
 
 
@@ -128,7 +135,7 @@ def main():
     for link in links:
         with shaped_link(LINKS[link]) as prefix:
             for model in models:
-                steps, warmup = (3, 1) if args.quick else STEPS[link]
+                steps, warmup = (3, 1) if args.quick else STEPS[link].get(model, (10, 3))
                 rows += run_pair(prefix, link, model, specs, steps, warmup, args.timeout)
     import torch
     import horovod
