@@ -44,7 +44,24 @@ def make_model(name):
         return models.ResNetSmall(), (3, 32, 32)
     if name == "cnn_mlp_large":
         return models.CNNMLPLarge(), (3, 32, 32)
+    if name == "transformer":      # torch's own nn.TransformerEncoder: a model we did not write
+        return TokenClassifier(), ("tokens", 64)
     raise ValueError(f"unknown model {name!r}")
+
+
+class TokenClassifier(torch.nn.Module):
+    """Embedding(5000, 256) -> torch.nn.TransformerEncoder (4 layers, 4 heads, 1024 wide)
+    -> mean over tokens -> Linear(256, 10): 4.5M parameters in 40 tensors."""
+
+    def __init__(self, vocab=5000, width=256):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(width, 4, 1024, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
 
 
 def measure(model_name, spec, steps, warmup, batch):
@@ -59,7 +76,10 @@ def measure(model_name, spec, steps, warmup, batch):
                                        compression=build_compression(spec, model))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn((batch, *shape), generator=gen)
+    if shape[0] == "tokens":
+        x = torch.randint(0, 5000, (batch, shape[1]), generator=gen)
+    else:
+        x = torch.randn((batch, *shape), generator=gen)
     y = torch.randint(0, 10, (batch,), generator=gen)
     rows = []
     for step in range(warmup + steps):

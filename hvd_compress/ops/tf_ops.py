@@ -225,8 +225,11 @@ def reduce_sum_int(mask):
 
 
 def small_topk_below(t):
-    """TensorFlow's top_k sorts: laplace_topk always searches (see torch_ops)."""
-    return 0
+    """Tensors smaller than this take tf.math.top_k in laplace_topk.  Measured on one CPU
+    core inside tf.function (2026-11-22, density 0.01): top_k 1.1 / 3.4 ms against the
+    search's 3.7 / 5.1 ms at 66k / 235k values; the search wins at 1M (10 vs 14 ms) and
+    4M (25 vs 56 ms)."""
+    return 1 << 18
 
 
 def search_grid(t):
