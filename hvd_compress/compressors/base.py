@@ -38,6 +38,7 @@ class Ctx(NamedTuple):
     dtype: Any
     numel: int
     name: str
+    finite: Any = None   #: known "no NaN/Inf in encode's input" (so encode needn't check)
 
 
 class Compressor:
@@ -91,10 +92,11 @@ class Compressor:
             return self.encode(flat, ctx, ops, step), ctx
         memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
         compensated = memory.compensate(name, flat)
-        payload = self.encode(compensated, ctx, ops, step)
+        finite = ops.all_finite(compensated)          # one pass, shared with encode
+        payload = self.encode(compensated, ctx._replace(finite=finite), ops, step)
         memory.update(name, compensated,
                       lambda c, inplace: self.subtract_sent(c, payload, ctx, ops, inplace),
-                      ops.all_finite(compensated))
+                      finite)
         return payload, ctx
 
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):

@@ -42,7 +42,7 @@ class DCTSparse(DensitySparsifier):
 
     def coefficients_ctx(self, ctx):
         padded = -(-ctx.numel // self.block) * self.block
-        return ctx._replace(numel=padded, shape=(padded,))
+        return ctx._replace(numel=padded, shape=(padded,), finite=None)   # coefficients may overflow
 
     def select(self, coefs, cctx, ops, step):
         return self._select.select(coefs, cctx, ops, step)

@@ -58,7 +58,7 @@ class KernelSelect(Sparsifier):
     def encode(self, flat, ctx, ops, step):
         rows = ops.kernel_matrix(flat, ctx.shape)
         ksize = self.kernel_size(ctx, ops)
-        ids = ops.cond(ops.all_finite(flat),
+        ids = ops.cond(ops.all_finite(flat) if ctx.finite is None else ctx.finite,
                        lambda: ops.topk_indices(ops.row_norms(rows), self.kernels_to_send(ctx, ops)),
                        lambda: ops.arange(ctx.numel // ksize, flat))
         return ops.reshape(ops.gather(rows, ids), [-1]), ids

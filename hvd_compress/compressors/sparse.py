@@ -47,7 +47,8 @@ class Sparsifier(Compressor):
         raise NotImplementedError
 
     def encode(self, flat, ctx, ops, step):
-        idx = ops.cond(ops.all_finite(flat),
+        finite = ops.all_finite(flat) if ctx.finite is None else ctx.finite
+        idx = ops.cond(finite,
                        lambda: self.select(flat, ctx, ops, step),
                        lambda: ops.arange(ctx.numel, flat))
         values = ops.gather(flat, idx)
