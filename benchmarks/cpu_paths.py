@@ -120,8 +120,8 @@ def primitives(n, ref_n, rng):
                 sub = lambda cc, inplace: torch_ops.subtract(cc, sent[:size], inplace)  # noqa: E731
             mem.update("g", c, sub, torch_ops.all_finite(c))
 
-        def ef_ref(size, sparse=sparse):   # what base.Compressor did before: out of place
-            mem = ResidualMemory(store_ref, torch_ops, reuse=False)
+        def ef_ref(store, size, sparse=sparse):   # what base.Compressor did before: out of place
+            mem = ResidualMemory(store, torch_ops, reuse=False)
             g = x[:size]
             c = mem.compensate("g", g)
             if sparse:
@@ -131,18 +131,14 @@ def primitives(n, ref_n, rng):
                 s = sent[:size]
             mem.update("g", c, lambda cc, inplace: cc - s, torch_ops.all_finite(c))
 
-        def check(size=ref_n, sparse=sparse, ef=ef):
+        def check(size=ref_n, ef=ef, ef_ref=ef_ref):
             a, b = TorchStore(), TorchStore()
             for _ in range(3):
                 ef(a, True, size)
-                mem = ResidualMemory(b, torch_ops, reuse=False)
-                c = mem.compensate("g", x[:size])
-                i = idx[idx < size]
-                s = torch_ops.scatter_sum(size, i, c[i.long()]) if sparse else sent[:size]
-                mem.update("g", c, lambda cc, inplace: cc - s, torch_ops.all_finite(c))
+                ef_ref(b, size)
             return same_bits(a.get("residual/g", None), b.get("residual/g", None))
         rows.append((f"error feedback ({label})", lambda s=store_fast, ef=ef: ef(s, True, n),
-                     lambda ef_ref=ef_ref: ef_ref(n), check))
+                     lambda s=store_ref, ef_ref=ef_ref: ef_ref(s, n), check))
 
     # sparse decode: two ranks' 1% payloads scattered (added) into the dense sum
     i2 = torch.cat([idx, torch.from_numpy(rng.choice(n, k, replace=False).astype(np.int32))])

@@ -162,11 +162,14 @@ def test_residual_buffers_are_reused_without_allocation_per_step():
 def test_shared_primitives_agree_between_frameworks(n):
     tf = pytest.importorskip("tensorflow")
     from hvd_compress.ops import tf_ops
+    from hvd_compress.compressors.base import Ctx
     xs = [torch.randn(n) for _ in range(3)]
     words = torch.cat([T.pack_cpu(x, 0.5) for x in xs])
     thr = torch.rand(3) + 0.1
-    got_torch = torch_ops.twobit_decode_sum(words, thr, n)
-    got_tf = tf_ops.twobit_decode_sum(tf.constant(words.numpy()), tf.constant(thr.numpy()), n)
+    twobit, ctx = hvd_compress.from_spec("twobit"), Ctx((n,), torch.float32, n, "w")
+    got_torch = twobit.decode((words, thr), ctx, torch_ops)          # table-lookup path
+    got_tf = twobit.decode((tf.constant(words.numpy()), tf.constant(thr.numpy())), ctx,
+                           tf_ops)                                  # generic path
     np.testing.assert_array_equal(got_torch.numpy(), got_tf.numpy())
     c = torch.randn(n)
     idx = torch.from_numpy(np.random.default_rng(0).choice(n, max(1, n // 3), replace=False)

@@ -51,4 +51,8 @@ class TwoBit(Compressor):
         if isinstance(nw, int) and isinstance(nt, int) and nw != nt * per_rank:
             raise ValueError(f"twobit: {nw} words for {nt} ranks of {per_rank} words each; "
                              "the payload is malformed")
-        return ops.twobit_decode_sum(words, thresholds, n)
+        fast = ops.twobit_decode_sum(words, thresholds, n)
+        if fast is not None:                           # the CPU path: table lookups
+            return fast
+        signs = ops.reshape(ops.twobit_unpack(words), [-1, per_rank * 16])[:, :n]
+        return ops.sum_rows(ops.reshape(signs * thresholds[:, None], [-1]), n)

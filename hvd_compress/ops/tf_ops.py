@@ -264,10 +264,8 @@ def twobit_unpack(words):
 
 
 def twobit_decode_sum(words, thresholds, n):
-    """``sum_r thresholds[r] * signs(words of rank r)[:n]``: the 2-bit decoder."""
-    per_rank = -(-n // 16) * 16
-    signs = _tf.reshape(twobit_unpack(words), [-1, per_rank])[:, :n]
-    return sum_rows(_tf.reshape(signs * thresholds[:, None], [-1]), n)
+    """No table-lookup fast path in TensorFlow: the 2-bit decoder's generic path runs."""
+    return None
 
 
 def kernel_matrix(flat, shape):

@@ -274,14 +274,13 @@ def twobit_unpack(words):
 
 
 def twobit_decode_sum(words, thresholds, n):
-    """``sum_r thresholds[r] * signs(words of rank r)[:n]``: the 2-bit decoder.  On the
-    CPU one table lookup per byte, scaled per rank (bit-identical to the generic path)."""
+    """Optional fast path of the 2-bit decoder, ``sum_r thresholds[r] * signs_r[:n]``:
+    one table lookup per byte, scaled per rank, bit-identical (CPU).  None on CUDA,
+    where the decoder's generic unpack-multiply-sum runs the kernel."""
+    if words.is_cuda:
+        return None
     from ..kernels import twobit
-    if not words.is_cuda:
-        return twobit.unpack_cpu(words, scale=thresholds, n=n)
-    per_rank = -(-n // 16) * 16
-    signs = twobit_unpack(words).reshape(-1, per_rank)[:, :n]
-    return sum_rows((signs * thresholds[:, None]).reshape(-1), n)
+    return twobit.unpack_cpu(words, scale=thresholds, n=n)
 
 
 def kernel_matrix(flat, shape):
