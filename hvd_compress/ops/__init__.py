@@ -33,7 +33,11 @@ Further groups, each with its docstrings in ``torch_ops.py`` (where the Triton k
 are dispatched) and mirrored in ``tf_ops.py``: threshold selection (``abs_sum_max``,
 ``count_above``, ``compact_above``, the bit-space search helpers), 2-bit packing and
 convolution kernels (``twobit_pack``, ``kernel_matrix``, ...), and range-based float and
-block DCT (``rangefloat_encode``, ``block_dct``, ...).
+block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers
+(``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``); and the size cut-off
+``small_topk_below``.  ``twobit_decode_sum`` and ``rangefloat_decode_ranks`` are optional
+fast paths: they return None where a framework or device has none, and the compressor's
+generic code (written once) runs instead.
 """
 
 
