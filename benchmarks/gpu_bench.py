@@ -3,6 +3,7 @@
     python benchmarks/gpu_bench.py preflight --out F   # versions, device; imports without Horovod/TF
     python benchmarks/gpu_bench.py codecs --out F      # twobit, rangefloat, block DCT throughput
     python benchmarks/gpu_bench.py models --out F      # compress + decompress per step, examples/models.py
+    python benchmarks/gpu_bench.py profile --out F     # time, host-sync sites and top ops per compressor
     python benchmarks/gpu_bench.py summary --results DIR   # one JSON from everything in DIR
 
 Throughput is reported as the bytes an operation must read and write divided by its median
@@ -249,7 +250,7 @@ def models(args):
             F.cross_entropy(model(x), y).backward()
             ranks.append([(n, p.grad.detach().clone()) for n, p in model.named_parameters()])
         params = sum(g.numel() for _, g in ranks[0])
-        for scheme in args.schemes.split(","):
+        for scheme in filter(None, (s.strip() for s in args.schemes.split(";"))):
             comps = [hvd_compress.Hylo.from_model(model) if scheme == "hylo"
                      else hvd_compress.from_spec(scheme) for _ in ranks]
 
@@ -393,6 +394,108 @@ def select_figures(select, peak):
     return rows, targets
 
 
+# -- profile: where a compressor's time and host synchronisations go --------------------
+
+PROFILE_SPECS = ["topk:density=0.01", "laplace_topk:density=0.01", "laplace_topk:density=0.01,exact=1",
+                 "laplace_topk:density=0.01,values=rangefloat8", "rangefloat:bits=8", "twobit",
+                 "dct:density=0.01"]
+
+
+def profile(args):
+    """Per spec and size: median compress / decompress time, the source lines of
+    hvd_compress that synchronise with the host (``torch.cuda.set_sync_debug_mode``), the
+    number of CUDA kernels launched, and the top operations by CPU time (torch.profiler)."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    import hvd_compress
+    info = device_info(torch)
+    pkg = (str(ROOT / "hvd_compress"), str(ROOT / "kernels"))
+    results = []
+
+    def sync_sites(fn):
+        sites = Counter()
+        original = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return
+            frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(pkg)]
+            where = frames[-1] if frames else traceback.extract_stack()[-3]
+            sites[f"{Path(where.filename).name}:{where.lineno} {where.name}"] += 1
+
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")      # (it can warn once itself: not counted)
+            warnings.showwarning = show
+            try:
+                fn()
+            finally:
+                warnings.showwarning = original
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        return dict(sites)
+
+    def timed(fn, repeat):
+        times = []
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    for n in map(parse_size, args.sizes.split(",")):
+        g = torch.randn(n, device="cuda")
+        g2 = torch.randn(n, device="cuda")
+        for spec in filter(None, (s.strip() for s in args.specs.split(";"))):
+            comps = [hvd_compress.from_spec(spec), hvd_compress.from_spec(spec)]
+            state = {}
+
+            def compress():
+                state["p0"], state["ctx"] = comps[0].compress(g, "x")
+                state["p1"], _ = comps[1].compress(g2, "x")
+
+            def decompress():
+                return comps[0].decompress(_aggregate(comps[0], [state["p0"], state["p1"]]), state["ctx"])
+
+            compress(), decompress(), compress(), decompress()           # warm-up
+            row = {"spec": spec, "n": n,
+                   "compress_ms_two_ranks": 1e3 * timed(compress, args.repeat),
+                   "decompress_ms": 1e3 * timed(decompress, args.repeat),
+                   "compress_sync_sites": sync_sites(compress),
+                   "decompress_sync_sites": sync_sites(decompress)}
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                compress()
+                decompress()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            row["cuda_kernels"] = sum(e.count for e in events
+                                      if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+            top = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[:args.top]
+            row["top_cpu_ops"] = [{"op": e.key, "count": e.count, "cpu_ms": e.cpu_time_total / 1e3}
+                                  for e in top]
+            results.append(row)
+            print(f"\n{spec}  n={n:,}: compress (2 ranks) {row['compress_ms_two_ranks']:.3f} ms, "
+                  f"decompress {row['decompress_ms']:.3f} ms, {row['cuda_kernels']} CUDA kernels")
+            for what in ("compress_sync_sites", "decompress_sync_sites"):
+                for site, count in sorted(row[what].items(), key=lambda kv: -kv[1]):
+                    print(f"   {what[:-11]:10s} sync x{count:<3d} {site}")
+            for e in row["top_cpu_ops"]:
+                print(f"   cpu {e['cpu_ms']:8.3f} ms  x{e['count']:<4d} {e['op'][:90]}")
+    write_json(args.out, {"info": info, "results": results})
+    print(f"wrote {args.out}")
+    return 0
+
+
+
 def summary(args):
     res = Path(args.results)
     pre = _load(res / ".preflight.json") or {}
@@ -503,18 +606,26 @@ def main():
     a = sub.add_parser("models")
     a.add_argument("--out", required=True)
     a.add_argument("--repeat", type=int, default=10)
-    a.add_argument("--schemes", default=",".join(MODEL_SCHEMES))
+    a.add_argument("--schemes", default=";".join(MODEL_SCHEMES),
+                   help="compressor specs separated by ';' (a spec has commas of its own)")
+    a = sub.add_parser("profile")
+    a.add_argument("--out", required=True)
+    a.add_argument("--sizes", default="1M,25M")
+    a.add_argument("--repeat", type=int, default=10)
+    a.add_argument("--top", type=int, default=12)
+    a.add_argument("--specs", default=";".join(PROFILE_SPECS), help="specs separated by ';'")
     a = sub.add_parser("summary")
     a.add_argument("--results", required=True)
     a.add_argument("--keep", action="store_true", help="keep the intermediate .files")
     args = p.parse_args()
-    if args.cmd in ("codecs", "models"):
+    if args.cmd in ("codecs", "models", "profile"):
         import torch
         if not torch.cuda.is_available():
             print(f"{args.cmd}: no CUDA device; nothing to measure")
             return 3
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return {"preflight": preflight, "codecs": codecs, "models": models, "summary": summary}[args.cmd](args)
+    return {"preflight": preflight, "codecs": codecs, "models": models, "profile": profile,
+            "summary": summary}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import hvd_compress  # noqa: E402
 
 METHODS = {
     "topk": "topk:density={d},ef=0",
-    "laplace_topk": "laplace_topk:density={d},ef=0",
+    "laplace_topk": "laplace_topk:density={d},ef=0,small=0",   # the search, at every size
     "laplace_topk_exact": "laplace_topk:density={d},exact=1,ef=0",
     "dgc": "dgc:density={d},ef=0",
     "gaussian_k": "gaussian_k:density={d},ef=0",

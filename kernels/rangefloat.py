@@ -66,7 +66,7 @@ def _kernels():
                  mask=(grp < n_groups)[:, None] & (byte < NB)[None, :])
 
     @triton.jit
-    def _decode_kernel(in_ptr, emax_ptr, out_ptr, n_groups, E_BITS: tl.constexpr,
+    def _decode_kernel(in_ptr, emax_ptr, out_ptr, n_groups, emax_stride, E_BITS: tl.constexpr,
                        M_BITS: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                        BLOCK: tl.constexpr):
         pid = tl.program_id(0)
@@ -82,7 +82,7 @@ def _kernels():
         sign = (code >> (E_BITS + M_BITS)) & 1
         c = (code >> M_BITS) & ((1 << E_BITS) - 1)
         q = code & ((1 << M_BITS) - 1)
-        emax = tl.load(emax_ptr + grp, mask=ok, other=0)
+        emax = tl.load(emax_ptr + grp * emax_stride, mask=ok, other=0)   # stride 0: one exponent
         expf = emax[:, None] - c + 1 + 127
         bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
         value = tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))
@@ -282,16 +282,47 @@ def encode(x, emax, e, m, backend=None, block=256):
     return out
 
 
-def decode(data, emax_per_group, e, m, backend=None, block=256):
-    """float32 values of packed codes (``g`` per group; kernel on CUDA)."""
+def decode(data, emax_per_group, e, m, backend=None, block=256, out=None):
+    """float32 values of packed codes (``g`` per group; kernel on CUDA).
+
+    ``emax_per_group``: int32, one exponent per group, or a single one (0-d or 1 element)
+    for all groups.  ``out``: where to write (at least groups * g floats), else new."""
     if pick_backend(data, backend) == "torch" or data.numel() == 0:
-        return decode_cpu(data, emax_per_group, e, m)
+        if emax_per_group.numel() == 1:
+            emax_per_group = emax_per_group.reshape(1).expand(data.numel() // group(1 + e + m)[1])
+        got = decode_cpu(data, emax_per_group, e, m)
+        return got if out is None else out[:got.numel()].copy_(got)
     triton, _, decode_kernel = _kernels()
     g, nb = group(1 + e + m)
     n_groups = data.numel() // nb
-    out = torch.empty(n_groups * g, dtype=torch.float32, device=data.device)
-    decode_kernel[(triton.cdiv(n_groups, block),)](data.contiguous(),
-                                                   emax_per_group.to(torch.int32).contiguous(),
-                                                   out, n_groups, E_BITS=e, M_BITS=m, G=g,
-                                                   NB=nb, BLOCK=block)
+    if out is None:
+        out = torch.empty(n_groups * g, dtype=torch.float32, device=data.device)
+    emax = emax_per_group.to(torch.int32).reshape(-1).contiguous()
+    decode_kernel[(triton.cdiv(n_groups, block),)](data.contiguous(), emax, out, n_groups,
+                                                   0 if emax.numel() == 1 else 1,
+                                                   E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block)
     return out
+
+
+def decode_ranks(data, emax, counts, e, m, backend=None):
+    """Every rank's values, unpadded and concatenated: rank ``r``'s segment of ``data``
+    holds ``counts[r]`` codes padded to whole groups, all with exponent ``emax[r]``.
+
+    One host synchronisation (the counts, to cut the segments), then one kernel launch per
+    rank with a single exponent (no per-group exponent array, no mask): on CUDA this
+    replaced a generic decode of repeat_interleave + nonzero that took 13 ms for 2 ranks of
+    25M values on an H100 (2026-11-22).  On the CPU: ``decode_ranks_cpu``."""
+    if pick_backend(data, backend) == "torch":
+        return decode_ranks_cpu(data, emax, counts, e, m)
+    g, nb = group(1 + e + m)
+    sizes = counts.tolist()
+    total = sum(sizes)
+    out = torch.empty(total + g, dtype=torch.float32, device=data.device)   # + g: padding
+    start = pos = 0
+    for r, count in enumerate(sizes):
+        size = -(-count // g) * nb
+        if count:
+            decode(data[start:start + size], emax[r:r + 1], e, m, backend=backend,
+                   out=out[pos:pos + size // nb * g])
+        start, pos = start + size, pos + count           # the next rank overwrites the padding
+    return out[:total]

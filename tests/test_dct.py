@@ -36,6 +36,25 @@ def test_rangefloat_kernels_bit_exact(bits, n):
 
 
 @pytest.mark.parametrize("bits", sorted(SPLITS))
+def test_rangefloat_decode_ranks_kernel_equals_cpu(bits):
+    """Several ranks' segments (one empty, one with a padded last group, one exponent
+    each) decoded by the kernel, rank by rank into one buffer, as on the CPU."""
+    e, m = SPLITS[bits]
+    parts = [RangeFloatCodec(bits).encode(torch.from_numpy(laplace(n, n, scale)), _torch_ops())
+             for n, scale in ((7, 1e-3), (0, 1.0), (13, 50.0), (1, 2.0))]
+    data = torch.cat([p[0] for p in parts])
+    h = torch.cat([p[1] for p in parts]).reshape(-1, 2)
+    got = rf.decode_ranks(data, h[:, 0], h[:, 1], e, m, backend="triton")
+    want = rf.decode_ranks_cpu(data, h[:, 0], h[:, 1], e, m)
+    assert got.numel() == 21 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def _torch_ops():
+    from hvd_compress.ops import torch_ops
+    return torch_ops
+
+
+@pytest.mark.parametrize("bits", sorted(SPLITS))
 def test_rangefloat_worst_case_relative_error(bits):
     """|x_hat - x| <= 2^-(m+1) |x| inside the range, as the docstring states."""
     codec = RangeFloatCodec(bits)

@@ -241,11 +241,19 @@ def reduce_sum_int(mask):
 
 
 def small_topk_below(t):
-    """Tensors smaller than this take torch.topk in laplace_topk: on the CPU (2026-11-22,
-    benchmarks/select.py) torch.topk of 80k-235k values took 0.2-1.7 ms against the
-    search's ~1.1-1.6 ms, and the search wins from about 1M values.  On CUDA the same
-    cut-off is used until a GPU measurement says otherwise."""
-    return 1 << 18
+    """Tensors smaller than this take torch.topk in laplace_topk.
+
+    CPU (2026-11-22, benchmarks/select.py): torch.topk of 80k-235k values took 0.2-1.7 ms
+    against the search's ~1.1-1.6 ms, and the search wins from about 1M values: 2^18.
+
+    CUDA (H100, torch 2.11, the first GPU run, 2026-11-22, benchmarks/results/gpu_*):
+    torch.topk took 0.3-0.5 ms at 1M-4M values, 0.8 ms at 25M and 2.6 ms at 100M; the
+    search took 2-3.5 ms at every size (about 140 small kernel launches and 4 host
+    synchronisations a call, so its cost is mostly fixed), 3.1-3.8 ms at 100M.  torch.topk
+    won up to 25M and broke even at 100M (2.5 ms against 2.2-3.1 ms), so on CUDA the
+    search runs only from 2^27 values (134M; or with
+    ``small=0`` / ``exact=1``)."""
+    return (1 << 27) if t.is_cuda else (1 << 18)
 
 
 def search_grid(t):
@@ -321,13 +329,10 @@ def rangefloat_decode(data, emax_per_group, e, m):
 
 
 def rangefloat_decode_ranks(data, emax, counts, e, m):
-    """Optional fast path of the codec's decode: every rank's values, unpadded, decoded
-    rank by rank with one table per exponent (CPU).  None where there is none (CUDA:
-    the codec's generic per-group decode runs the kernel without host synchronisation)."""
-    if data.is_cuda:
-        return None
+    """Fast path of the codec's decode: every rank's values, unpadded, decoded rank by
+    rank with one exponent each (CPU: a table per exponent; CUDA: one kernel per rank)."""
     from ..kernels import rangefloat
-    return rangefloat.decode_ranks_cpu(data, emax, counts, e, m)
+    return rangefloat.decode_ranks(data, emax, counts, e, m)
 
 
 def repeat_interleave(values, repeats):

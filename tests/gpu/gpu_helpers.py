@@ -26,6 +26,10 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16,
 def bits(t):
     """``t`` on the CPU, floats reinterpreted as integers (so NaN == NaN, -0 != +0)."""
     t = t.detach().cpu().contiguous()
+    if t.dtype.is_floating_point and t.isnan().any():
+        # one NaN for all: the sign and payload of a NaN made by an invalid operation differ
+        # between devices (x86 makes 0xFFC00000, CUDA 0x7FFFFFFF), and no one can tell them apart
+        t = torch.where(t.isnan(), torch.full_like(t, float("nan")), t)
     return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
 
 
@@ -57,7 +61,9 @@ def laplace(n, seed=0, device="cpu", dtype=torch.float32):
 def laplace_cuda(n, seed=0, dtype=torch.float32):
     """Laplace(0, 1) samples made on the GPU (for tensors too large to make on the CPU)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    u = torch.rand(n, generator=g, device=DEV) - 0.5
+    # rand() can return exactly 0 (about 2^-24 of draws: 16 times in 2^28), and u = -0.5
+    # would make log1p(-1) = -inf; the smallest draw is kept one step above 0.
+    u = torch.rand(n, generator=g, device=DEV).clamp_(min=2.0**-24) - 0.5
     u.copy_(-torch.sign(u) * torch.log1p(-2 * u.abs()))
     return u.to(dtype)
 
