@@ -152,6 +152,60 @@ class ResidualMemory:
         new = subtract_sent(compensated, False)
         self.store.set(self.PREFIX + name, self.ops.select(finite, new, old))
 
+    # -- several tensors end to end (a bucket) ------------------------------------------
+    def compensate_parts(self, parts, flat, own=False):
+        """``c = g + r`` for ``flat`` holding the tensors ``parts`` = ((name, numel), ...)
+        end to end; each tensor keeps its own residual under its own name.
+
+        PyTorch (``reuse``): after the first step the residuals are views of one bucket
+        buffer, so nothing is concatenated; ``own=True`` says ``flat`` is the caller's
+        scratch buffer, and ``c`` is written into it."""
+        if len(parts) == 1:
+            return self.compensate(parts[0][0], flat)
+        ops = self.ops
+        residuals = [self._residual_n(name, n, flat) for name, n in parts]
+        r = self._contiguous(residuals) if self.reuse else None
+        if r is None:
+            r = ops.concat([ops.cast(x, flat.dtype) for x in residuals])
+        if self.reuse and own:
+            return ops.add_into(flat, ops.cast(r, flat.dtype), flat)
+        return flat + ops.cast(r, flat.dtype)
+
+    def update_parts(self, parts, compensated, subtract_sent, finite):
+        """``r = c - sent`` per tensor of ``parts``; unchanged where ``finite`` is false."""
+        if len(parts) == 1:
+            return self.update(parts[0][0], compensated, subtract_sent, finite)
+        ops = self.ops
+        names = [name for name, _ in parts]
+        lengths = [n for _, n in parts]
+        if self.reuse:
+            if ops.host_bool(finite):
+                new = subtract_sent(compensated, True)       # c's buffer is the residual now
+                for name, view in zip(names, ops.split(new, lengths)):
+                    self.store.set(self.PREFIX + name, view)
+            return
+        new = subtract_sent(compensated, False)
+        old = ops.concat([self._residual_n(name, n, compensated) for name, n in parts])
+        for name, value in zip(names, ops.split(ops.select(finite, new, old), lengths)):
+            self.store.set(self.PREFIX + name, value)
+
+    def _residual_n(self, name, n, like):
+        ops = self.ops
+        return self.store.get(self.PREFIX + name, lambda: ops.zeros(n, like.dtype, like))
+
+    @staticmethod
+    def _contiguous(tensors):
+        """The one buffer ``tensors`` are consecutive views of, in order, else None."""
+        base = tensors[0]._base if getattr(tensors[0], "_base", None) is not None else None
+        if base is None or base.dim() != 1 or base.numel() != sum(t.numel() for t in tensors):
+            return None
+        at = base.data_ptr()
+        for t in tensors:
+            if t._base is not base or t.data_ptr() != at:
+                return None
+            at += t.numel() * t.element_size()
+        return base
+
     def residual(self, name):
         """The residual of ``name`` (flat), or None if none was stored yet."""
         key = self.PREFIX + name

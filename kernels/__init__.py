@@ -14,3 +14,4 @@ from .threshold_count import count_above, count_above_reference  # noqa: F401
 from . import twobit  # noqa: F401,E402
 from . import rangefloat  # noqa: F401,E402
 from . import dct  # noqa: F401,E402
+from . import segmented  # noqa: F401,E402

@@ -23,22 +23,31 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _block_count_kernel(x_ptr, t_ptr, block_counts_ptr, n, BLOCK: tl.constexpr):
+    def _block_count_kernel(x_ptr, t_ptr, seg_ptr, block_counts_ptr, n,
+                            PER_SEGMENT: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
-        sel = (a > tl.load(t_ptr)) & valid
+        if PER_SEGMENT:                          # a threshold per segment (bucket)
+            t = tl.load(t_ptr + tl.load(seg_ptr + offs, mask=valid, other=0))
+        else:
+            t = tl.load(t_ptr)
+        sel = (a > t) & valid
         tl.store(block_counts_ptr + pid, tl.sum(sel.to(tl.int64), axis=0))
 
     @triton.jit
-    def _compact_kernel(x_ptr, t_ptr, block_offsets_ptr, values_ptr, indices_ptr, n,
-                        BLOCK: tl.constexpr):
+    def _compact_kernel(x_ptr, t_ptr, seg_ptr, block_offsets_ptr, values_ptr, indices_ptr, n,
+                        PER_SEGMENT: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         x = tl.load(x_ptr + offs, mask=valid, other=0.0)
-        sel = (tl.abs(x.to(tl.float32)) > tl.load(t_ptr)) & valid
+        if PER_SEGMENT:
+            t = tl.load(t_ptr + tl.load(seg_ptr + offs, mask=valid, other=0))
+        else:
+            t = tl.load(t_ptr)
+        sel = (tl.abs(x.to(tl.float32)) > t) & valid
         s = sel.to(tl.int64)
         pos = tl.load(block_offsets_ptr + pid) + tl.cumsum(s, axis=0) - s
         tl.store(values_ptr + pos, x, mask=sel)
@@ -47,13 +56,17 @@ def _kernels():
     return triton, _block_count_kernel, _compact_kernel
 
 
-def compact_above_reference(x, t):
-    """``(x[sel], sel_indices_int32)`` with ``sel = |x| > t``, in index order."""
+def compact_above_reference(x, t, segment_ids=None):
+    """``(x[sel], sel_indices_int32)`` with ``sel = |x| > t``, in index order.
+
+    With ``segment_ids`` (int, one per entry), ``t`` holds one threshold per segment and
+    entry ``i`` is compared with ``t[segment_ids[i]]``."""
     xf = x.reshape(-1)
     tf = torch.as_tensor(t, dtype=torch.float32, device=x.device)
     mask = torch.empty(xf.numel(), dtype=torch.bool, device=x.device)
     for start, stop in chunks(xf.numel()):       # |x| of a chunk stays in cache
-        torch.gt(xf[start:stop].float().abs(), tf, out=mask[start:stop])
+        t_here = tf if segment_ids is None else tf[segment_ids[start:stop].long()]
+        torch.gt(xf[start:stop].float().abs(), t_here, out=mask[start:stop])
     if x.device.type == "cpu":                   # numpy's flatnonzero: 1.5x torch.nonzero
         idx = torch.from_numpy(np.flatnonzero(mask.numpy()))
     else:
@@ -61,23 +74,27 @@ def compact_above_reference(x, t):
     return xf[idx], idx.to(torch.int32)
 
 
-def compact_above(x, t, backend=None, block=2048):
-    """Values and int32 indices of the entries of flat ``x`` with ``|x| > t``."""
+def compact_above(x, t, backend=None, block=2048, segment_ids=None):
+    """Values and int32 indices of the entries of flat ``x`` with ``|x| > t``
+    (``t[segment_ids[i]]`` for entry ``i`` when ``segment_ids`` is given)."""
     if x.numel() >= 2**31:
         raise ValueError(f"compact_above: {x.numel()} elements do not fit int32 indices")
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
-        return compact_above_reference(x, t)
+        return compact_above_reference(x, t, segment_ids)
     triton, _block_count_kernel, _compact_kernel = _kernels()
     x = x.reshape(-1).contiguous()
     n = x.numel()
-    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(1)
+    per_segment = segment_ids is not None
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(-1 if per_segment else 1)
+    seg = segment_ids.reshape(-1).contiguous() if per_segment else t     # (unused without)
     programs = triton.cdiv(n, block)
     counts = torch.empty(programs, dtype=torch.int64, device=x.device)
-    _block_count_kernel[(programs,)](x, t, counts, n, BLOCK=block)
+    _block_count_kernel[(programs,)](x, t, seg, counts, n, PER_SEGMENT=per_segment, BLOCK=block)
     ends = torch.cumsum(counts, 0)
     total = int(ends[-1])                  # host sync: the size of the output allocation
     values = torch.empty(total, dtype=x.dtype, device=x.device)
     indices = torch.empty(total, dtype=torch.int32, device=x.device)
     if total:
-        _compact_kernel[(programs,)](x, t, ends - counts, values, indices, n, BLOCK=block)
+        _compact_kernel[(programs,)](x, t, seg, ends - counts, values, indices, n,
+                                     PER_SEGMENT=per_segment, BLOCK=block)
     return values, indices

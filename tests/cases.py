@@ -10,3 +10,15 @@ SHAPES = {"w": (12, 10), "b": (7,)}
 POLICY = {"conv": ((8, 4, 3, 3), (3, 3, 4, 8), "kernel_select:fraction=0.25"),
           "fc": ((20, 30), (30, 20), "twobit"),
           "bias": ((5,), (5,), "none")}
+
+#: the bucket scenario: compressors whose bucketed aggregate must equal the tensor-by-tensor
+#: one bit for bit, and the parameters (a 0-d one, one larger than the small bucket size)
+BUCKET_SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05,seed=4",
+                "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1",
+                "topk:density=0.05,values=rangefloat8", "twobit", "rangefloat:bits=8",
+                "dct:density=0.05,block=32"]   # (kernel_select: in the policy, on "conv")
+BUCKET_TOL_SPECS = ["laplace_topk:density=0.05"]
+BUCKET_SHAPES = {"conv": (6, 4, 3, 3), "big": (40, 30), "w": (12, 10), "b": (7,), "s": (),
+                 "late": (5, 3)}
+#: bucket sizes compared: tensor by tensor (0), small (several buckets; "big" alone), default
+BUCKET_MBS = [0, 0.002, 25]

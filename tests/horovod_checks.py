@@ -4,7 +4,8 @@ import math
 
 import numpy as np
 
-from cases import POLICY, SHAPES, SPECS  # noqa: F401  (re-exported for the tests)
+from cases import (BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS,  # noqa: F401
+                   POLICY, SHAPES, SPECS)                      # (re-exported for the tests)
 from conftest import ROOT, horovodrun, reference_contribution
 TOL = {"fp16": 2e-3, "bf16": 1e-6}
 
@@ -97,3 +98,73 @@ def check_functional(ranks, case, dtype_name):
         np.testing.assert_allclose(out0, expected, rtol=1e-2, atol=1e-2)
     else:
         np.testing.assert_allclose(out0, expected, rtol=1e-6)
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.int32) if a.dtype == np.float32 else a
+
+
+def check_bucket_equals_tensorwise(ranks, spec, bpps=1):
+    """Bucketed (small and default sizes) == tensor by tensor, bit for bit, every step and
+    parameter, on both ranks; error-feedback state under the same keys with the same bits."""
+    for r in ranks:
+        ref = {k[len(f"{spec}|0|{bpps}|"):]: v for k, v in r.items()
+               if k.startswith(f"{spec}|0|{bpps}|")}
+        assert ref, f"no tensor-by-tensor result for {spec}"
+        for mb in BUCKET_MBS[1:]:
+            got = {k[len(f"{spec}|{mb}|{bpps}|"):]: v for k, v in r.items()
+                   if k.startswith(f"{spec}|{mb}|{bpps}|")}
+            assert sorted(k for k in got if k != "buckets") == sorted(k for k in ref if k != "buckets")
+            for key, value in ref.items():
+                if key == "buckets":
+                    continue
+                np.testing.assert_array_equal(_bits(got[key]), _bits(value),
+                                              err_msg=f"{spec} bucket_mb={mb}: {key}")
+
+
+def check_bucket_plan(ranks, spec, segmented):
+    """Tensor by tensor: one bucket per parameter; small buckets: several, the parameter
+    larger than a bucket alone; default: everything in one bucket (segmented compressors)."""
+    n = len(BUCKET_SHAPES)
+    assert list(ranks[0][f"{spec}|0|1|buckets"]) == [1] * n
+    small, default = ranks[0][f"{spec}|{BUCKET_MBS[1]}|1|buckets"], ranks[0][f"{spec}|25|1|buckets"]
+    assert small.sum() == default.sum() == n
+    if segmented:
+        assert 1 < len(small) < n and list(default) == [n]
+    else:
+        assert list(small) == list(default) == [1] * n
+
+
+def check_bucket_tolerance(ranks, spec, density=0.05, tol=0.01):
+    """laplace_topk in tolerance mode, bucketed: each tensor's count within tol of its k
+    (the aggregate of 2 ranks has at most 2 counts' worth of nonzeros, at least one)."""
+    for mb in BUCKET_MBS[1:]:
+        for r in ranks:
+            for step in range(3):
+                for name, shape in BUCKET_SHAPES.items():
+                    if step == 1 and name == "late":
+                        continue
+                    n = int(np.prod(shape)) if shape else 1
+                    k = max(1, min(n, math.ceil(density * n)))
+                    nz = np.count_nonzero(r[f"{spec}|{mb}|1|{step}|{name}"])
+                    assert k - tol * k - 1 <= nz <= 2 * (k + tol * k + 1), (spec, mb, name, nz, k)
+
+
+def check_bucket_policy_and_checkpoint(ranks):
+    for r in ranks:
+        for mb in BUCKET_MBS[1:]:
+            for name in BUCKET_SHAPES:
+                np.testing.assert_array_equal(_bits(r[f"policy|{mb}|{name}"]),
+                                              _bits(r[f"policy|0|{name}"]), err_msg=f"policy {mb} {name}")
+        assert len(r["policy|25|buckets"]) < len(BUCKET_SHAPES)      # some share a bucket
+        for name in BUCKET_SHAPES:
+            np.testing.assert_array_equal(_bits(r[f"ckpt|bucket_then_tensor|{name}"]),
+                                          _bits(r[f"ckpt|bucket_then_bucket|{name}"]), err_msg=name)
+
+
+def check_bucket_mismatch_fails_clearly(worker, tmp_path):
+    rc, log = horovodrun([ROOT / "tests/workers" / worker, "bucket_mismatch"], tmp_path, timeout=180)
+    assert rc != 0
+    assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
+    assert "bucket_mb=25" in log and "bucket_mb=0.002" in log

@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 
 from conftest import load_ranks
-from horovod_checks import (SPECS, check_aggregate, check_checkpoint, check_empty_rank,
+from horovod_checks import (BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
+                            check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,
+                            check_bucket_plan, check_bucket_policy_and_checkpoint,
+                            check_bucket_tolerance, check_checkpoint, check_empty_rank,
                             check_functional, check_mismatch_fails_clearly, check_nonfinite,
                             check_policy)
+import hvd_compress
 
 DTYPES = {"int": "torch.int32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
 CASES = [(s, op, b) for s in SPECS for op in ("average", "sum") for b in (1, 2)]
@@ -62,3 +66,27 @@ def test_ranks_with_different_compressors_fail_clearly(tmp_path):
 
 def test_per_parameter_policy(torch_job):
     check_policy(load_ranks(torch_job, "torch_policy"), keras=False)
+
+
+@pytest.mark.parametrize("spec", BUCKET_SPECS)
+def test_buckets_equal_tensor_by_tensor(torch_job, spec):
+    ranks = load_ranks(torch_job, "torch_buckets")
+    check_bucket_equals_tensorwise(ranks, spec)
+    check_bucket_plan(ranks, spec, hvd_compress.from_spec(spec).segmented)
+
+
+def test_buckets_with_backward_passes_per_step_2(torch_job):
+    check_bucket_equals_tensorwise(load_ranks(torch_job, "torch_buckets"), "topk:density=0.05", bpps=2)
+
+
+@pytest.mark.parametrize("spec", BUCKET_TOL_SPECS)
+def test_bucketed_laplace_topk_counts_within_tolerance(torch_job, spec):
+    check_bucket_tolerance(load_ranks(torch_job, "torch_buckets"), spec)
+
+
+def test_buckets_policy_and_checkpoint_between_paths(torch_job):
+    check_bucket_policy_and_checkpoint(load_ranks(torch_job, "torch_buckets"))
+
+
+def test_ranks_with_different_bucket_sizes_fail_clearly(tmp_path):
+    check_bucket_mismatch_fails_clearly("torch_worker.py", tmp_path)

@@ -39,6 +39,7 @@ class Ctx(NamedTuple):
     numel: int
     name: str
     finite: Any = None   #: known "no NaN/Inf in encode's input" (so encode needn't check)
+    segments: Any = None  #: a bucket's :class:`~hvd_compress.buckets.Layout` (else None)
 
 
 class Compressor:
@@ -50,6 +51,8 @@ class Compressor:
     uses_step = False          #: needs a per-tensor step counter (e.g. random-k)
     payload_is_copy = True     #: the payload never aliases encode's input (so error
                                #: feedback may reuse that buffer in place)
+    segmented = False          #: can compress a bucket of tensors in one call with
+                               #: per-tensor semantics (:meth:`compress_bucket`)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -86,18 +89,47 @@ class Compressor:
                 "Use hvd_compress.torch.DistributedOptimizer (or hvd_compress.tensorflow."
                 "DistributedGradientTape) instead.")
         ctx = Ctx(ops.shape(tensor), tensor.dtype, ops.numel(tensor), name or "")
-        flat = ops.flatten(tensor)
         step = self._state(ops).next_count("step/" + name) if self.uses_step else None
+        return self._compress_flat(ops.flatten(tensor), ctx, ops, step, ((name, ctx.numel),)), ctx
+
+    def compress_bucket(self, flat, layout):
+        """One payload for a *bucket*: ``flat`` holds the flattened tensors of ``layout``
+        (:class:`~hvd_compress.buckets.Layout`) end to end, all of one dtype.
+
+        Per-tensor semantics are kept: k, thresholds, ranges and random draws are per
+        tensor (``ctx.segments`` tells ``encode`` where each tensor lies), and error
+        feedback keeps one residual per tensor *name*, so ``state_dict()`` means the same
+        as with :meth:`compress` (a checkpoint moves between the two).  ``flat`` must be
+        the caller's own buffer (it may be overwritten).  Only compressors with
+        ``segmented = True`` take buckets of more than one tensor; decompress the
+        aggregate with :meth:`decompress_bucket`.
+        """
+        if len(layout.names) > 1 and not self.segmented:
+            raise TypeError(f"compressor {self.spec!r} compresses one tensor at a time; "
+                            "it cannot take a bucket of several")
+        ops = ops_for(flat)
+        ctx = Ctx((layout.total,), flat.dtype, layout.total, layout.key, segments=layout)
+        step = None
+        if self.uses_step:
+            state = self._state(ops)
+            step = [state.next_count("step/" + n) for n in layout.names]
+            step = step[0] if len(step) == 1 else step
+        return self._compress_flat(flat, ctx, ops, step, tuple(zip(layout.names, layout.numels)),
+                                   own=True), ctx
+
+    def _compress_flat(self, flat, ctx, ops, step, parts, own=False):
+        """``encode`` with error feedback around it; ``parts``: (name, numel) of the
+        tensors ``flat`` holds end to end (one for a single tensor)."""
         if not self.ef:
-            return self.encode(flat, ctx, ops, step), ctx
+            return self.encode(flat, ctx, ops, step)
         memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
-        compensated = memory.compensate(name, flat)
+        compensated = memory.compensate_parts(parts, flat, own=own)
         finite = ops.all_finite(compensated)          # one pass, shared with encode
         payload = self.encode(compensated, ctx._replace(finite=finite), ops, step)
-        memory.update(name, compensated,
-                      lambda c, inplace: self.subtract_sent(c, payload, ctx, ops, inplace),
-                      finite)
-        return payload, ctx
+        memory.update_parts(parts, compensated,
+                            lambda c, inplace: self.subtract_sent(c, payload, ctx, ops, inplace),
+                            finite)
+        return payload
 
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):
         """``c - D(payload)``: the residual error feedback keeps (in place if asked)."""
@@ -109,6 +141,11 @@ class Compressor:
         first = payload[0] if isinstance(payload, (tuple, list)) else payload
         ops = ops_for(first)
         return ops.reshape(ops.cast(self.decode(payload, ctx, ops), ctx.dtype), ctx.shape)
+
+    def decompress_bucket(self, payload, ctx):
+        """The flat sum (``ctx.dtype``) over ranks of a bucket: tensor ``i`` of the layout
+        is ``out[offsets[i]:offsets[i] + numels[i]]`` (:meth:`Layout.split`)."""
+        return self.decompress(payload, ctx)
 
     # -- state (error feedback, counters) --------------------------------------------
     def _state(self, ops):

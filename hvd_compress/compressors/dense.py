@@ -20,6 +20,7 @@ class NoneCompressor(Compressor):
 
     name = "none"
     payload_is_copy = False    # the payload is the gradient itself
+    segmented = True           # element-wise: a bucket is compressed as one tensor
 
     def encode(self, flat, ctx, ops, step):
         return ops.cast(flat, ops.float32) if flat.dtype == ops.bfloat16 else flat
@@ -34,6 +35,7 @@ class FP16(Compressor):
 
     name = "fp16"
     payload_is_copy = False    # an fp16 gradient is its own payload
+    segmented = True
 
     def encode(self, flat, ctx, ops, step):
         return ops.cast(flat, ops.float16)
@@ -49,6 +51,7 @@ class BF16(Compressor):
     name = "bf16"
     collective = "allgather"
     payload_is_copy = False    # a bf16 gradient's payload is a view of it
+    segmented = True
 
     def encode(self, flat, ctx, ops, step):
         return (ops.bitcast(ops.cast(flat, ops.bfloat16), ops.int16),)

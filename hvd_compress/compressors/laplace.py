@@ -65,6 +65,7 @@ class LaplaceTopK(DensitySparsifier):
     """
 
     name = "laplace_topk"
+    segmented = True
 
     def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False, values=None,
                  small=None):
@@ -83,6 +84,8 @@ class LaplaceTopK(DensitySparsifier):
         return abs_sum / n * math.log(1.0 / self.density)
 
     def select(self, flat, ctx, ops, step):
+        if ctx.segments is not None and len(ctx.segments.names) > 1:
+            return self.select_segmented(flat, ctx.segments, ops)
         n, k = ctx.numel, self.k(ctx.numel)
         small = ops.small_topk_below(flat) if self.small is None else self.small
         if n < small and not self.exact:
@@ -100,6 +103,71 @@ class LaplaceTopK(DensitySparsifier):
         return search_exact_k(ops, ops.abs(ops.to_float32(values)), idx, k, t_cand, abs_max,
                               passes=exact_passes(grid) if self.exact else self.passes,
                               tol=0.0 if self.exact else self.tol, grid=grid)
+
+
+    def select_segmented(self, flat, lay, ops):
+        """The same search for every tensor of a bucket at once (``lay``: its Layout):
+        one pass for ``sum|g|`` and ``max|g|`` per tensor, one compaction with a
+        candidate threshold per tensor, then counting passes that count ``G`` thresholds
+        *per tensor* in one pass over all candidates.  Every tensor keeps its own ``k``,
+        fit, bracket and tolerance; the final band is ranked within each tensor.  No
+        framework top-k for small tensors here: one search serves the whole bucket."""
+        T = len(lay.numels)
+        ks = [self.k(n) for n in lay.numels]
+        seg = ops.segment_ids(lay, flat)
+        k_t = ops.segment_constant(ks, ops.int64, flat)
+        n_t = ops.segment_constant([float(n) for n in lay.numels], ops.float32, flat)
+        abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay.numels)
+        t_cand = 0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)
+        values, idx = ops.segment_compact_above(flat, t_cand, seg)
+        cseg = ops.gather(seg, idx)
+        enough = ops.segment_counts(cseg, T) >= k_t
+        if not ops.host_all(enough):          # data far from Laplace: all nonzero entries
+            t_cand = ops.where(enough, t_cand, 0.0 * t_cand)
+            values, idx = ops.segment_compact_above(flat, t_cand, seg)
+            cseg = ops.gather(seg, idx)
+        grid = ops.search_grid(flat)
+        take = search_segments(ops, ops.abs(ops.to_float32(values)), cseg, T, k_t, ks,
+                               t_cand, abs_max,
+                               passes=exact_passes(grid) if self.exact else self.passes,
+                               tol=0.0 if self.exact else self.tol, grid=grid)
+        return ops.gather(idx, ops.mask_indices(take))
+
+
+def search_segments(ops, a, seg, T, k_t, ks, lo, hi, passes, tol, grid):
+    """:func:`search_exact_k` for ``T`` tensors at once: ``a`` (magnitudes of candidates,
+    segment ``seg`` ascending), ``k_t``/``ks`` per tensor, brackets ``lo``/``hi`` per
+    tensor.  Returns the mask of candidates to send."""
+    slack = ops.segment_constant([int(math.floor(tol * k)) for k in ks], ops.int64, a)
+    lo_b, hi_b = ops.float_bits(lo), ops.float_bits(hi)
+    ends = ops.segment_count_above(a, seg, ops.bits_float(ops.stack_cols([lo_b, hi_b])))
+    c_lo, c_hi = ends[:, 0], ends[:, 1]
+    fractions = ops.grid_fractions(grid, a)
+    kk = k_t[:, None]
+    for p in range(exact_passes(grid)):
+        if p >= passes:
+            done = ops.host_all(((c_lo - k_t) <= slack) | ((k_t - c_hi) <= slack)) if tol else False
+            if done:
+                break
+        thr_b = lo_b[:, None] + ((hi_b - lo_b)[:, None] * fractions[None, :]) // (grid + 1)
+        counts = ops.segment_count_above(a, seg, ops.bits_float(thr_b))         # [T, G]
+        ge = counts >= kk
+        lo_b = ops.rows_max(ops.where(ge, thr_b, lo_b[:, None] + 0 * thr_b))
+        c_lo = ops.rows_min(ops.where(ge, counts, c_lo[:, None] + 0 * counts))
+        hi_b = ops.rows_min(ops.where(ge, hi_b[:, None] + 0 * thr_b, thr_b))
+        c_hi = ops.rows_max(ops.where(ge, c_hi[:, None] + 0 * counts, counts))
+    lo_e, hi_e = ops.gather(ops.bits_float(lo_b), seg), ops.gather(ops.bits_float(hi_b), seg)
+    above_lo, above_hi = a > lo_e, a > hi_e
+    lo_ok = (c_lo - k_t) <= slack
+    hi_ok = (k_t - c_hi) <= slack
+    target = ops.where(lo_ok & (~hi_ok | ((c_lo - k_t) <= (k_t - c_hi))), c_lo,
+                       ops.where(hi_ok, c_hi, k_t))
+    band = above_lo & ~above_hi
+    band_i = ops.cast(band, ops.int64)
+    per_seg = ops.segment_sum_int(band_i, seg, T)
+    before = ops.cumsum(per_seg) - per_seg                   # band entries of earlier tensors
+    band_rank = ops.cumsum(band_i) - ops.gather(before, seg)  # 1-based rank inside its tensor
+    return above_hi | (band & (band_rank <= ops.gather(target - c_hi, seg)))
 
 
 def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid):

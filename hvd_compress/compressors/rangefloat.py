@@ -63,6 +63,22 @@ class RangeFloatCodec:
         data = ops.rangefloat_encode(values, emax, self.e, self.m)
         return data, ops.stack_int32([emax, ops.length(values)], data)
 
+    def encode_segments(self, values, seg, segments, ops):
+        """Encode ``values`` that belong to ``segments`` tensors (``seg``: the tensor of
+        each value, ascending) with an exponent range *per tensor*: the payload is laid
+        out as if each tensor were a rank of its own (codes padded per tensor, one
+        ``[E, count]`` header each), so :meth:`decode` reads it unchanged.  One host
+        synchronisation (the counts per tensor, to cut the values)."""
+        counts = ops.segment_counts(seg, segments)
+        sizes = [int(c) for c in counts.tolist()] if hasattr(counts, "tolist") else None
+        if sizes is None:                      # TensorFlow
+            sizes = [int(c) for c in counts.numpy()]
+        parts, start = [], 0
+        for size in sizes:
+            parts.append(self.encode(values[start:start + size], ops))
+            start += size
+        return ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])
+
     def decode(self, data, headers, ops):
         h = ops.reshape(headers, [-1, 2])
         emax, counts = h[:, 0], ops.cast(h[:, 1], ops.int32)

@@ -35,6 +35,7 @@ class Sparsifier(Compressor):
 
     collective = "allgather"
     biased = True
+    segmented = False     #: True where select() handles ``ctx.segments`` (per tensor)
 
     def __init__(self, ef=None, values=None):
         super().__init__(ef=ef)
@@ -54,6 +55,10 @@ class Sparsifier(Compressor):
         values = ops.gather(flat, idx)
         if self.codec is None:
             return values, idx
+        lay = ctx.segments
+        if lay is not None and len(lay.names) > 1:          # an exponent range per tensor
+            seg = ops.gather(ops.segment_ids(lay, flat), idx)
+            return (*self.codec.encode_segments(values, seg, len(lay.names), ops), idx)
         return (*self.codec.encode(values, ops), idx)
 
     sparse_residual = True   #: payload indices are element indices of the input
@@ -96,6 +101,20 @@ class DensitySparsifier(Sparsifier):
         return max(1, min(n, math.ceil(self.density * n)))
 
 
+def per_segment(select_one, flat, ctx, ops, step):
+    """Indices into a bucket from ``select_one(segment, n, step)`` run on each tensor of
+    ``ctx.segments`` (one framework call per tensor, offset to the bucket); ``flat``
+    itself when there is no bucket."""
+    lay = ctx.segments
+    if lay is None or len(lay.names) == 1:
+        return select_one(flat, ctx.numel, step)
+    parts = []
+    for i, (off, n) in enumerate(zip(lay.offsets, lay.numels)):
+        idx = select_one(flat[off:off + n], n, step[i] if isinstance(step, list) else step)
+        parts.append(idx + off if off else idx)
+    return ops.concat(parts)
+
+
 @register
 class TopK(DensitySparsifier):
     """Exact top-k by magnitude with the framework's own selection.
@@ -105,9 +124,11 @@ class TopK(DensitySparsifier):
     """
 
     name = "topk"
+    segmented = True
 
     def select(self, flat, ctx, ops, step):
-        return ops.topk_indices(ops.abs(flat), self.k(ctx.numel))
+        return per_segment(lambda seg, n, _: ops.topk_indices(ops.abs(seg), self.k(n)),
+                           flat, ctx, ops, step)
 
 
 @register
@@ -120,6 +141,7 @@ class RandomK(DensitySparsifier):
     """
 
     name = "randomk"
+    segmented = True
     uses_step = True
 
     def __init__(self, density=0.01, ef=None, seed=0, values=None):
@@ -127,7 +149,8 @@ class RandomK(DensitySparsifier):
         self.seed = int(seed)
 
     def select(self, flat, ctx, ops, step):
-        return ops.random_indices(ctx.numel, self.k(ctx.numel), self.seed, step, flat)
+        return per_segment(lambda seg, n, st: ops.random_indices(n, self.k(n), self.seed, st, flat),
+                           flat, ctx, ops, step)
 
 
 @register
@@ -135,6 +158,7 @@ class Threshold(Sparsifier):
     """Send every entry with ``|g| > threshold`` (fixed; possibly none at all)."""
 
     name = "threshold"
+    segmented = True
 
     def __init__(self, threshold=0.001, ef=None, values=None):
         super().__init__(ef=ef, values=values)

@@ -10,6 +10,7 @@ float16 = _torch.float16
 bfloat16 = _torch.bfloat16
 int16 = _torch.int16
 int32 = _torch.int32
+int64 = _torch.int64
 
 
 def flatten(t):
@@ -357,3 +358,80 @@ def stack_int32(values, like):
     return _torch.stack([v.to(_torch.int32) if hasattr(v, "to")
                          else _torch.tensor(v, dtype=_torch.int32, device=like.device)
                          for v in values]).to(like.device)
+
+
+# -- buckets: tensors end to end, one result per tensor (segment) ----------------------
+
+def concat(ts):
+    return _torch.cat([t.reshape(-1) for t in ts])
+
+
+def split(flat, lengths):
+    """Views of ``flat``, one per length."""
+    return list(_torch.split(flat, list(lengths)))
+
+
+_SEGMENT_IDS = {}
+
+
+def segment_ids(layout, like):
+    """int32 tensor index of every entry of a bucket (cached per layout and device)."""
+    key = (layout.key, layout.numels, str(like.device))
+    ids = _SEGMENT_IDS.get(key)
+    if ids is None:
+        from ..kernels import segmented
+        if len(_SEGMENT_IDS) > 256:
+            _SEGMENT_IDS.clear()
+        ids = _SEGMENT_IDS[key] = segmented.segment_ids(layout.numels, like.device)
+    return ids
+
+
+def segment_constant(values, dtype, like):
+    """A small per-segment constant (k, n) on ``like``'s device."""
+    return _torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)
+
+
+def segment_abs_sum_max(flat, lengths):
+    """float32 ``(sum|x|, max|x|)`` per segment (one pass; Triton on CUDA)."""
+    from ..kernels import segmented
+    return segmented.segment_abs_sum_max(flat, lengths)
+
+
+def segment_count_above(a, seg, thresholds):
+    """int64 ``[T, G]`` counts of ``a > thresholds[seg, g]`` (one pass; Triton on CUDA)."""
+    from ..kernels import segmented
+    return segmented.segment_count_above(a, seg, thresholds)
+
+
+def segment_compact_above(flat, thresholds, seg):
+    """``(flat[sel], int32 indices)``, ``sel = |flat| > thresholds[seg]``, index order."""
+    from ..kernels import compact_above as launch
+    return launch(flat, thresholds, segment_ids=seg)
+
+
+def segment_sum_int(values, seg, segments):
+    """int64 per-segment sums of the integers (or booleans) ``values``."""
+    out = _torch.zeros(segments, dtype=_torch.int64, device=values.device)
+    return out.index_add_(0, seg.long(), values.to(_torch.int64))
+
+
+def rows_max(t):
+    return t.max(dim=1).values
+
+
+def rows_min(t):
+    return t.min(dim=1).values
+
+
+def host_all(t):
+    """Python bool: are all entries true (a host synchronisation on CUDA)."""
+    return bool(t.all())
+
+
+def segment_counts(seg, segments):
+    """int64 number of entries of each segment."""
+    return _torch.bincount(seg.long(), minlength=segments)
+
+
+def stack_cols(ts):
+    return _torch.stack(ts, 1)

@@ -42,6 +42,7 @@ class Handle:
         #: seconds spent compressing, waiting for the collective (after its launch, in
         #: :func:`synchronize`) and decompressing; filled in by :func:`synchronize`
         self.compress_s, self.wait_s, self.decompress_s = compress_s, 0.0, 0.0
+        self.bucket = None     #: the Layout of a bucket (bucket_allreduce_async), else None
 
 
 def allreduce_async(tensor, name, compression=None, op=hvd.Average,
@@ -81,6 +82,30 @@ def allreduce_async(tensor, name, compression=None, op=hvd.Average,
                   payload_bytes(payload, torch_ops), tensor.numel() * 4, compress_s=compress_s)
 
 
+def bucket_allreduce_async(flat, layout, compressor, op=hvd.Average,
+                           process_set=hvd.global_process_set):
+    """Compress a bucket (``flat``: the tensors of ``layout`` end to end, one dtype, a
+    buffer the caller gives away) with one compress call and start *one* collective for
+    it, named after the bucket: an allreduce, or one grouped allgather of every payload
+    tensor.  :func:`synchronize` returns the flat sum (or average) over the ranks."""
+    check_op(op)
+    start = time.perf_counter()
+    payload, ctx = compressor.compress_bucket(flat, layout)
+    compress_s = time.perf_counter() - start
+    name = PREFIX + layout.key
+    if compressor.collective == "allreduce":
+        handles = [hvd.allreduce_async(payload, name=name, op=hvd.Sum, process_set=process_set)]
+        dtypes = [payload.dtype]
+    else:
+        handles = [hvd.grouped_allgather_async([_to_wire(t) for t in payload], name=name,
+                                               process_set=process_set)]
+        dtypes = [t.dtype for t in payload]
+    handle = Handle(compressor, ctx, handles, dtypes, op, process_set,
+                    payload_bytes(payload, torch_ops), layout.total * 4, compress_s=compress_s)
+    handle.bucket = layout
+    return handle
+
+
 def synchronize(handle):
     """Wait for ``handle``; return the decoded sum (or average) over the ranks."""
     if handle.result is not None:
@@ -88,11 +113,17 @@ def synchronize(handle):
     start = time.perf_counter()
     outputs = [hvd.synchronize(h) for h in handle.handles]
     waited = time.perf_counter()
+    bucket = getattr(handle, "bucket", None)
+    if bucket is not None and handle.compressor.collective == "allgather":
+        outputs = outputs[0]                           # one grouped allgather: a list
     if handle.compressor.collective == "allreduce":
         payload = outputs[0]
     else:
         payload = tuple(_from_wire(t, d) for t, d in zip(outputs, handle.dtypes))
-    out = handle.compressor.decompress(payload, handle.ctx)
+    if bucket is not None:
+        out = handle.compressor.decompress_bucket(payload, handle.ctx)
+    else:
+        out = handle.compressor.decompress(payload, handle.ctx)
     if handle.op == hvd.Average:
         size = handle.process_set.size()
         # ``out`` is a new tensor (or, in place, the gradient): divide without a copy

@@ -10,6 +10,8 @@ backward), ``synchronize()`` waits for all of them and writes the aggregate into
 import horovod.torch as hvd
 import torch
 
+from .. import buckets
+from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
 from . import collectives
@@ -17,7 +19,7 @@ from . import collectives
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 op, process_set):
+                 op, process_set, bucket_mb=None):
         super(self.__class__, self).__init__(params)
         self.compression = resolve(compression)
         self.op = collectives.check_op(op)
@@ -47,12 +49,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"named_parameters was given but {len(unnamed)} optimizer "
                              "parameters are not in it")
 
-        self._handles = {}
+        self._handles = {}                   # bucket index -> Handle
         self._delay = {}
         self._hooks = []
         self._checked = False
         self._synchronized = False
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self.bucket_mb = buckets.bucket_mb(bucket_mb)
+        entries = [(self._names[p], tuple(p.shape), self.compression.for_tensor(self._names[p], p),
+                    p.dtype, p.element_size()) for p in self._params]
+        self._buckets = [[self._params[i] for i in b] for b in buckets.plan(entries, self.bucket_mb)]
+        self._layouts = [buckets.layout([self._names[p] for p in b], [p.shape for p in b])
+                         for b in self._buckets]
+        self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
+        self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         if process_set.included():
             for p in self._params:
                 self._delay[p] = self.backward_passes_per_step
@@ -61,48 +71,68 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- hooks ------------------------------------------------------------------
     def _make_hook(self, p):
         def hook(_):
-            if self._handles.get(p) is not None and self._delay[p] <= 0:
+            if self._delay[p] <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times "
                     "before call to step(). Increase backward_passes_per_step to "
                     "accumulate gradients locally.")
             self._delay[p] -= 1
-            self._handles[p] = self._launch(p) if self._delay[p] == 0 else None
+            b = self._bucket_of.get(p)
+            if self._delay[p] == 0 and b is not None:
+                self._waiting[b] -= 1
+                if self._waiting[b] == 0:    # the bucket's last gradient: launch it now
+                    self._handles[b] = self._launch(b)
         return hook
 
     def _check_config(self):
         if self._checked:
             return
         layout = ";".join(f"{self._names[p]}:{tuple(p.shape)}:{p.dtype}" for p in self._params)
-        collectives.check_same_config(f"{self.compression.spec} op={self.op} | {layout}",
+        plan = ";".join(f"{len(b)}" for b in self._buckets)
+        collectives.check_same_config(f"{self.compression.spec} op={self.op} "
+                                      f"bucket_mb={self.bucket_mb:g} buckets=[{plan}] | {layout}",
                                       self.process_set)
         self._checked = True
 
-    def _launch(self, p):
+    def _launch(self, b):
         self._check_config()
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        return collectives.allreduce_async(p.grad, self._names[p], self.compression,
-                                           self.op, self.process_set, inplace=True)
+        params = self._buckets[b]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if len(params) == 1:                 # a bucket of one: the tensor's own path
+            p = params[0]
+            return collectives.allreduce_async(p.grad, self._names[p], self.compression,
+                                               self.op, self.process_set, inplace=True)
+        flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
+                          for p in params])
+        compressor = self.compression.for_tensor(self._names[params[0]], params[0])
+        return collectives.bucket_allreduce_async(flat, self._layouts[b], compressor,
+                                                  self.op, self.process_set)
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
-        """Wait for every gradient's collective and write the aggregates into ``p.grad``."""
+        """Wait for every bucket's collective and write the aggregates into ``p.grad``."""
         if not self.process_set.included():
             self._synchronized = True
             return
-        for p in self._params:               # parameters whose hook did not fire
-            if self._handles.get(p) is None:
-                self._handles[p] = self._launch(p)
-        for p, handle in self._handles.items():
+        for b in range(len(self._buckets)):  # buckets with a gradient that did not arrive
+            if b not in self._handles:
+                self._handles[b] = self._launch(b)
+        for b, handle in sorted(self._handles.items()):
             out = collectives.synchronize(handle)
-            if p.grad.is_sparse:
-                p.grad = out
-            elif out.data_ptr() != p.grad.data_ptr():     # in place already: no copy
-                p.grad.copy_(out)
+            params = self._buckets[b]
+            outs = [out] if len(params) == 1 else self._layouts[b].split(out, torch_ops)
+            for p, o in zip(params, outs):
+                if p.grad.is_sparse:
+                    p.grad = o.reshape(p.shape)
+                elif o.data_ptr() != p.grad.data_ptr():     # in place already: no copy
+                    p.grad.copy_(o.reshape(p.shape))
             self.stats.add(handle.sent_bytes, handle.dense_bytes)
             self.stats.add_time(handle.compress_s, handle.wait_s, handle.decompress_s)
+        for p in self._params:
             self._delay[p] = self.backward_passes_per_step
+        self._waiting = [len(b) for b in self._buckets]
         self._handles.clear()
         self.stats.end_step()
         self._synchronized = True
@@ -122,16 +152,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=hvd.Average,
-                         process_set=hvd.global_process_set):
+                         process_set=hvd.global_process_set, bucket_mb=None):
     """Wrap ``optimizer`` so that ``step()`` uses compressed, aggregated gradients.
 
     Arguments follow ``horovod.torch.DistributedOptimizer``; ``compression`` is a
     hvd_compress compressor, a spec string (``"topk:density=0.01"``) or None for
     ``$HVD_COMPRESS`` (default ``none``).  ``op`` is ``hvd.Average`` or ``hvd.Sum``.
-    ``opt.stats`` counts bytes sent vs a dense float32 allreduce;
-    ``opt.compression.state_dict()`` holds the error-feedback state to checkpoint.
+    ``bucket_mb``: gradients are compressed and sent in buckets of about this many MB
+    (default ``$HVD_COMPRESS_BUCKET_MB``, else 25; 0: tensor by tensor; see
+    :mod:`hvd_compress.buckets`); a bucket is launched as soon as its last gradient is
+    ready.  ``opt.stats`` counts bytes sent vs a dense float32 allreduce;
+    ``opt.compression.state_dict()`` holds the error-feedback state to checkpoint (per
+    parameter name, whatever the buckets).
     """
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
-               backward_passes_per_step, op, process_set)
+               backward_passes_per_step, op, process_set, bucket_mb)

@@ -13,7 +13,8 @@ import hvd_compress
 import hvd_compress.torch as hct
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cases import POLICY, SHAPES, SPECS  # noqa: E402
+from cases import (BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS, POLICY,  # noqa: E402
+                   SHAPES, SPECS)
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
 
@@ -212,8 +213,85 @@ def mismatch(out):
         sys.exit(3)
 
 
+class BucketParams(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for n, s in BUCKET_SHAPES.items():
+            self.register_parameter(n, torch.nn.Parameter(torch.zeros(s)))
+
+
+def _bucket_run(spec, mb, steps=3, bpps=1, state=None, save=None):
+    """``steps`` steps of BucketParams with ``bucket_mb=mb``; gradient of "late" missing on
+    step 1 (its hook never fires: handled at synchronize()).  Returns the gradients of
+    every step, the compressor and the optimizer."""
+    model = BucketParams()
+    comp = spec if isinstance(spec, hvd_compress.Policy) else hvd_compress.from_spec(spec)
+    if state is not None:
+        comp.load_state_dict(state)
+    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   model.named_parameters(), compression=comp, op=hvd.Sum,
+                                   backward_passes_per_step=bpps, bucket_mb=mb)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        for pas in range(bpps):
+            g = {n: torch.from_numpy(rng(31, step, pas).standard_normal(s).astype(np.float32))
+                 for n, s in BUCKET_SHAPES.items()}
+            if step == 1:
+                g.pop("late")
+            loss = sum((p * g[n]).sum() for n, p in model.named_parameters() if n in g)
+            loss.backward()
+        opt.step()
+        grads.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})
+    return grads, comp, opt
+
+
+def buckets(out):
+    """The same steps tensor by tensor (bucket_mb=0) and in buckets; the tests compare."""
+    for spec in BUCKET_SPECS + BUCKET_TOL_SPECS:
+        for mb in BUCKET_MBS:
+            for bpps in (1, 2) if spec == "topk:density=0.05" else (1,):
+                grads, comp, opt = _bucket_run(spec, mb, bpps=bpps)
+                for step, g in enumerate(grads):
+                    for n, v in g.items():
+                        out[f"{spec}|{mb}|{bpps}|{step}|{n}"] = v
+                out[f"{spec}|{mb}|{bpps}|buckets"] = np.array([len(b) for b in opt._buckets])
+                state = comp.state_dict()["state"]
+                for k, v in state.items():
+                    out[f"{spec}|{mb}|{bpps}|state|{k}"] = v.numpy().copy()
+    for mb in BUCKET_MBS:                  # a new policy each time: it holds the residuals
+        pol = hvd_compress.Policy({"conv": "kernel_select", "big": "topk:density=0.05",
+                                   "w": "topk:density=0.05",
+                                   "b": "laplace_topk:density=0.05,exact=1"}, default="none")
+        grads, _, opt = _bucket_run(pol, mb)
+        for n, v in grads[-1].items():
+            out[f"policy|{mb}|{n}"] = v
+        out[f"policy|{mb}|buckets"] = np.array([len(b) for b in opt._buckets])
+    # a checkpoint moves between the paths: 2 steps in buckets, restore tensor by tensor
+    spec = "laplace_topk:density=0.05,exact=1"
+    straight, _, _ = _bucket_run(spec, 0.002, steps=4)
+    first, comp, _ = _bucket_run(spec, 0.002, steps=2)
+    second, comp2, _ = _bucket_run(spec, 0, steps=2, state=comp.state_dict())
+    # (the second run repeats steps 0-1's gradients: compare with a straight run that does)
+    again, _, _ = _bucket_run(spec, 0.002, steps=2, state=comp.state_dict())
+    for n in BUCKET_SHAPES:
+        out[f"ckpt|bucket_then_tensor|{n}"] = second[-1][n]
+        out[f"ckpt|bucket_then_bucket|{n}"] = again[-1][n]
+    del straight, first, comp2
+
+
+def bucket_mismatch(out):
+    mb = 25 if hvd.rank() == 0 else 0.002
+    try:
+        _bucket_run("topk:density=0.05", mb, steps=1)
+    except ValueError as e:
+        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
+        sys.exit(3)
+
+
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
-                                     checkpoint, stock, policy, mismatch)}
+                                     checkpoint, stock, policy, mismatch, buckets,
+                                     bucket_mismatch)}
 
 if __name__ == "__main__":
     hvd.init()

@@ -1,0 +1,149 @@
+"""Segmented passes over a *bucket*: many tensors laid end to end in one flat buffer,
+tensor ``s`` occupying ``lengths[s]`` consecutive entries (no empty segment).
+
+Each pass reads the bucket once, whatever the number of tensors, and returns one result
+per tensor, so per-tensor semantics (a threshold per tensor, k per tensor) cost no
+Python loop over tensors:
+
+- ``segment_abs_sum_max(x, lengths)``: ``sum|x|`` and ``max|x|`` per segment.  The
+  kernel cuts every segment into blocks (a block never straddles two segments), each
+  program reduces one block to a partial, and the partials are reduced per segment by
+  ``torch.segment_reduce`` in a fixed order: deterministic, no float atomics.
+- ``segment_count_above(a, segment_ids, thresholds)``: for ``thresholds`` of shape
+  ``[T, G]``, the ``[T, G]`` counts ``#{i in segment s : a_i > thresholds[s, g]}``, with
+  ``a`` non-negative (magnitudes) and ``segment_ids`` ascending (a bucket's, or a
+  compaction of one in index order).  Integer atomics: exact, so deterministic.
+- ``segment_ids(lengths)``: the segment of every entry (int32).
+
+Compaction with a threshold per segment is :func:`kernels.compact.compact_above` with
+``segment_ids`` (the same two-pass kernel, the threshold read per entry).
+"""
+import functools
+
+import torch
+
+from ._backend import pick_backend
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _block_abs_sum_max_kernel(x_ptr, starts_ptr, stops_ptr, part_sum_ptr, part_max_ptr,
+                                  BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        start = tl.load(starts_ptr + pid)                     # int64 offsets
+        stop = tl.load(stops_ptr + pid)
+        offs = start + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32))
+        tl.store(part_sum_ptr + pid, tl.sum(a, axis=0))
+        tl.store(part_max_ptr + pid, tl.max(a, axis=0))
+
+    @triton.jit
+    def _segment_count_above_kernel(a_ptr, seg_ptr, thr_ptr, counts_ptr, n,
+                                    G: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        a = tl.load(a_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        seg = tl.load(seg_ptr + offs, mask=valid, other=0).to(tl.int64)
+        g = tl.arange(0, G)
+        cell = seg[:, None] * G + g[None, :]                              # [BLOCK, G]
+        t = tl.load(thr_ptr + cell, mask=valid[:, None], other=float("inf"))
+        above = (a[:, None] > t) & valid[:, None]
+        tl.atomic_add(counts_ptr + cell, above.to(tl.int32), mask=above)
+
+    return triton, _block_abs_sum_max_kernel, _segment_count_above_kernel
+
+
+def _lengths(lengths, device):
+    return torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
+
+
+def segment_ids(lengths, device=None):
+    """int32 segment of every entry: ``[0]*lengths[0] + [1]*lengths[1] + ...``."""
+    lengths = _lengths(lengths, device)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32,
+                                                device=lengths.device), lengths)
+
+
+# -- sum and max of |x| per segment ------------------------------------------------------
+
+def segment_abs_sum_max_reference(x, lengths):
+    """float32 ``(sum|x|, max|x|)`` per segment, in torch."""
+    a = x.reshape(-1).float().abs()
+    lengths = _lengths(lengths, a.device)
+    return (torch.segment_reduce(a, "sum", lengths=lengths),
+            torch.segment_reduce(a, "max", lengths=lengths))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_table(lengths, block):
+    """(starts, stops, blocks per segment) of blocks that never straddle segments."""
+    starts, stops, per_segment, offset = [], [], [], 0
+    for length in lengths:
+        count = -(-length // block)
+        starts += [offset + b * block for b in range(count)]
+        stops += [offset + length] * count
+        per_segment.append(count)
+        offset += length
+    return starts, stops, per_segment
+
+
+def segment_abs_sum_max(x, lengths, backend=None, block=4096):
+    """float32 ``(sum|x|, max|x|)`` of each segment of flat ``x`` (kernel on CUDA)."""
+    lengths = tuple(int(v) for v in (lengths.tolist() if torch.is_tensor(lengths) else lengths))
+    if min(lengths, default=1) < 1 or sum(lengths) != x.numel():
+        raise ValueError(f"segment lengths {lengths[:8]}... must be >= 1 and sum to {x.numel()}")
+    if pick_backend(x, backend) == "torch":
+        return segment_abs_sum_max_reference(x, lengths)
+    triton, kernel, _ = _kernels()
+    x = x.reshape(-1).contiguous()
+    starts, stops, per_segment = _block_table(lengths, block)
+    dev = x.device
+    starts_t = torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True)
+    stops_t = torch.tensor(stops, dtype=torch.int64).to(dev, non_blocking=True)
+    part_sum = torch.empty(len(starts), dtype=torch.float32, device=dev)
+    part_max = torch.empty(len(starts), dtype=torch.float32, device=dev)
+    kernel[(len(starts),)](x, starts_t, stops_t, part_sum, part_max, BLOCK=block)
+    per = torch.tensor(per_segment, dtype=torch.int64).to(dev, non_blocking=True)
+    return (torch.segment_reduce(part_sum, "sum", lengths=per),
+            torch.segment_reduce(part_max, "max", lengths=per))
+
+
+# -- counts above a grid of thresholds per segment ----------------------------------------
+
+def segment_count_above_reference(a, seg, thresholds, chunk=1 << 16):
+    """int64 ``[T, G]`` counts of ``a_i > thresholds[seg_i, g]``, in torch (vectorised:
+    one compare of every entry with its segment's G thresholds, summed per segment)."""
+    thresholds = thresholds.to(torch.float32)
+    T, G = thresholds.shape
+    counts = torch.zeros(T, G, dtype=torch.int64, device=a.device)
+    a, seg = a.reshape(-1).float(), seg.reshape(-1).long()
+    for start in range(0, a.numel(), chunk):      # bounded memory: chunk x G compares
+        s = seg[start:start + chunk]
+        above = a[start:start + chunk, None] > thresholds[s]
+        counts.index_add_(0, s, above.to(torch.int64))
+    return counts
+
+
+def segment_count_above(a, seg, thresholds, backend=None, block=None):
+    """int64 ``[T, G]``: ``#{i : seg_i = s, a_i > thresholds[s, g]}`` (kernel on CUDA)."""
+    if thresholds.dim() != 2:
+        raise ValueError(f"thresholds must be [segments, G], got shape {tuple(thresholds.shape)}")
+    if pick_backend(a, backend) == "torch" or a.numel() == 0:
+        return segment_count_above_reference(a, seg, thresholds)
+    triton, _, kernel = _kernels()
+    T, G = thresholds.shape
+    g_pad = max(2, triton.next_power_of_2(G))
+    thr = torch.full((T, g_pad), float("inf"), dtype=torch.float32, device=a.device)
+    thr[:, :G] = thresholds
+    counts = torch.zeros(T, g_pad, dtype=torch.int32, device=a.device)
+    block = block or max(64, 8192 // g_pad)
+    a = a.reshape(-1).contiguous()
+    kernel[(triton.cdiv(a.numel(), block),)](a, seg.reshape(-1).contiguous(), thr, counts,
+                                             a.numel(), G=g_pad, BLOCK=block)
+    return counts[:, :G].to(torch.int64)
