@@ -7,6 +7,8 @@ decompress (see benchmarks/step_time_worker.py for what each part holds).
     python benchmarks/step_time.py --links plain --models cnn_mlp_large --quick
     python benchmarks/step_time.py --links plain,1gbit --models transformer   # torch's own
                                                   # nn.TransformerEncoder, 4.5M parameters
+    python benchmarks/step_time.py --specs "none;topk:density=0.01@0;topk:density=0.01"
+                                                  # "@0": bucket_mb=0 (tensor by tensor)
 
 Every compressor of a (link, model) pair runs in one horovodrun launch, one after the
 other on the same processes.  ``horovod`` is Horovod's own DistributedOptimizer without

@@ -69,11 +69,13 @@ def measure(model_name, spec, steps, warmup, batch):
     torch.manual_seed(0)
     model, shape = make_model(model_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    spec, _, mb = spec.partition("@")    # "topk:density=0.01@0": with bucket_mb=0
     if spec == "horovod":        # Horovod's own optimizer, no compression: the baseline
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     else:
         opt = hct.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=build_compression(spec, model))
+                                       compression=build_compression(spec, model),
+                                       bucket_mb=float(mb) if mb else None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(hvd.rank())
     if shape[0] == "tokens":

@@ -63,9 +63,12 @@ def compact_above_reference(x, t, segment_ids=None):
     entry ``i`` is compared with ``t[segment_ids[i]]``."""
     xf = x.reshape(-1)
     tf = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    if segment_ids is not None:                  # one threshold per entry
+        tf = tf[segment_ids.long()]
+    per_entry = tf.numel() > 1                   # (also: t given per entry by the caller)
     mask = torch.empty(xf.numel(), dtype=torch.bool, device=x.device)
     for start, stop in chunks(xf.numel()):       # |x| of a chunk stays in cache
-        t_here = tf if segment_ids is None else tf[segment_ids[start:stop].long()]
+        t_here = tf[start:stop] if per_entry else tf
         torch.gt(xf[start:stop].float().abs(), t_here, out=mask[start:stop])
     if x.device.type == "cpu":                   # numpy's flatnonzero: 1.5x torch.nonzero
         idx = torch.from_numpy(np.flatnonzero(mask.numpy()))

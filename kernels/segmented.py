@@ -72,12 +72,17 @@ def segment_ids(lengths, device=None):
 
 # -- sum and max of |x| per segment ------------------------------------------------------
 
-def segment_abs_sum_max_reference(x, lengths):
-    """float32 ``(sum|x|, max|x|)`` per segment, in torch."""
+def segment_abs_sum_max_reference(x, lengths, seg=None):
+    """float32 ``(sum|x|, max|x|)`` per segment, in torch (``index_add_`` adds in index
+    order on the CPU; ``torch.segment_reduce`` was 4x slower there, 2026-11-22).
+    ``seg``: the segment ids, if the caller has them."""
     a = x.reshape(-1).float().abs()
-    lengths = _lengths(lengths, a.device)
-    return (torch.segment_reduce(a, "sum", lengths=lengths),
-            torch.segment_reduce(a, "max", lengths=lengths))
+    n_seg = len(lengths) if not torch.is_tensor(lengths) else lengths.numel()
+    seg = (segment_ids(lengths, a.device) if seg is None else seg).long()
+    total = torch.zeros(n_seg, dtype=torch.float32, device=a.device).index_add_(0, seg, a)
+    peak = torch.zeros(n_seg, dtype=torch.float32, device=a.device).scatter_reduce_(
+        0, seg, a, "amax", include_self=True)
+    return total, peak
 
 
 @functools.lru_cache(maxsize=256)

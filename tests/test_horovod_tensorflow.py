@@ -6,9 +6,10 @@ import math
 import pytest
 
 from conftest import load_ranks
-from horovod_checks import (SPECS, check_aggregate, check_checkpoint, check_empty_rank,
-                            check_functional, check_mismatch_fails_clearly, check_nonfinite,
-                            check_policy)
+from horovod_checks import (BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
+                            check_bucket_equals_tensorwise, check_bucket_tolerance,
+                            check_checkpoint, check_empty_rank, check_functional,
+                            check_mismatch_fails_clearly, check_nonfinite, check_policy)
 
 DTYPES = {"int": "int32", "fp16": "float16", "bf16": "bfloat16"}
 CASES = [(s, op, m) for s in SPECS for op in ("average", "sum") for m in ("eager", "function")]
@@ -50,3 +51,14 @@ def test_ranks_with_different_compressors_fail_clearly(tmp_path):
 
 def test_per_parameter_policy(tf_job):
     check_policy(load_ranks(tf_job, "tf_policy"), keras=True)
+
+
+@pytest.mark.parametrize("spec", BUCKET_SPECS)
+def test_buckets_equal_tensor_by_tensor(tf_job, spec):
+    """Inside tf.function, 3 steps with error feedback and a missing gradient."""
+    check_bucket_equals_tensorwise(load_ranks(tf_job, "tf_buckets"), spec)
+
+
+@pytest.mark.parametrize("spec", BUCKET_TOL_SPECS)
+def test_bucketed_laplace_topk_counts_within_tolerance(tf_job, spec):
+    check_bucket_tolerance(load_ranks(tf_job, "tf_buckets"), spec)

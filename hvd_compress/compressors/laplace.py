@@ -44,7 +44,7 @@ always searches (ties by lowest index).
 import math
 
 from .base import register
-from .sparse import DensitySparsifier
+from .sparse import DensitySparsifier, per_segment
 
 
 
@@ -84,8 +84,12 @@ class LaplaceTopK(DensitySparsifier):
         return abs_sum / n * math.log(1.0 / self.density)
 
     def select(self, flat, ctx, ops, step):
-        if ctx.segments is not None and len(ctx.segments.names) > 1:
-            return self.select_segmented(flat, ctx.segments, ops)
+        lay = ctx.segments
+        if lay is not None and len(lay.names) > 1:
+            if ops.segmented_search(flat, self.exact):
+                return self.select_segmented(flat, lay, ops)
+            return per_segment(lambda seg, n, _: self.select(seg, ctx._replace(
+                shape=(n,), numel=n, segments=None), ops, None), flat, ctx, ops, step)
         n, k = ctx.numel, self.k(ctx.numel)
         small = ops.small_topk_below(flat) if self.small is None else self.small
         if n < small and not self.exact:
@@ -117,27 +121,26 @@ class LaplaceTopK(DensitySparsifier):
         seg = ops.segment_ids(lay, flat)
         k_t = ops.segment_constant(ks, ops.int64, flat)
         n_t = ops.segment_constant([float(n) for n in lay.numels], ops.float32, flat)
-        abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay.numels)
+        abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
         t_cand = 0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)
-        values, idx = ops.segment_compact_above(flat, t_cand, seg)
+        values, idx = ops.segment_compact_above(flat, t_cand, seg, lay)
         cseg = ops.gather(seg, idx)
         enough = ops.segment_counts(cseg, T) >= k_t
         if not ops.host_all(enough):          # data far from Laplace: all nonzero entries
             t_cand = ops.where(enough, t_cand, 0.0 * t_cand)
-            values, idx = ops.segment_compact_above(flat, t_cand, seg)
+            values, idx = ops.segment_compact_above(flat, t_cand, seg, lay)
             cseg = ops.gather(seg, idx)
         grid = ops.search_grid(flat)
-        take = search_segments(ops, ops.abs(ops.to_float32(values)), cseg, T, k_t, ks,
+        return search_segments(ops, ops.abs(ops.to_float32(values)), idx, cseg, T, k_t, ks,
                                t_cand, abs_max,
                                passes=exact_passes(grid) if self.exact else self.passes,
                                tol=0.0 if self.exact else self.tol, grid=grid)
-        return ops.gather(idx, ops.mask_indices(take))
 
 
-def search_segments(ops, a, seg, T, k_t, ks, lo, hi, passes, tol, grid):
-    """:func:`search_exact_k` for ``T`` tensors at once: ``a`` (magnitudes of candidates,
-    segment ``seg`` ascending), ``k_t``/``ks`` per tensor, brackets ``lo``/``hi`` per
-    tensor.  Returns the mask of candidates to send."""
+def search_segments(ops, a, idx, seg, T, k_t, ks, lo, hi, passes, tol, grid):
+    """:func:`search_exact_k` for ``T`` tensors at once: ``a`` (magnitudes of candidates
+    at bucket indices ``idx``, tensor ``seg`` ascending), ``k_t``/``ks`` per tensor,
+    brackets ``lo``/``hi`` per tensor.  Returns the bucket indices to send."""
     slack = ops.segment_constant([int(math.floor(tol * k)) for k in ks], ops.int64, a)
     lo_b, hi_b = ops.float_bits(lo), ops.float_bits(hi)
     ends = ops.segment_count_above(a, seg, ops.bits_float(ops.stack_cols([lo_b, hi_b])))
@@ -156,6 +159,9 @@ def search_segments(ops, a, seg, T, k_t, ks, lo, hi, passes, tol, grid):
         c_lo = ops.rows_min(ops.where(ge, counts, c_lo[:, None] + 0 * counts))
         hi_b = ops.rows_min(ops.where(ge, hi_b[:, None] + 0 * thr_b, thr_b))
         c_hi = ops.rows_max(ops.where(ge, c_hi[:, None] + 0 * counts, counts))
+        if ops.shrink_candidates(a):     # CPU: keep only candidates above their tensor's lo
+            keep = ops.mask_indices(a > ops.gather(ops.bits_float(lo_b), seg))
+            a, idx, seg = ops.gather(a, keep), ops.gather(idx, keep), ops.gather(seg, keep)
     lo_e, hi_e = ops.gather(ops.bits_float(lo_b), seg), ops.gather(ops.bits_float(hi_b), seg)
     above_lo, above_hi = a > lo_e, a > hi_e
     lo_ok = (c_lo - k_t) <= slack
@@ -167,7 +173,8 @@ def search_segments(ops, a, seg, T, k_t, ks, lo, hi, passes, tol, grid):
     per_seg = ops.segment_sum_int(band_i, seg, T)
     before = ops.cumsum(per_seg) - per_seg                   # band entries of earlier tensors
     band_rank = ops.cumsum(band_i) - ops.gather(before, seg)  # 1-based rank inside its tensor
-    return above_hi | (band & (band_rank <= ops.gather(target - c_hi, seg)))
+    take = above_hi | (band & (band_rank <= ops.gather(target - c_hi, seg)))
+    return ops.gather(idx, ops.mask_indices(take))
 
 
 def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid):

@@ -70,13 +70,7 @@ class RangeFloatCodec:
         ``[E, count]`` header each), so :meth:`decode` reads it unchanged.  One host
         synchronisation (the counts per tensor, to cut the values)."""
         counts = ops.segment_counts(seg, segments)
-        sizes = [int(c) for c in counts.tolist()] if hasattr(counts, "tolist") else None
-        if sizes is None:                      # TensorFlow
-            sizes = [int(c) for c in counts.numpy()]
-        parts, start = [], 0
-        for size in sizes:
-            parts.append(self.encode(values[start:start + size], ops))
-            start += size
+        parts = [self.encode(v, ops) for v in ops.split_sizes(values, counts, segments)]
         return ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])
 
     def decode(self, data, headers, ops):

@@ -400,9 +400,9 @@ def segment_constant(values, dtype, like):
     return _tf.constant(values, dtype=dtype)
 
 
-def segment_abs_sum_max(flat, lengths):
+def segment_abs_sum_max(flat, layout):
     a = _tf.abs(_tf.cast(flat, _tf.float32))
-    ids = _tf.repeat(_tf.range(len(lengths), dtype=_tf.int32), _tf.constant(list(lengths), _tf.int32))
+    ids = segment_ids(layout, flat)
     return _tf.math.segment_sum(a, ids), _tf.math.segment_max(a, ids)
 
 
@@ -411,7 +411,7 @@ def segment_count_above(a, seg, thresholds):
     return _tf.math.unsorted_segment_sum(_tf.cast(above, _tf.int64), seg, _tf.shape(thresholds)[0])
 
 
-def segment_compact_above(flat, thresholds, seg):
+def segment_compact_above(flat, thresholds, seg, layout):
     a = _tf.abs(_tf.cast(flat, _tf.float32))
     idx = _tf.cast(_tf.reshape(_tf.where(a > _tf.gather(_tf.cast(thresholds, _tf.float32), seg)),
                                [-1]), _tf.int32)
@@ -441,3 +441,13 @@ def segment_counts(seg, segments):
 
 def stack_cols(ts):
     return _tf.stack(ts, 1)
+
+
+def split_sizes(t, sizes, n):
+    return _tf.split(t, _tf.cast(sizes, _tf.int64), num=n)
+
+
+def segmented_search(t, exact):
+    """One search for a bucket's tensors (as in PyTorch: exact=1 on the CPU; always
+    inside tf.function, where a Python loop per tensor only adds graph nodes)."""
+    return bool(exact or not _tf.executing_eagerly())

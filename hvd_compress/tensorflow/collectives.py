@@ -80,6 +80,51 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
     return out, payload_bytes(payload, tf_ops)
 
 
+@tf.autograph.experimental.do_not_convert
+def bucket_allreduce(flat, layout, compressor, op=hvd.Average,
+                     process_set=hvd.global_process_set):
+    """Compressed sum/average of a bucket (``flat``: the tensors of ``layout`` end to end)
+    with one compress call and one collective (an allreduce, or one grouped allgather of
+    every payload tensor), named after the bucket.  Returns ``(flat result, sent_bytes)``."""
+    check_op(op)
+    payload, ctx = compressor.compress_bucket(flat, layout)
+    wire = PREFIX + _safe(layout.key)
+    if compressor.collective == "allreduce":
+        aggregate = hvd.allreduce(payload, op=hvd.Sum, name=wire, process_set=process_set)
+    else:
+        aggregate = _grouped_allgather(payload, wire, process_set)
+    out = compressor.decompress_bucket(aggregate, ctx)
+    if op == hvd.Average:
+        size = process_set.size()
+        out = out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
+    return out, payload_bytes(payload, tf_ops)
+
+
+_SAME_WIDTH = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
+
+
+def _grouped_allgather(payload, name, process_set):
+    """Allgather every tensor of ``payload`` in as few ops as dtypes allow: Horovod's
+    TensorFlow ``grouped_allgather`` takes tensors of one dtype, so each tensor travels
+    as the integer type of its width (a bit cast, undone on arrival) and tensors of one
+    width form one group; (float32 values, int32 indices) is a single op."""
+    groups = {}
+    for i, t in enumerate(payload):
+        width = t.dtype.size
+        groups.setdefault(width, []).append(i)
+    out = [None] * len(payload)
+    for width, members in sorted(groups.items()):
+        wire_dtype = _SAME_WIDTH[width]
+        tensors = [payload[i] if payload[i].dtype == wire_dtype else tf.bitcast(payload[i], wire_dtype)
+                   for i in members]
+        suffix = "" if len(groups) == 1 else f".w{width}"
+        gathered = hvd.grouped_allgather(tensors, name=name + suffix, process_set=process_set)
+        for i, g in zip(members, gathered):
+            dtype = payload[i].dtype
+            out[i] = g if dtype == wire_dtype else tf.bitcast(g, dtype)
+    return tuple(out)
+
+
 def check_same_config(description, process_set=hvd.global_process_set):
     """Raise ValueError on every rank unless all ranks pass the same ``description``.
 

@@ -9,6 +9,8 @@ import weakref
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from .. import buckets
+from ..ops import tf_ops
 from ..stats import summarize
 from . import collectives
 
@@ -69,15 +71,19 @@ class DistributedGradientTape:
     Arguments follow ``horovod.tensorflow.DistributedGradientTape``: ``compression``
     (compressor, spec string, or None for ``$HVD_COMPRESS``), ``op`` (``hvd.Average`` or
     ``hvd.Sum``), ``process_set``.  Sparse (IndexedSlices) gradients are made dense.
-    ``tape.stats`` counts bytes sent vs a dense float32 allreduce.
+    ``tape.stats`` counts bytes sent vs a dense float32 allreduce.  ``bucket_mb``:
+    gradients are compressed and sent in buckets of about this many MB (default
+    ``$HVD_COMPRESS_BUCKET_MB``, else 25; 0: tensor by tensor; see
+    :mod:`hvd_compress.buckets`); inside ``tf.function`` a bucket's ops form one group.
     """
 
     def __init__(self, gradtape, compression=None, op=hvd.Average,
-                 process_set=hvd.global_process_set):
+                 process_set=hvd.global_process_set, bucket_mb=None):
         self._tape = gradtape
         self.compression = collectives.resolve_cached(compression)
         self.op = collectives.check_op(op)
         self.process_set = process_set
+        self.bucket_mb = buckets.bucket_mb(bucket_mb)
 
     def __getattr__(self, item):       # watch(), stop_recording(), reset(), ...
         return getattr(self._tape, item)
@@ -100,21 +106,36 @@ class DistributedGradientTape:
         names = variable_names(flat_sources)
         if not self.process_set.included():
             return tf.nest.pack_sequence_as(sources, grads)
-        if self.compression not in _CHECKED:
+        entries = [(n, tuple(v.shape), self.compression.for_tensor(n, v), tf.as_dtype(v.dtype).name,
+                    tf.as_dtype(v.dtype).size) for n, v in zip(names, flat_sources)]
+        plan = buckets.plan(entries, self.bucket_mb)
+        checked = _CHECKED.setdefault(self.compression, set())
+        if self.bucket_mb not in checked:
             layout = ";".join(f"{n}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}"
                               for n, v in zip(names, flat_sources))
-            collectives.check_same_config(f"{self.compression.spec} op={self.op} | {layout}",
-                                          self.process_set)
-            _CHECKED[self.compression] = True
-        out, sent, dense = [], tf.constant(0, tf.int64), 0
-        for name, grad in zip(names, grads):
-            if grad is None:
-                out.append(None)
+            collectives.check_same_config(
+                f"{self.compression.spec} op={self.op} bucket_mb={self.bucket_mb:g} "
+                f"buckets=[{';'.join(str(len(b)) for b in plan)}] | {layout}", self.process_set)
+            checked.add(self.bucket_mb)
+        out, sent, dense = list(grads), tf.constant(0, tf.int64), 0
+        for bucket in plan:
+            present = [i for i in bucket if grads[i] is not None]
+            if not present:
                 continue
-            reduced, nbytes = collectives.allreduce(grad, name, self.compression, self.op,
-                                                    self.process_set)
-            out.append(reduced)
+            # a variable without a gradient (None, as Horovod returns it) is left out of
+            # its bucket for this step: its residual waits, as tensor by tensor
+            if len(present) == 1:
+                i = present[0]
+                out[i], nbytes = collectives.allreduce(grads[i], names[i], self.compression,
+                                                       self.op, self.process_set)
+            else:
+                parts = [tf.convert_to_tensor(grads[i]) for i in present]
+                lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
+                reduced, nbytes = collectives.bucket_allreduce(
+                    tf_ops.concat(parts), lay, entries[present[0]][2], self.op, self.process_set)
+                for i, r in zip(present, lay.split(reduced, tf_ops)):
+                    out[i] = r
             sent += nbytes
-            dense += 4 * int(reduced.shape.num_elements())
+            dense += 4 * sum(int(tf.TensorShape(entries[i][1]).num_elements()) for i in present)
         self.stats.record_step(sent, dense)
         return tf.nest.pack_sequence_as(sources, out)

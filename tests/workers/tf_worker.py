@@ -14,7 +14,8 @@ import hvd_compress
 import hvd_compress.tensorflow as hctf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cases import POLICY, SHAPES, SPECS  # noqa: E402
+from cases import (BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS, POLICY,  # noqa: E402
+                   SHAPES, SPECS)
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
 
@@ -157,8 +158,42 @@ def mismatch(out):
         sys.exit(3)
 
 
+def _bucket_run(spec, mb, steps=3):
+    """``steps`` steps inside tf.function with ``bucket_mb=mb``; "late" has no gradient on
+    step 1 (not in the loss: the tape returns None for it)."""
+    variables = [tf.Variable(tf.zeros(s), name=n) for n, s in BUCKET_SHAPES.items()]
+    comp = spec if isinstance(spec, hvd_compress.Policy) else hvd_compress.from_spec(spec)
+
+    def one(gs, with_late):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * g) for (n, v), g in
+                             zip(zip(BUCKET_SHAPES, variables), gs) if with_late or n != "late"])
+        tape = hctf.DistributedGradientTape(tape, compression=comp, op=hvd.Sum, bucket_mb=mb)
+        return tape.gradient(loss, variables)
+
+    fns = {True: tf.function(lambda *g: one(g, True)), False: tf.function(lambda *g: one(g, False))}
+    results = []
+    for step in range(steps):
+        gs = [tf.constant(rng(31, step, 0).standard_normal(s).astype(np.float32))
+              for s in BUCKET_SHAPES.values()]
+        grads = fns[step != 1](*gs)
+        results.append({n: g.numpy() for n, g in zip(BUCKET_SHAPES, grads) if g is not None})
+    return results, comp
+
+
+def buckets(out):
+    for spec in BUCKET_SPECS + BUCKET_TOL_SPECS:
+        for mb in BUCKET_MBS:
+            results, comp = _bucket_run(spec, mb)
+            for step, g in enumerate(results):
+                for n, v in g.items():
+                    out[f"{spec}|{mb}|1|{step}|{n}"] = v
+            for k, v in comp.state_dict()["state"].items():
+                out[f"{spec}|{mb}|1|state|{k}"] = np.asarray(v).copy()
+
+
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
-                                     checkpoint, policy, mismatch)}
+                                     checkpoint, policy, mismatch, buckets)}
 
 if __name__ == "__main__":
     hvd.init()
