@@ -106,8 +106,12 @@ class DistributedGradientTape:
         names = variable_names(flat_sources)
         if not self.process_set.included():
             return tf.nest.pack_sequence_as(sources, grads)
-        entries = [(n, tuple(v.shape), self.compression.for_tensor(n, v), tf.as_dtype(v.dtype).name,
-                    tf.as_dtype(v.dtype).size) for n, v in zip(names, flat_sources)]
+        # which compressor: asked of the gradient (a Keras 3 variable's dtype is a string)
+        likes = [tf.zeros(tuple(v.shape), tf.as_dtype(v.dtype)) if g is None
+                 else g.values if isinstance(g, tf.IndexedSlices) else g
+                 for v, g in zip(flat_sources, grads)]
+        entries = [(n, tuple(v.shape), self.compression.for_tensor(n, like), tf.as_dtype(v.dtype).name,
+                    tf.as_dtype(v.dtype).size) for n, v, like in zip(names, flat_sources, likes)]
         plan = buckets.plan(entries, self.bucket_mb)
         checked = _CHECKED.setdefault(self.compression, set())
         if self.bucket_mb not in checked:
