@@ -226,6 +226,29 @@ MODEL_SCHEMES = ["none", "fp16", "bf16", "topk:density=0.01", "laplace_topk:dens
                  "twobit", "rangefloat:bits=8", "dct:density=0.01,block=64", "hylo"]
 
 
+def _time_two_ranks(compress, decompress, repeat, sync):
+    """Median seconds of rank 0's ``compress(0)`` and of ``decompress(sent0, sent1)``
+    (after a warm-up that compiles kernels and creates residuals); also rank 0's last
+    payload."""
+    sent0, sent1 = compress(0), compress(1)
+    decompress(sent0, sent1)
+    times_c, times_d = [], []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        sent0 = compress(0)
+        sync()
+        t1 = time.perf_counter()
+        sent1 = compress(1)
+        sync()
+        t2 = time.perf_counter()
+        decompress(sent0, sent1)
+        sync()
+        times_c.append(t1 - t0)
+        times_d.append(time.perf_counter() - t2)
+    return statistics.median(times_c), statistics.median(times_d), sent0
+
+
 def _bucket_row(model_name, params, ranks, scheme, repeat, sync):
     """compress_bucket of all of a model's gradients (one bucket per rank, as
     bucket_mb=25 makes of these models) and decompress_bucket of the 2 ranks' aggregate."""
@@ -245,27 +268,12 @@ def _bucket_row(model_name, params, ranks, scheme, repeat, sync):
     def decompress(s0, s1):
         return comps[0].decompress_bucket(_aggregate(comps[0], [s0[0], s1[0]]), s0[1])
 
-    s0, s1 = compress(0), compress(1)
-    decompress(s0, s1)
-    times_c, times_d = [], []
-    for _ in range(repeat):
-        sync()
-        t0 = time.perf_counter()
-        s0 = compress(0)
-        sync()
-        t1 = time.perf_counter()
-        s1 = compress(1)
-        sync()
-        t2 = time.perf_counter()
-        decompress(s0, s1)
-        sync()
-        times_c.append(t1 - t0)
-        times_d.append(time.perf_counter() - t2)
+    compress_s, decompress_s, s0 = _time_two_ranks(compress, decompress, repeat, sync)
     sent = payload_bytes(s0[0], torch_ops)
     row = {"model": model_name, "params": params, "tensors": len(ranks[0]),
            "scheme": scheme + " (1 bucket)", "bytes_sent_per_rank": sent,
-           "ratio_vs_dense": 4 * params / sent, "compress_ms": 1e3 * statistics.median(times_c),
-           "decompress_ms": 1e3 * statistics.median(times_d)}
+           "ratio_vs_dense": 4 * params / sent, "compress_ms": 1e3 * compress_s,
+           "decompress_ms": 1e3 * decompress_s}
     row["step_ms"] = row["compress_ms"] + row["decompress_ms"]
     return row
 
@@ -309,28 +317,11 @@ def models(args):
                 return [c.decompress(_aggregate(c, [p0, p1]), ctx)
                         for (c, p0, ctx), (_, p1, _) in zip(sent0, sent1)]
 
-            sent0, sent1 = compress(0), compress(1)          # warm-up (kernels, residuals)
-            decompress(sent0, sent1)
-            times_c, times_d = [], []
-            for _ in range(args.repeat):
-                sync()
-                t0 = time.perf_counter()
-                sent0 = compress(0)
-                sync()
-                t1 = time.perf_counter()
-                sent1 = compress(1)
-                sync()
-                t2 = time.perf_counter()
-                decompress(sent0, sent1)
-                sync()
-                t3 = time.perf_counter()
-                times_c.append(t1 - t0)
-                times_d.append(t3 - t2)
+            compress_s, decompress_s, sent0 = _time_two_ranks(compress, decompress, args.repeat, sync)
             sent = sum(payload_bytes(p, torch_ops) for _, p, _ in sent0)
             row = {"model": model_name, "params": params, "tensors": len(ranks[0]), "scheme": scheme,
                    "bytes_sent_per_rank": sent, "ratio_vs_dense": 4 * params / sent,
-                   "compress_ms": 1e3 * statistics.median(times_c),
-                   "decompress_ms": 1e3 * statistics.median(times_d)}
+                   "compress_ms": 1e3 * compress_s, "decompress_ms": 1e3 * decompress_s}
             row["step_ms"] = row["compress_ms"] + row["decompress_ms"]
             results.append(row)
             print(f"{model_name:13s} {scheme:36s} compress {row['compress_ms']:8.2f} ms  "

@@ -35,7 +35,11 @@ are dispatched) and mirrored in ``tf_ops.py``: threshold selection (``abs_sum_ma
 convolution kernels (``twobit_pack``, ``kernel_matrix``, ...), and range-based float and
 block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers
 (``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``); and the size cut-off
-``small_topk_below``.  ``twobit_decode_sum`` and ``rangefloat_decode_ranks`` are optional
+``small_topk_below``; buckets (``concat``, ``split``, ``segment_ids``,
+``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,
+``segment_counts``, ``segment_sum_int``, ``rows_max``/``rows_min``, ``split_sizes``,
+``host_all``, and the choice ``segmented_search``).  ``twobit_decode_sum`` and
+``rangefloat_decode_ranks`` are optional
 fast paths: they return None where a framework or device has none, and the compressor's
 generic code (written once) runs instead.
 """
