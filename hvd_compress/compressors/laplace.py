@@ -88,8 +88,7 @@ class LaplaceTopK(DensitySparsifier):
         if lay is not None and len(lay.names) > 1:
             if ops.segmented_search(flat, self.exact):
                 return self.select_segmented(flat, lay, ops)
-            return per_segment(lambda seg, n, _: self.select(seg, ctx._replace(
-                shape=(n,), numel=n, segments=None), ops, None), flat, ctx, ops, step)
+            return self.select_each(flat, ctx, ops)
         n, k = ctx.numel, self.k(ctx.numel)
         small = ops.small_topk_below(flat) if self.small is None else self.small
         if n < small and not self.exact:
@@ -108,6 +107,21 @@ class LaplaceTopK(DensitySparsifier):
                               passes=exact_passes(grid) if self.exact else self.passes,
                               tol=0.0 if self.exact else self.tol, grid=grid)
 
+
+    def select_each(self, flat, ctx, ops):
+        """A bucket, each tensor selected as on its own: the framework's top-k below
+        ``small``, the search above; zeros are dropped once for the whole bucket (one
+        host synchronisation, not one per tensor).  The same indices as tensor by
+        tensor (a search never selects a zero)."""
+        small = ops.small_topk_below(flat) if self.small is None else self.small
+
+        def one(seg, n, _):
+            if n < small:
+                return ops.topk_indices(ops.abs(seg), self.k(n))
+            return self.select(seg, ctx._replace(shape=(n,), numel=n, segments=None), ops, None)
+
+        idx = per_segment(one, flat, ctx, ops, None)
+        return ops.gather(idx, ops.mask_indices(ops.gather(flat, idx) != 0))
 
     def select_segmented(self, flat, lay, ops):
         """The same search for every tensor of a bucket at once (``lay``: its Layout):
