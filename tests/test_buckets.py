@@ -140,6 +140,14 @@ def test_a_compressor_that_is_not_segmented_refuses_a_bucket():
         hvd_compress.from_spec("dct").compress_bucket(torch.zeros(8), lay)
 
 
+def test_twobit_bucket_rejects_a_malformed_payload():
+    lay = buckets.layout(["a", "b"], [(20,), (3,)])
+    c = hvd_compress.from_spec("twobit")
+    (words, thr), ctx = c.compress_bucket(torch.randn(23), lay)
+    with pytest.raises(ValueError, match="malformed"):
+        c.decompress_bucket((words[:-1], thr), ctx)
+
+
 # -- compress_bucket == compress, tensor by tensor ----------------------------------------
 
 SHAPES = [(30, 20), (7,), (3, 3, 4, 4), (1000,), ()]
@@ -147,7 +155,9 @@ EXACT = ["none", "fp16", "bf16", "none:ef=1", "fp16:ef=1", "topk:density=0.1",
          "randomk:density=0.1,seed=3", "threshold:threshold=1.5",
          "laplace_topk:density=0.1,exact=1", "laplace_topk:density=0.02,exact=1,small=0",
          "topk:density=0.1,values=rangefloat8",
-         "laplace_topk:density=0.05,exact=1,values=rangefloat12"]
+         "laplace_topk:density=0.05,exact=1,values=rangefloat12",
+         "twobit", "twobit:threshold=0.5", "twobit:scale=2,ef=0",
+         "rangefloat:bits=8", "rangefloat:bits=4", "rangefloat:bits=12,exp_bits=3"]
 
 
 def _aggregate(c, payloads):

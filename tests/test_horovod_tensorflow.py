@@ -7,7 +7,8 @@ import pytest
 
 from conftest import load_ranks
 from horovod_checks import (BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
-                            check_bucket_equals_tensorwise, check_bucket_tolerance,
+                            check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,
+                            check_bucket_tolerance,
                             check_checkpoint, check_empty_rank, check_functional,
                             check_mismatch_fails_clearly, check_nonfinite, check_policy)
 
@@ -62,3 +63,7 @@ def test_buckets_equal_tensor_by_tensor(tf_job, spec):
 @pytest.mark.parametrize("spec", BUCKET_TOL_SPECS)
 def test_bucketed_laplace_topk_counts_within_tolerance(tf_job, spec):
     check_bucket_tolerance(load_ranks(tf_job, "tf_buckets"), spec)
+
+
+def test_ranks_with_different_bucket_sizes_fail_clearly(tmp_path):
+    check_bucket_mismatch_fails_clearly("tf_worker.py", tmp_path)

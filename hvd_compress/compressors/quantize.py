@@ -23,6 +23,7 @@ class TwoBit(Compressor):
     name = "twobit"
     collective = "allgather"
     biased = True
+    segmented = True      #: a bucket: a threshold and whole words per tensor
 
     def __init__(self, ef=None, threshold=None, scale=1.0):
         super().__init__(ef=ef)
@@ -34,17 +35,30 @@ class TwoBit(Compressor):
         self.scale = float(scale)
 
     def encode(self, flat, ctx, ops, step):
+        lay = ctx.segments
+        if lay is not None and len(lay.names) > 1:
+            # each tensor packed on its own (its threshold, its words): the payload of a
+            # bucket is the tensors' payloads end to end, (words..., thresholds...)
+            parts = [self._encode_one(flat[off:off + n], n, ops)
+                     for off, n in zip(lay.offsets, lay.numels)]
+            return ops.concat([w for w, _ in parts]), ops.concat([t for _, t in parts])
+        return self._encode_one(flat, ctx.numel, ops)
+
+    def _encode_one(self, flat, n, ops):
         if self.threshold is not None:
             t = ops.to_float32(ops.scalar(self.threshold, flat))
         else:
             abs_sum, _ = ops.abs_sum_max(flat)
-            t = self.scale * abs_sum / max(ctx.numel, 1)
+            t = self.scale * abs_sum / max(n, 1)
         t = ops.where(t > 0, t, 0 * t + 1.0)       # all-zero tensor: every code is 0
         return ops.twobit_pack(flat, t), ops.reshape(ops.cast(t, ops.float32), [1])
 
     def decode(self, payload, ctx, ops):
         if len(payload) != 2:
             raise ValueError("twobit: a payload is (words, thresholds)")
+        lay = ctx.segments
+        if lay is not None and len(lay.names) > 1:
+            return self._decode_bucket(payload, ctx, lay, ops)
         words, thresholds = payload
         n, per_rank = ctx.numel, -(-ctx.numel // 16)
         nw, nt = ops.length(words), ops.length(thresholds)
@@ -56,3 +70,22 @@ class TwoBit(Compressor):
             return fast
         signs = ops.reshape(ops.twobit_unpack(words), [-1, per_rank * 16])[:, :n]
         return ops.sum_rows(ops.reshape(signs * thresholds[:, None], [-1]), n)
+
+    def _decode_bucket(self, payload, ctx, lay, ops):
+        """Each tensor's words and thresholds of every rank, decoded as tensor by tensor
+        (the same arithmetic, so the same bits)."""
+        words, thresholds = payload
+        per_tensor = [-(-n // 16) for n in lay.numels]
+        width, T = sum(per_tensor), len(lay.numels)
+        nw, nt = ops.length(words), ops.length(thresholds)
+        if isinstance(nw, int) and isinstance(nt, int) and (nt % T or nw != nt // T * width):
+            raise ValueError(f"twobit: {nw} words and {nt} thresholds are not whole ranks of "
+                             f"{T} tensors ({width} words each); the payload is malformed")
+        words, thresholds = ops.reshape(words, [-1, width]), ops.reshape(thresholds, [-1, T])
+        out, at = [], 0
+        for s, (name, n, w) in enumerate(zip(lay.names, lay.numels, per_tensor)):
+            one = (ops.reshape(words[:, at:at + w], [-1]), thresholds[:, s])
+            out.append(self.decode(one, ctx._replace(shape=(n,), numel=n, name=name,
+                                                     segments=None), ops))
+            at += w
+        return ops.concat(out)

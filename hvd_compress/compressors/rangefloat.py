@@ -101,6 +101,7 @@ class RangeFloat(Compressor):
     name = "rangefloat"
     collective = "allgather"
     biased = True
+    segmented = True      #: a bucket: an exponent range per tensor (encode_segments)
 
     def __init__(self, bits=8, ef=None, exp_bits=None):
         super().__init__(ef=ef)
@@ -108,6 +109,11 @@ class RangeFloat(Compressor):
         self.bits, self.exp_bits = self.codec.bits, exp_bits
 
     def encode(self, flat, ctx, ops, step):
+        lay = ctx.segments
+        if lay is not None and len(lay.names) > 1:
+            # each tensor its own range; decoding reads (rank, tensor) segments in order,
+            # which for a dense payload is each rank's bucket in order: the sum of rows
+            return self.codec.encode_segments(flat, ops.segment_ids(lay, flat), len(lay.names), ops)
         return self.codec.encode(flat, ops)
 
     def decode(self, payload, ctx, ops):

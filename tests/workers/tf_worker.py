@@ -192,8 +192,17 @@ def buckets(out):
                 out[f"{spec}|{mb}|1|state|{k}"] = np.asarray(v).copy()
 
 
+def bucket_mismatch(out):
+    mb = 25 if hvd.rank() == 0 else 0.002
+    try:
+        _bucket_run("topk:density=0.05", mb, steps=1)
+    except ValueError as e:
+        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
+        sys.exit(3)
+
+
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
-                                     checkpoint, policy, mismatch, buckets)}
+                                     checkpoint, policy, mismatch, buckets, bucket_mismatch)}
 
 if __name__ == "__main__":
     hvd.init()
