@@ -43,7 +43,7 @@ def test_twobit_pack_and_unpack_match_reference(n):
     assert torch.equal(T.pack_cpu(half, 0.5), T.pack_reference(half, 0.5))
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES + [4 * T.PAIR_TABLE_FROM + 5])   # last: the pair table
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5])
 def test_twobit_decode_sum_matches_reference(n, ranks):
     xs = [torch.randn(n) for _ in range(ranks)]
