@@ -68,6 +68,11 @@ def bucket_mb(value=None):
     return mb
 
 
+def describe(mb, buckets):
+    """What ranks must agree on about buckets: ``bucket_mb=25 buckets=[3;1;1]``."""
+    return f"bucket_mb={mb:g} buckets=[{';'.join(str(len(b)) for b in buckets)}]"
+
+
 def plan(entries, mb):
     """Buckets for ``entries`` = [(name, shape, compressor, dtype_key, element_size)] in
     *registration* order: a list of lists of indices into ``entries``, in launch order.

@@ -124,8 +124,7 @@ class ResidualMemory:
         self.reuse = reuse and ops.supports_inplace()
 
     def _residual(self, name, flat):
-        ops = self.ops
-        return self.store.get(self.PREFIX + name, lambda: ops.zeros(ops.numel(flat), flat.dtype, flat))
+        return self._residual_n(name, self.ops.numel(flat), flat)
 
     def compensate(self, name, flat):
         """``c = g + r`` for the flattened gradient ``flat`` of tensor ``name``."""
@@ -166,7 +165,7 @@ class ResidualMemory:
         residuals = [self._residual_n(name, n, flat) for name, n in parts]
         r = self._contiguous(residuals) if self.reuse else None
         if r is None:
-            r = ops.concat([ops.cast(x, flat.dtype) for x in residuals])
+            r = ops.concat(residuals)
         if self.reuse and own:
             return ops.add_into(flat, ops.cast(r, flat.dtype), flat)
         return flat + ops.cast(r, flat.dtype)

@@ -41,6 +41,12 @@ class Ctx(NamedTuple):
     finite: Any = None   #: known "no NaN/Inf in encode's input" (so encode needn't check)
     segments: Any = None  #: a bucket's :class:`~hvd_compress.buckets.Layout` (else None)
 
+    @property
+    def bucket(self):
+        """The Layout when this is a bucket of several tensors, else None (one tensor)."""
+        lay = self.segments
+        return lay if lay is not None and len(lay.names) > 1 else None
+
 
 class Compressor:
     """Base class; see the module docstring for the contract."""

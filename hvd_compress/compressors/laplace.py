@@ -79,19 +79,23 @@ class LaplaceTopK(DensitySparsifier):
         self.tol, self.passes, self.exact = float(tol), int(passes), bool(exact)
         self.small = None if small is None else int(small)
 
+    def small_below(self, flat, ops):
+        """Tensors of fewer values take the framework's top-k (``small``, else the
+        framework's crossover)."""
+        return ops.small_topk_below(flat) if self.small is None else self.small
+
     def threshold_estimate(self, abs_sum, n):
         """``t0 = mean|g| * ln(1/density)``."""
         return abs_sum / n * math.log(1.0 / self.density)
 
     def select(self, flat, ctx, ops, step):
-        lay = ctx.segments
-        if lay is not None and len(lay.names) > 1:
+        lay = ctx.bucket
+        if lay is not None:
             if ops.segmented_search(flat, self.exact):
                 return self.select_segmented(flat, lay, ops)
             return self.select_each(flat, ctx, ops)
         n, k = ctx.numel, self.k(ctx.numel)
-        small = ops.small_topk_below(flat) if self.small is None else self.small
-        if n < small and not self.exact:
+        if n < self.small_below(flat, ops) and not self.exact:
             mags = ops.abs(flat)
             idx = ops.topk_indices(mags, k)
             return ops.gather(idx, ops.mask_indices(ops.gather(mags, idx) > 0))
@@ -113,7 +117,7 @@ class LaplaceTopK(DensitySparsifier):
         ``small``, the search above; zeros are dropped once for the whole bucket (one
         host synchronisation, not one per tensor).  The same indices as tensor by
         tensor (a search never selects a zero)."""
-        small = ops.small_topk_below(flat) if self.small is None else self.small
+        small = self.small_below(flat, ops)
 
         def one(seg, n, _):
             if n < small:

@@ -35,8 +35,8 @@ class TwoBit(Compressor):
         self.scale = float(scale)
 
     def encode(self, flat, ctx, ops, step):
-        lay = ctx.segments
-        if lay is not None and len(lay.names) > 1:
+        lay = ctx.bucket
+        if lay is not None:
             # each tensor packed on its own (its threshold, its words): the payload of a
             # bucket is the tensors' payloads end to end, (words..., thresholds...)
             parts = [self._encode_one(flat[off:off + n], n, ops)
@@ -56,8 +56,8 @@ class TwoBit(Compressor):
     def decode(self, payload, ctx, ops):
         if len(payload) != 2:
             raise ValueError("twobit: a payload is (words, thresholds)")
-        lay = ctx.segments
-        if lay is not None and len(lay.names) > 1:
+        lay = ctx.bucket
+        if lay is not None:
             return self._decode_bucket(payload, ctx, lay, ops)
         words, thresholds = payload
         n, per_rank = ctx.numel, -(-ctx.numel // 16)

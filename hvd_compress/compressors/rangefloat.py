@@ -109,8 +109,8 @@ class RangeFloat(Compressor):
         self.bits, self.exp_bits = self.codec.bits, exp_bits
 
     def encode(self, flat, ctx, ops, step):
-        lay = ctx.segments
-        if lay is not None and len(lay.names) > 1:
+        lay = ctx.bucket
+        if lay is not None:
             # each tensor its own range; decoding reads (rank, tensor) segments in order,
             # which for a dense payload is each rank's bucket in order: the sum of rows
             return self.codec.encode_segments(flat, ops.segment_ids(lay, flat), len(lay.names), ops)

@@ -55,8 +55,8 @@ class Sparsifier(Compressor):
         values = ops.gather(flat, idx)
         if self.codec is None:
             return values, idx
-        lay = ctx.segments
-        if lay is not None and len(lay.names) > 1:          # an exponent range per tensor
+        lay = ctx.bucket
+        if lay is not None:                                  # an exponent range per tensor
             seg = ops.gather(ops.segment_ids(lay, flat), idx)
             return (*self.codec.encode_segments(values, seg, len(lay.names), ops), idx)
         return (*self.codec.encode(values, ops), idx)
@@ -105,8 +105,8 @@ def per_segment(select_one, flat, ctx, ops, step):
     """Indices into a bucket from ``select_one(segment, n, step)`` run on each tensor of
     ``ctx.segments`` (one framework call per tensor, offset to the bucket); ``flat``
     itself when there is no bucket."""
-    lay = ctx.segments
-    if lay is None or len(lay.names) == 1:
+    lay = ctx.bucket
+    if lay is None:
         return select_one(flat, ctx.numel, step)
     parts = []
     for i, (off, n) in enumerate(zip(lay.offsets, lay.numels)):

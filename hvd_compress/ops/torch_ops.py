@@ -371,19 +371,26 @@ def split(flat, lengths):
     return list(_torch.split(flat, list(lengths)))
 
 
-_SEGMENT_IDS = {}
+_PER_LAYOUT = {}
+
+
+def _per_layout(what, layout, device, make):
+    """``make()``, computed once per (what, bucket layout, device) and kept (a bounded
+    cache: the constants of a model's buckets)."""
+    key = (what, layout.key, layout.numels, str(device))
+    value = _PER_LAYOUT.get(key)
+    if value is None:
+        if len(_PER_LAYOUT) > 512:
+            _PER_LAYOUT.clear()
+        value = _PER_LAYOUT[key] = make()
+    return value
 
 
 def segment_ids(layout, like):
     """int32 tensor index of every entry of a bucket (cached per layout and device)."""
-    key = (layout.key, layout.numels, str(like.device))
-    ids = _SEGMENT_IDS.get(key)
-    if ids is None:
-        from ..kernels import segmented
-        if len(_SEGMENT_IDS) > 256:
-            _SEGMENT_IDS.clear()
-        ids = _SEGMENT_IDS[key] = segmented.segment_ids(layout.numels, like.device)
-    return ids
+    from ..kernels import segmented
+    return _per_layout("ids", layout, like.device,
+                       lambda: segmented.segment_ids(layout.numels, like.device))
 
 
 def segment_constant(values, dtype, like):
@@ -405,9 +412,6 @@ def segment_count_above(a, seg, thresholds):
     return segmented.segment_count_above(a, seg, thresholds)
 
 
-_LENGTHS = {}
-
-
 def segment_compact_above(flat, thresholds, seg, layout):
     """``(flat[sel], int32 indices)``, ``sel = |flat| > thresholds[seg]``, index order."""
     from ..kernels import compact_above as launch
@@ -415,12 +419,8 @@ def segment_compact_above(flat, thresholds, seg, layout):
     if flat.is_cuda:
         return launch(flat, thresholds, segment_ids=seg)
     # CPU: the thresholds repeated per tensor (one write) instead of a gather per entry
-    key = (layout.key, layout.numels)
-    lengths = _LENGTHS.get(key)
-    if lengths is None:
-        if len(_LENGTHS) > 256:
-            _LENGTHS.clear()
-        lengths = _LENGTHS[key] = _torch.tensor(layout.numels, dtype=_torch.int64)
+    lengths = _per_layout("lengths", layout, "cpu",
+                          lambda: _torch.tensor(layout.numels, dtype=_torch.int64))
     return compact_above_reference(flat, _torch.repeat_interleave(thresholds.float(), lengths))
 
 

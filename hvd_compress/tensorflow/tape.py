@@ -118,8 +118,8 @@ class DistributedGradientTape:
             layout = ";".join(f"{n}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}"
                               for n, v in zip(names, flat_sources))
             collectives.check_same_config(
-                f"{self.compression.spec} op={self.op} bucket_mb={self.bucket_mb:g} "
-                f"buckets=[{';'.join(str(len(b)) for b in plan)}] | {layout}", self.process_set)
+                f"{self.compression.spec} op={self.op} {buckets.describe(self.bucket_mb, plan)} "
+                f"| {layout}", self.process_set)
             checked.add(self.bucket_mb)
         out, sent, dense = list(grads), tf.constant(0, tf.int64), 0
         for bucket in plan:

@@ -88,9 +88,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._checked:
             return
         layout = ";".join(f"{self._names[p]}:{tuple(p.shape)}:{p.dtype}" for p in self._params)
-        plan = ";".join(f"{len(b)}" for b in self._buckets)
         collectives.check_same_config(f"{self.compression.spec} op={self.op} "
-                                      f"bucket_mb={self.bucket_mb:g} buckets=[{plan}] | {layout}",
+                                      f"{buckets.describe(self.bucket_mb, self._buckets)} | {layout}",
                                       self.process_set)
         self._checked = True
 
