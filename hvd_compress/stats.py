@@ -1,4 +1,8 @@
-"""Bytes on the wire: what this rank sent vs what a dense float32 allreduce would send."""
+"""Bytes on the wire: what this rank sent vs what a dense float32 allreduce would send,
+and what it received."""
+
+#: counted per step (``last_*``) and in total (``total_*``) besides sent/dense
+EXCHANGE = ("received", "received_local", "union", "k")
 
 
 class Stats:
@@ -7,6 +11,12 @@ class Stats:
     ``sent``: bytes of the payloads this rank contributed to collectives.
     ``dense``: bytes of the same gradients as float32 (what ``hvd.allreduce`` of the
     uncompressed float32 gradient would contribute).  ``ratio = dense / sent``.
+    ``received``: bytes this rank received (allgather: the other ranks' payloads;
+    allreduce: ``2 (P-1)/P`` of its size, a ring's share); ``received_local``: what it
+    would have received with ``agg=local`` (every rank sending k pairs; equal to
+    ``received`` for other strategies and compressors); ``union`` and ``k``: the
+    aggregated index count and the target k of aggregation-aware selection
+    (``union_over_k``; 0 and None where no union is formed).
     """
 
     TIMES = ("compress_s", "wait_s", "decompress_s")
@@ -16,14 +26,19 @@ class Stats:
         self.last_sent = self.last_dense = 0
         self.total_sent = self.total_dense = 0
         self._sent = self._dense = 0
+        self._exchange = dict.fromkeys(EXCHANGE, 0)
+        self.last_exchange = dict.fromkeys(EXCHANGE, 0)
+        self.total_exchange = dict.fromkeys(EXCHANGE, 0)
         self._times = [0.0, 0.0, 0.0]
         self.last_times = dict.fromkeys(self.TIMES, 0.0)
         self.total_times = dict.fromkeys(self.TIMES, 0.0)
 
-    def add(self, sent, dense):
-        """Count one tensor's payload in the current step."""
+    def add(self, sent, dense, received=0, received_local=0, union=0, k=0):
+        """Count one tensor's (or bucket's) exchange in the current step."""
         self._sent += int(sent)
         self._dense += int(dense)
+        for key, v in zip(EXCHANGE, (received, received_local, union, k)):
+            self._exchange[key] += int(v)
 
     def add_time(self, compress_s, wait_s, decompress_s):
         """Add one tensor's seconds (PyTorch glue: wall clock of the calling thread)."""
@@ -37,6 +52,10 @@ class Stats:
         self.total_dense += self._dense
         self.steps += 1
         self._sent = self._dense = 0
+        self.last_exchange = self._exchange
+        for key, v in self._exchange.items():
+            self.total_exchange[key] += v
+        self._exchange = dict.fromkeys(EXCHANGE, 0)
         self.last_times = dict(zip(self.TIMES, self._times))
         for k, t in self.last_times.items():
             self.total_times[k] += t
@@ -48,7 +67,8 @@ class Stats:
         ``last_wait_s`` (blocked on Horovod in ``synchronize()``: communication that
         backward did not hide), ``last_decompress_s``, and their ``total_*``."""
         out = summarize(self.steps, self.last_sent, self.last_dense,
-                        self.total_sent, self.total_dense)
+                        self.total_sent, self.total_dense, self.last_exchange,
+                        self.total_exchange)
         for k in self.TIMES:
             out["last_" + k] = self.last_times[k]
             out["total_" + k] = self.total_times[k]
@@ -60,15 +80,22 @@ class Stats:
                 f"dense={d['total_dense']}B ratio={d['ratio']:.1f}x>")
 
 
-def summarize(steps, last_sent, last_dense, total_sent, total_dense):
+def summarize(steps, last_sent, last_dense, total_sent, total_dense, last_exchange=None,
+              total_exchange=None):
     """The dict that ``stats.as_dict()`` returns in both glue layers."""
-    return {
+    out = {
         "steps": int(steps),
         "last_sent": int(last_sent), "last_dense": int(last_dense),
         "last_ratio": last_dense / last_sent if last_sent else float("inf"),
         "total_sent": int(total_sent), "total_dense": int(total_dense),
         "ratio": total_dense / total_sent if total_sent else float("inf"),
     }
+    for when, ex in (("last", last_exchange), ("total", total_exchange)):
+        ex = ex or dict.fromkeys(EXCHANGE, 0)
+        for key in EXCHANGE:
+            out[f"{when}_{key}"] = int(ex[key])
+        out[f"{when}_union_over_k"] = ex["union"] / ex["k"] if ex["k"] else None
+    return out
 
 
 def human_bytes(n):

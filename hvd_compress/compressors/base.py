@@ -95,8 +95,8 @@ class Compressor:
                 "Use hvd_compress.torch.DistributedOptimizer (or hvd_compress.tensorflow."
                 "DistributedGradientTape) instead.")
         ctx = Ctx(ops.shape(tensor), tensor.dtype, ops.numel(tensor), name or "")
-        step = self._state(ops).next_count("step/" + name) if self.uses_step else None
-        return self._compress_flat(ops.flatten(tensor), ctx, ops, step, ((name, ctx.numel),)), ctx
+        return self._compress_flat(ops.flatten(tensor), ctx, ops, self._steps(ops, [name]),
+                                   ((name, ctx.numel),)), ctx
 
     def compress_bucket(self, flat, layout):
         """One payload for a *bucket*: ``flat`` holds the flattened tensors of ``layout``
@@ -115,13 +115,16 @@ class Compressor:
                             "it cannot take a bucket of several")
         ops = ops_for(flat)
         ctx = Ctx((layout.total,), flat.dtype, layout.total, layout.key, segments=layout)
-        step = None
-        if self.uses_step:
-            state = self._state(ops)
-            step = [state.next_count("step/" + n) for n in layout.names]
-            step = step[0] if len(step) == 1 else step
-        return self._compress_flat(flat, ctx, ops, step, tuple(zip(layout.names, layout.numels)),
-                                   own=True), ctx
+        return self._compress_flat(flat, ctx, ops, self._steps(ops, layout.names),
+                                   tuple(zip(layout.names, layout.numels)), own=True), ctx
+
+    def _steps(self, ops, names):
+        """Per-tensor step counters (``uses_step``): one count, a list for a bucket, or None."""
+        if not self.uses_step:
+            return None
+        state = self._state(ops)
+        steps = [state.next_count("step/" + n) for n in names]
+        return steps[0] if len(steps) == 1 else steps
 
     def _compress_flat(self, flat, ctx, ops, step, parts, own=False):
         """``encode`` with error feedback around it; ``parts``: (name, numel) of the
@@ -188,10 +191,19 @@ class Compressor:
     # -- spec ---------------------------------------------------------------------------
     @classmethod
     def params(cls):
-        """``{parameter: default}`` accepted in a spec string for this compressor."""
-        sig = inspect.signature(cls.__init__)
-        return {p.name: p.default for p in list(sig.parameters.values())[1:]
-                if p.kind is p.POSITIONAL_OR_KEYWORD}
+        """``{parameter: default}`` accepted in a spec string for this compressor: those of
+        its ``__init__``, and where that takes ``**kwargs``, those of the base classes'."""
+        out = {}
+        for klass in cls.__mro__:
+            if "__init__" not in vars(klass):
+                continue
+            params = list(inspect.signature(klass.__init__).parameters.values())[1:]
+            for p in params:
+                if p.kind is p.POSITIONAL_OR_KEYWORD:
+                    out.setdefault(p.name, p.default)
+            if not any(p.kind is p.VAR_KEYWORD for p in params):
+                break
+        return out
 
     @property
     def spec(self):

@@ -35,8 +35,10 @@ class DCTSparse(DensitySparsifier):
     name = "dct"
     sparse_residual = False   # indices are of coefficients; the residual is in the gradient domain
 
-    def __init__(self, density=0.01, block=256, bits=8, ef=None):
-        super().__init__(density=density, ef=ef, values=f"rangefloat{bits}")
+    def __init__(self, density=0.01, block=256, bits=8, ef=None, agg=None, beta=None, hint=None):
+        local = agg in (None, "local")   # summed coefficients (agg!=local) travel as floats
+        super().__init__(density=density, ef=ef, values=f"rangefloat{bits}" if local else None,
+                         agg=agg, beta=beta, hint=hint)
         self.block, self.bits = check_dct_block(block), int(bits)
         self._select = LaplaceTopK(density=self.density, ef=False)
 
@@ -44,13 +46,17 @@ class DCTSparse(DensitySparsifier):
         padded = -(-ctx.numel // self.block) * self.block
         return ctx._replace(numel=padded, shape=(padded,), finite=None)   # coefficients may overflow
 
+    def to_domain(self, flat, ctx, ops):
+        return ops.block_dct(flat, self.block), self.coefficients_ctx(ctx)
+
+    def from_domain(self, coefs, ctx, ops):
+        return ops.head(ops.block_idct(coefs, self.block), ctx.numel)
+
     def select(self, coefs, cctx, ops, step):
         return self._select.select(coefs, cctx, ops, step)
 
     def encode(self, flat, ctx, ops, step):
-        coefs = ops.block_dct(flat, self.block)
-        return super().encode(coefs, self.coefficients_ctx(ctx), ops, step)
+        return super().encode(*self.to_domain(flat, ctx, ops), ops, step)
 
     def decode(self, payload, ctx, ops):
-        coefs = super().decode(payload, self.coefficients_ctx(ctx), ops)
-        return ops.head(ops.block_idct(coefs, self.block), ctx.numel)
+        return self.from_domain(super().decode(payload, self.coefficients_ctx(ctx), ops), ctx, ops)

@@ -31,8 +31,8 @@ class DGC(DensitySparsifier):
     name = "dgc"
     uses_step = True
 
-    def __init__(self, density=0.01, ef=None, sample=0.01, seed=0, values=None):
-        super().__init__(density=density, ef=ef, values=values)
+    def __init__(self, density=0.01, ef=None, sample=0.01, seed=0, values=None, **kw):
+        super().__init__(density=density, ef=ef, values=values, **kw)
         if not 0.0 < float(sample) <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample!r}")
         self.sample, self.seed = float(sample), int(seed)
@@ -80,8 +80,8 @@ class SIDCoExp(DensitySparsifier):
 
     name = "sidco_exp"
 
-    def __init__(self, density=0.01, ef=None, stages=2, values=None):
-        super().__init__(density=density, ef=ef, values=values)
+    def __init__(self, density=0.01, ef=None, stages=2, values=None, **kw):
+        super().__init__(density=density, ef=ef, values=values, **kw)
         if int(stages) < 1:
             raise ValueError(f"stages must be >= 1, got {stages!r}")
         self.stages = int(stages)

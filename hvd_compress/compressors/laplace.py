@@ -68,8 +68,8 @@ class LaplaceTopK(DensitySparsifier):
     segmented = True
 
     def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False, values=None,
-                 small=None):
-        super().__init__(density=density, ef=ef, values=values)
+                 small=None, **kw):
+        super().__init__(density=density, ef=ef, values=values, **kw)
         if not 0.0 <= float(tol) < 1.0:
             raise ValueError(f"tol must be in [0, 1), got {tol!r}")
         if int(passes) < 1:

@@ -12,7 +12,9 @@ Horovod's would be (loss scalers see it), and the residual is left as it was.
 """
 import math
 
-from .base import Compressor, register
+from ..ops import ops_for
+from . import aggregation
+from .base import Compressor, Ctx, register
 
 
 def check_density(density):
@@ -91,14 +93,70 @@ class Sparsifier(Compressor):
 
 
 class DensitySparsifier(Sparsifier):
-    """A sparsifier that sends ``k = ceil(density * n)`` entries (at least 1)."""
+    """A sparsifier that sends ``k = ceil(density * n)`` entries (at least 1).
 
-    def __init__(self, density=0.01, ef=None, values=None):
+    ``agg``: how the ranks' selections are aggregated, ``local`` (default: own pairs,
+    allgathered), ``union``, ``leader`` or ``hint`` (a two-round exchange whose values
+    are summed by an allreduce; ``beta`` and ``hint`` tune ``agg=hint``).  See
+    :mod:`hvd_compress.compressors.aggregation`.
+    """
+
+    def __init__(self, density=0.01, ef=None, values=None, agg=None, beta=None, hint=None):
         super().__init__(ef=ef, values=values)
         self.density = check_density(density)
+        agg, self.beta, self.hint = aggregation.check_agg(agg, beta, hint, self.values)
+        self.agg = None if agg == "local" else agg
+        if self.agg is not None:
+            self.collective = "union"
 
     def k(self, n):
         return max(1, min(n, math.ceil(self.density * n)))
+
+    # -- aggregation-aware exchange (agg=union/leader/hint): two rounds ----------------
+    @property
+    def hint_beta(self):
+        return 1.0 if self.beta is None else self.beta
+
+    def to_domain(self, flat, ctx, ops):
+        """The values selection works on, and their Ctx (DCT coefficients for dct)."""
+        return flat, ctx
+
+    def from_domain(self, coefs, ctx, ops):
+        """Inverse of :meth:`to_domain` (flat float32)."""
+        return coefs
+
+    def propose(self, tensor, name, rank, size):
+        """Round 1 for one tensor: ``(int32 indices to allgather, Round)``."""
+        ops = ops_for(tensor)
+        ctx = Ctx(ops.shape(tensor), tensor.dtype, ops.numel(tensor), name)
+        return aggregation.propose(self, ops.flatten(tensor), ctx, ops, self._steps(ops, [name]),
+                                   ((name, ctx.numel),), False, rank, size)
+
+    def propose_bucket(self, flat, layout, rank, size):
+        """Round 1 for a bucket (as :meth:`compress_bucket`; ``flat`` may be overwritten)."""
+        ops = ops_for(flat)
+        ctx = Ctx((layout.total,), flat.dtype, layout.total, layout.key, segments=layout)
+        return aggregation.propose(self, flat, ctx, ops, self._steps(ops, layout.names),
+                                   tuple(zip(layout.names, layout.numels)), True, rank, size)
+
+    def agree(self, gathered, rnd):
+        """``(values at U to allreduce with Sum, Round)`` from every rank's indices."""
+        return aggregation.agree(self, gathered, rnd)
+
+    def finish(self, summed, rnd):
+        """The sum over ranks, shaped like the tensor (a bucket: flat), in its dtype."""
+        ops = rnd.ops
+        out = ops.cast(aggregation.finish(self, summed, rnd), rnd.ctx.dtype)
+        return out if rnd.ctx.segments is not None else ops.reshape(out, rnd.ctx.shape)
+
+    def subtract_union(self, compensated, union, values, rnd, inplace):
+        """The residual after sending this rank's ``values`` at ``union``."""
+        ops = rnd.ops
+        if self.sparse_residual:
+            return ops.subtract_at(compensated, union, values, inplace)
+        sent = self.from_domain(ops.scatter_sum(rnd.dctx.numel, union, values, ops.float32),
+                                rnd.ctx, ops)
+        return ops.subtract(compensated, ops.cast(sent, compensated.dtype), inplace)
 
 
 def per_segment(select_one, flat, ctx, ops, step):
@@ -144,8 +202,8 @@ class RandomK(DensitySparsifier):
     segmented = True
     uses_step = True
 
-    def __init__(self, density=0.01, ef=None, seed=0, values=None):
-        super().__init__(density=density, ef=ef, values=values)
+    def __init__(self, density=0.01, ef=None, seed=0, values=None, **kw):
+        super().__init__(density=density, ef=ef, values=values, **kw)
         self.seed = int(seed)
 
     def select(self, flat, ctx, ops, step):

@@ -11,6 +11,7 @@ bfloat16 = _tf.bfloat16
 int16 = _tf.int16
 int32 = _tf.int32
 int64 = _tf.int64
+uint8 = _tf.uint8
 
 
 def flatten(t):
@@ -451,3 +452,18 @@ def segmented_search(t, exact):
     """One search for a bucket's tensors (as in PyTorch: exact=1 on the CPU; always
     inside tf.function, where a Python loop per tensor only adds graph nodes)."""
     return bool(exact or not _tf.executing_eagerly())
+
+
+# -- aggregation-aware exchange (compressors/aggregation.py) ------------------------------
+
+def unique_sorted(idx):
+    """The distinct values of 1-D int32 ``idx``, ascending."""
+    return _tf.sort(_tf.unique(idx).y)
+
+
+def reduce_sum(t):
+    return _tf.reduce_sum(t)
+
+
+def ones_like(t, dtype):
+    return _tf.ones(_tf.shape(t), dtype=dtype)

@@ -11,6 +11,7 @@ bfloat16 = _torch.bfloat16
 int16 = _torch.int16
 int32 = _torch.int32
 int64 = _torch.int64
+uint8 = _torch.uint8
 
 
 def flatten(t):
@@ -470,3 +471,18 @@ def segmented_search(t, exact):
 
     So: the segmented search for ``exact=1``, each tensor's own selection otherwise."""
     return bool(exact)
+
+
+# -- aggregation-aware exchange (compressors/aggregation.py) ------------------------------
+
+def unique_sorted(idx):
+    """The distinct values of 1-D int32 ``idx``, ascending."""
+    return _torch.unique(idx, sorted=True)
+
+
+def reduce_sum(t):
+    return t.sum()
+
+
+def ones_like(t, dtype):
+    return _torch.ones(t.shape, dtype=dtype, device=t.device)

@@ -48,12 +48,60 @@ def _safe(name):
     return "".join(c if c.isalnum() or c in "._-/" else "_" for c in name)
 
 
+def _average(out, op, process_set):
+    if op != hvd.Average:
+        return out
+    size = process_set.size()
+    return out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
+
+
+def _ring_received(nbytes, size):
+    """Bytes one rank receives in a ring allreduce of ``nbytes``: ``2 (P-1)/P nbytes``."""
+    return tf.cast(nbytes, tf.int64) * (2 * (size - 1)) // size
+
+
+def _traffic(sent, received, received_local=None, union=0, k=0):
+    """What the tape's stats count for one tensor or bucket (int64 tensors)."""
+    received = tf.cast(received, tf.int64)
+    return {"sent": tf.cast(sent, tf.int64), "received": received,
+            "received_local": received if received_local is None
+            else tf.cast(received_local, tf.int64),
+            "union": tf.cast(union, tf.int64), "k": tf.cast(k, tf.int64)}
+
+
+def _payload_traffic(compressor, payload, aggregate, process_set):
+    """Traffic of a one-round exchange: an allreduce receives a ring's share, an
+    allgather the other ranks' payloads."""
+    sent = payload_bytes(payload, tf_ops)
+    if compressor.collective == "allreduce":
+        return _traffic(sent, _ring_received(sent, process_set.size()))
+    return _traffic(sent, payload_bytes(aggregate, tf_ops) - sent)
+
+
+def _union(compressor, proposal, rnd, wire, process_set):
+    """The two rounds of agg=union/leader/hint: allgather the proposed indices
+    (``<wire>.idx``), agree on the union, allreduce (Sum) the values there
+    (``<wire>.val``).  Returns ``(flat or shaped sum, traffic)``."""
+    gathered = hvd.allgather(proposal, name=wire + ".idx", process_set=process_set)
+    values, rnd = compressor.agree(gathered, rnd)
+    summed = hvd.allreduce(values, op=hvd.Sum, name=wire + ".val", process_set=process_set)
+    out = compressor.finish(summed, rnd)
+    size = process_set.size()
+    w, w_local = values.dtype.size, tf.as_dtype(rnd.ctx.dtype).size
+    union = tf.size(values, out_type=tf.int64)
+    own = tf.size(proposal, out_type=tf.int64)
+    received = (tf.size(gathered, out_type=tf.int64) - own) * 4 + _ring_received(union * w, size)
+    return out, _traffic(own * 4 + union * w, received, (size - 1) * rnd.k * (4 + w_local),
+                         union, rnd.k)
+
+
 @tf.autograph.experimental.do_not_convert
 def allreduce(tensor, name, compression=None, op=hvd.Average,
               process_set=hvd.global_process_set):
     """Compressed sum/average of ``tensor`` over ranks.
 
-    Returns ``(result, sent_bytes)``; ``sent_bytes`` is an int64 tensor.
+    Returns ``(result, traffic)``: int64 tensors ``sent``, ``received``,
+    ``received_local``, ``union``, ``k`` (see :class:`hvd_compress.stats.Stats`).
     """
     check_op(op)
     if not name:
@@ -62,10 +110,14 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
     if isinstance(tensor, tf.IndexedSlices):
         tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.num_elements() == 0:
-        return tf.identity(tensor), tf.constant(0, tf.int64)
+        return tf.identity(tensor), _traffic(0, 0)
     compressor = compressor.for_tensor(name, tensor)
-    payload, ctx = compressor.compress(tensor, name)
     wire = PREFIX + _safe(name)
+    if compressor.collective == "union":
+        proposal, rnd = compressor.propose(tensor, name, process_set.rank(), process_set.size())
+        out, traffic = _union(compressor, proposal, rnd, wire, process_set)
+        return _average(out, op, process_set), traffic
+    payload, ctx = compressor.compress(tensor, name)
     if compressor.collective == "allreduce":
         aggregate = hvd.allreduce(payload, op=hvd.Sum, name=wire, process_set=process_set)
     else:
@@ -73,11 +125,8 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
             _from_wire(hvd.allgather(_to_wire(t), name=f"{wire}.{i}", process_set=process_set),
                        t.dtype)
             for i, t in enumerate(payload))
-    out = compressor.decompress(aggregate, ctx)
-    if op == hvd.Average:
-        size = process_set.size()
-        out = out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
-    return out, payload_bytes(payload, tf_ops)
+    traffic = _payload_traffic(compressor, payload, aggregate, process_set)
+    return _average(compressor.decompress(aggregate, ctx), op, process_set), traffic
 
 
 @tf.autograph.experimental.do_not_convert
@@ -85,19 +134,22 @@ def bucket_allreduce(flat, layout, compressor, op=hvd.Average,
                      process_set=hvd.global_process_set):
     """Compressed sum/average of a bucket (``flat``: the tensors of ``layout`` end to end)
     with one compress call and one collective (an allreduce, or one grouped allgather of
-    every payload tensor), named after the bucket.  Returns ``(flat result, sent_bytes)``."""
+    every payload tensor; two rounds for agg=union/leader/hint), named after the bucket.
+    Returns ``(flat result, traffic)`` as :func:`allreduce`."""
     check_op(op)
-    payload, ctx = compressor.compress_bucket(flat, layout)
     wire = PREFIX + _safe(layout.key)
+    if compressor.collective == "union":
+        proposal, rnd = compressor.propose_bucket(flat, layout, process_set.rank(),
+                                                  process_set.size())
+        out, traffic = _union(compressor, proposal, rnd, wire, process_set)
+        return _average(out, op, process_set), traffic
+    payload, ctx = compressor.compress_bucket(flat, layout)
     if compressor.collective == "allreduce":
         aggregate = hvd.allreduce(payload, op=hvd.Sum, name=wire, process_set=process_set)
     else:
         aggregate = _grouped_allgather(payload, wire, process_set)
-    out = compressor.decompress_bucket(aggregate, ctx)
-    if op == hvd.Average:
-        size = process_set.size()
-        out = out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
-    return out, payload_bytes(payload, tf_ops)
+    traffic = _payload_traffic(compressor, payload, aggregate, process_set)
+    return _average(compressor.decompress_bucket(aggregate, ctx), op, process_set), traffic
 
 
 _SAME_WIDTH = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from .. import buckets
 from ..ops import tf_ops
-from ..stats import summarize
+from ..stats import EXCHANGE, summarize
 from . import collectives
 
 _STATS = weakref.WeakKeyDictionary()
@@ -19,24 +19,31 @@ _CHECKED = weakref.WeakKeyDictionary()
 
 
 class TFStats:
-    """Byte counts in int64 ``tf.Variable``s (updated inside tf.function)."""
+    """Byte counts in int64 ``tf.Variable``s (updated inside tf.function); the same keys
+    as :class:`hvd_compress.stats.Stats` less the seconds."""
+
+    KEYS = ("sent", "dense") + EXCHANGE
 
     def __init__(self):
         with tf.init_scope():
             self._v = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"hvd_compress_{k}")
-                       for k in ("steps", "last_sent", "last_dense", "total_sent", "total_dense")}
+                       for k in ["steps"] + [f"{w}_{k}" for w in ("last", "total")
+                                             for k in self.KEYS]}
 
-    def record_step(self, sent, dense):
-        sent = tf.cast(sent, tf.int64)
-        dense = tf.cast(dense, tf.int64)
-        self._v["last_sent"].assign(sent)
-        self._v["last_dense"].assign(dense)
-        self._v["total_sent"].assign_add(sent)
-        self._v["total_dense"].assign_add(dense)
+    def record_step(self, traffic, dense):
+        """``traffic``: int64 tensors ``sent``, ``received``, ... summed over the step."""
+        values = dict(traffic, dense=dense)
+        for k in self.KEYS:
+            v = tf.cast(values[k], tf.int64)
+            self._v["last_" + k].assign(v)
+            self._v["total_" + k].assign_add(v)
         self._v["steps"].assign_add(1)
 
     def as_dict(self):
-        return summarize(**{k: int(v.numpy()) for k, v in self._v.items()})
+        v = {k: int(x.numpy()) for k, x in self._v.items()}
+        return summarize(v["steps"], v["last_sent"], v["last_dense"], v["total_sent"],
+                         v["total_dense"], {k: v["last_" + k] for k in EXCHANGE},
+                         {k: v["total_" + k] for k in EXCHANGE})
 
     def __repr__(self):
         d = self.as_dict()
@@ -121,7 +128,8 @@ class DistributedGradientTape:
                 f"{self.compression.spec} op={self.op} {buckets.describe(self.bucket_mb, plan)} "
                 f"| {layout}", self.process_set)
             checked.add(self.bucket_mb)
-        out, sent, dense = list(grads), tf.constant(0, tf.int64), 0
+        out, dense = list(grads), 0
+        traffic = dict.fromkeys(("sent",) + EXCHANGE, tf.constant(0, tf.int64))
         for bucket in plan:
             present = [i for i in bucket if grads[i] is not None]
             if not present:
@@ -130,16 +138,16 @@ class DistributedGradientTape:
             # its bucket for this step: its residual waits, as tensor by tensor
             if len(present) == 1:
                 i = present[0]
-                out[i], nbytes = collectives.allreduce(grads[i], names[i], self.compression,
+                out[i], one = collectives.allreduce(grads[i], names[i], self.compression,
                                                        self.op, self.process_set)
             else:
                 parts = [tf.convert_to_tensor(grads[i]) for i in present]
                 lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
-                reduced, nbytes = collectives.bucket_allreduce(
+                reduced, one = collectives.bucket_allreduce(
                     tf_ops.concat(parts), lay, entries[present[0]][2], self.op, self.process_set)
                 for i, r in zip(present, lay.split(reduced, tf_ops)):
                     out[i] = r
-            sent += nbytes
+            traffic = {k: v + one[k] for k, v in traffic.items()}
             dense += 4 * sum(int(tf.TensorShape(entries[i][1]).num_elements()) for i in present)
-        self.stats.record_step(sent, dense)
+        self.stats.record_step(traffic, dense)
         return tf.nest.pack_sequence_as(sources, out)

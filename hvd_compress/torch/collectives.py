@@ -43,6 +43,12 @@ class Handle:
         #: :func:`synchronize`) and decompressing; filled in by :func:`synchronize`
         self.compress_s, self.wait_s, self.decompress_s = compress_s, 0.0, 0.0
         self.bucket = None     #: the Layout of a bucket (bucket_allreduce_async), else None
+        #: agg=union/leader/hint: the Round between the two rounds (see :func:`advance`)
+        self.round = None
+        #: bytes this rank received, what agg=local would have received (every rank
+        #: sending k pairs), and the union size and k of the selection (0 where none)
+        self.received_bytes = self.received_local_bytes = 0
+        self.union = self.k = 0
 
 
 def allreduce_async(tensor, name, compression=None, op=hvd.Average,
@@ -64,6 +70,12 @@ def allreduce_async(tensor, name, compression=None, op=hvd.Average,
     if tensor.numel() == 0:
         return Handle(compressor, None, [], [], op, process_set, 0, 0, result=tensor.clone())
     compressor = compressor.for_tensor(name, tensor)
+    if compressor.collective == "union":
+        start = time.perf_counter()
+        proposal, rnd = compressor.propose(tensor.detach(), name, process_set.rank(),
+                                           process_set.size())
+        return _start_union(compressor, rnd, proposal, PREFIX + name, op, process_set,
+                            tensor.numel() * 4, time.perf_counter() - start)
     start = time.perf_counter()
     payload, ctx = compressor.compress(tensor.detach(), name)
     compress_s = time.perf_counter() - start
@@ -90,6 +102,13 @@ def bucket_allreduce_async(flat, layout, compressor, op=hvd.Average,
     tensor.  :func:`synchronize` returns the flat sum (or average) over the ranks."""
     check_op(op)
     start = time.perf_counter()
+    if compressor.collective == "union":
+        proposal, rnd = compressor.propose_bucket(flat, layout, process_set.rank(),
+                                                  process_set.size())
+        handle = _start_union(compressor, rnd, proposal, PREFIX + layout.key, op, process_set,
+                              layout.total * 4, time.perf_counter() - start)
+        handle.bucket = layout
+        return handle
     payload, ctx = compressor.compress_bucket(flat, layout)
     compress_s = time.perf_counter() - start
     name = PREFIX + layout.key
@@ -106,30 +125,80 @@ def bucket_allreduce_async(flat, layout, compressor, op=hvd.Average,
     return handle
 
 
+def _start_union(compressor, rnd, proposal, name, op, process_set, dense, compress_s):
+    """Round 1 of an aggregation-aware exchange: allgather this rank's proposed indices
+    (``<name>.idx``); :func:`advance` starts round 2."""
+    handle = Handle(compressor, None, [hvd.allgather_async(proposal, name=name + ".idx",
+                                                           process_set=process_set)],
+                    [proposal.dtype], op, process_set, proposal.numel() * 4, dense,
+                    compress_s=compress_s)
+    handle.round, handle.name = rnd, name
+    return handle
+
+
+def advance(handle):
+    """Aggregation-aware exchange: wait for round 1 (the indices), agree on the union
+    and start round 2, one allreduce (Sum) of this rank's values there (``<name>.val``).
+    Does nothing for other handles, or when round 2 runs already.  The optimizer
+    advances every handle before waiting for any, so round-2 allreduces overlap."""
+    if handle.round is None or handle.round.union is not None:
+        return
+    start = time.perf_counter()
+    gathered = hvd.synchronize(handle.handles[0])
+    waited = time.perf_counter()
+    values, handle.round = handle.compressor.agree(gathered, handle.round)
+    handle.handles = [hvd.allreduce_async(values, name=handle.name + ".val", op=hvd.Sum,
+                                          process_set=handle.process_set)]
+    size, w = handle.process_set.size(), values.element_size()
+    w_local = torch.empty((), dtype=handle.round.ctx.dtype).element_size()
+    own = int(handle.round.proposed)
+    handle.union, handle.k = int(values.numel()), handle.round.k
+    handle.sent_bytes += values.numel() * w
+    handle.received_bytes = (gathered.numel() - own) * 4 + ring_received(values.numel() * w, size)
+    handle.received_local_bytes = (size - 1) * handle.k * (4 + w_local)
+    handle.wait_s += waited - start
+    handle.compress_s += time.perf_counter() - waited
+
+
+def ring_received(nbytes, size):
+    """Bytes one rank receives in a ring allreduce of ``nbytes``: ``2 (P-1)/P nbytes``."""
+    return 2 * (size - 1) * nbytes // size
+
+
 def synchronize(handle):
     """Wait for ``handle``; return the decoded sum (or average) over the ranks."""
     if handle.result is not None:
         return handle.result
+    advance(handle)
     start = time.perf_counter()
     outputs = [hvd.synchronize(h) for h in handle.handles]
     waited = time.perf_counter()
     bucket = getattr(handle, "bucket", None)
-    if bucket is not None and handle.compressor.collective == "allgather":
-        outputs = outputs[0]                           # one grouped allgather: a list
-    if handle.compressor.collective == "allreduce":
-        payload = outputs[0]
+    if handle.round is not None:
+        out = handle.compressor.finish(outputs[0], handle.round)
     else:
-        payload = tuple(_from_wire(t, d) for t, d in zip(outputs, handle.dtypes))
-    if bucket is not None:
-        out = handle.compressor.decompress_bucket(payload, handle.ctx)
-    else:
-        out = handle.compressor.decompress(payload, handle.ctx)
+        if bucket is not None and handle.compressor.collective == "allgather":
+            outputs = outputs[0]                       # one grouped allgather: a list
+        if handle.compressor.collective == "allreduce":
+            payload = outputs[0]
+            handle.received_bytes = ring_received(payload.numel() * payload.element_size(),
+                                                  handle.process_set.size())
+        else:
+            payload = tuple(_from_wire(t, d) for t, d in zip(outputs, handle.dtypes))
+            handle.received_bytes = sum(t.numel() * t.element_size() for t in outputs) \
+                - handle.sent_bytes
+        handle.received_local_bytes = handle.received_bytes
+        if bucket is not None:
+            out = handle.compressor.decompress_bucket(payload, handle.ctx)
+        else:
+            out = handle.compressor.decompress(payload, handle.ctx)
     if handle.op == hvd.Average:
         size = handle.process_set.size()
         # ``out`` is a new tensor (or, in place, the gradient): divide without a copy
         out = out.div_(size) if out.is_floating_point() else \
             torch.div(out, size, rounding_mode="trunc").to(out.dtype)
-    handle.wait_s, handle.decompress_s = waited - start, time.perf_counter() - waited
+    handle.wait_s += waited - start
+    handle.decompress_s = time.perf_counter() - waited
     return out
 
 

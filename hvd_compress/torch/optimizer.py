@@ -119,6 +119,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if b not in self._handles:
                 self._handles[b] = self._launch(b)
         for b, handle in sorted(self._handles.items()):
+            collectives.advance(handle)      # two-round exchanges: start every round 2 first
+        for b, handle in sorted(self._handles.items()):
             out = collectives.synchronize(handle)
             params = self._buckets[b]
             outs = [out] if len(params) == 1 else self._layouts[b].split(out, torch_ops)
@@ -127,7 +129,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = o.reshape(p.shape)
                 elif o.data_ptr() != p.grad.data_ptr():     # in place already: no copy
                     p.grad.copy_(o.reshape(p.shape))
-            self.stats.add(handle.sent_bytes, handle.dense_bytes)
+            self.stats.add(handle.sent_bytes, handle.dense_bytes, handle.received_bytes,
+                           handle.received_local_bytes, handle.union, handle.k)
             self.stats.add_time(handle.compress_s, handle.wait_s, handle.decompress_s)
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
