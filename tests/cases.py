@@ -22,3 +22,18 @@ BUCKET_SHAPES = {"conv": (6, 4, 3, 3), "big": (40, 30), "w": (12, 10), "b": (7,)
                  "late": (5, 3)}
 #: bucket sizes compared: tensor by tensor (0), small (several buckets; "big" alone), default
 BUCKET_MBS = [0, 0.002, 25]
+
+#: aggregation-aware selection (agg=union/leader/hint): every density sparsifier, run
+#: -np 2 and -np 3, tensor by tensor (0) and in one bucket (25), AGG_STEPS steps, op Sum
+AGG_SPECS = ["topk:density=0.05,agg=union", "topk:density=0.05,agg=leader",
+             "topk:density=0.05,agg=hint", "topk:density=0.05,agg=hint,beta=4,hint=union",
+             "laplace_topk:density=0.05,agg=union", "dgc:density=0.05,agg=leader",
+             "gaussian_k:density=0.05,agg=hint", "sidco_exp:density=0.05,agg=union",
+             "randomk:density=0.05,agg=union", "dct:density=0.05,block=32,agg=union",
+             "laplace_topk:density=0.05,ef=0,agg=leader"]
+AGG_SHAPES = {"conv": (6, 4, 3, 3), "w": (12, 10), "b": (7,), "s": ()}
+AGG_MBS = [0, 25]
+AGG_STEPS = 4
+#: on this step the leader's gradient is all zero (with ef=0 and laplace_topk it has
+#: nothing to propose: the union is empty, yet no rank waits)
+AGG_ZERO_STEP = 2

@@ -47,7 +47,7 @@ def torch_job(tmp_path_factory):
     """One horovodrun job running every PyTorch scenario but the failing one."""
     out = tmp_path_factory.mktemp("torch_job")
     rc, log = horovodrun([ROOT / "tests/workers/torch_worker.py", "aggregate", "functional",
-                          "empty_rank", "nonfinite", "checkpoint", "stock", "policy", "buckets"], out)
+                          "empty_rank", "nonfinite", "checkpoint", "stock", "policy", "buckets", "agg"], out)
     assert rc == 0, log[-6000:]
     return out
 
@@ -57,8 +57,20 @@ def tf_job(tmp_path_factory):
     """One horovodrun job running every TensorFlow scenario but the failing one."""
     out = tmp_path_factory.mktemp("tf_job")
     rc, log = horovodrun([ROOT / "tests/workers/tf_worker.py", "aggregate", "functional",
-                          "empty_rank", "nonfinite", "checkpoint", "policy", "buckets"], out)
+                          "empty_rank", "nonfinite", "checkpoint", "policy", "buckets", "agg"], out)
     assert rc == 0, log[-6000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def agg3_jobs(tmp_path_factory):
+    """The aggregation-aware scenario on three ranks (-np 3), both frameworks; a process
+    set of ranks 0 and 2 needs Horovod's dynamic process sets."""
+    out = tmp_path_factory.mktemp("agg3_jobs")
+    for worker in ("torch_worker.py", "tf_worker.py"):
+        rc, log = horovodrun([ROOT / "tests/workers" / worker, "agg"], out, np_=3,
+                             env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+        assert rc == 0, log[-6000:]
     return out
 
 

@@ -4,9 +4,10 @@ import math
 
 import numpy as np
 
-from cases import (BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS,  # noqa: F401
+from cases import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP,  # noqa: F401
+                   BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS,
                    POLICY, SHAPES, SPECS)                      # (re-exported for the tests)
-from conftest import ROOT, horovodrun, reference_contribution
+from conftest import ROOT, horovodrun, reference_contribution, topk_mask
 TOL = {"fp16": 2e-3, "bf16": 1e-6}
 
 
@@ -168,3 +169,134 @@ def check_bucket_mismatch_fails_clearly(worker, tmp_path):
     assert rc != 0
     assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
     assert "bucket_mb=25" in log and "bucket_mb=0.002" in log
+
+
+# -- aggregation-aware selection (agg=union/leader/hint) -----------------------------------
+
+def _spec_params(spec):
+    name, _, params = spec.partition(":")
+    return name, dict(p.split("=") for p in params.split(",") if p)
+
+
+def agg_reference(inputs, spec, steps, ranks=None):
+    """topk with agg=union/leader/hint over ``P`` ranks, error feedback on, computed here:
+    per tensor, ``c_r = g_r + r_r``; union: U = the union of each rank's top-k of |c_r|;
+    leader: the top-k of rank ``step mod P``; hint: top-k of ``|c_r| (1 + beta [i in H])``
+    with H from the previous aggregate; out = sum_r c_r[U]; r_r = c_r with U zeroed.
+    ``inputs[r][(step, name)]``; returns (outs[step][name], unions[step], residuals)."""
+    _, kv = _spec_params(spec)
+    agg, density = kv["agg"], float(kv["density"])
+    beta, hint = float(kv.get("beta", 1.0)), kv.get("hint", "top")
+    P = len(inputs)
+    names = sorted({n for (_, n) in inputs[0]})
+    res = [{n: np.zeros(inputs[0][(0, n)].size, np.float32) for n in names} for _ in range(P)]
+    H = {n: np.zeros(inputs[0][(0, n)].size, bool) for n in names}
+    outs, unions = [], []
+    for step in range(steps):
+        out, union = {}, 0
+        for n in names:
+            c = [inputs[r][(step, n)].reshape(-1).astype(np.float32) + res[r][n] for r in range(P)]
+            if agg == "leader":
+                U = np.flatnonzero(topk_mask(c[step % P], density))
+            else:
+                scores = [np.abs(x) * (1 + beta * H[n]) if agg == "hint" else x for x in c]
+                U = np.unique(np.concatenate([np.flatnonzero(topk_mask(s, density))
+                                              for s in scores]))
+            total = np.zeros_like(c[0])
+            for x in c:
+                total[U] += x[U]
+            for r in range(P):
+                res[r][n] = c[r].copy()
+                res[r][n][U] = 0
+            if agg == "hint":
+                mags = np.abs(total[U])
+                keep = U if hint == "union" else U[mags >= mags.sum(dtype=np.float32) / len(U)]
+                H[n] = np.zeros_like(H[n])
+                H[n][keep] = True
+            out[n] = total.reshape(inputs[0][(step, n)].shape)
+            union += len(U)
+        outs.append(out)
+        unions.append(union)
+    return outs, unions, res
+
+
+def _same_sum(a, b, P, err_msg=""):
+    """Two runs' sums over ``P`` ranks: bit for bit with 2 ranks; with more, Gloo's ring
+    and Horovod's tensor fusion may add in another order (a last-bit difference)."""
+    if P == 2:
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=err_msg)
+    else:
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=err_msg)
+
+
+def check_agg(ranks, spec, shapes, steps, zero_step):
+    """Every rank ends every step with the same gradient, the same tensor by tensor
+    (eager) and bucketed (tf.function); topk equals :func:`agg_reference`; error
+    feedback conserves the gradients; stats count the union; checkpoints resume exactly."""
+    P = len(ranks)
+    name, kv = _spec_params(spec)
+    for step in range(steps):
+        for n in shapes:
+            for mb in (0, 25):
+                for r in ranks[1:]:
+                    np.testing.assert_array_equal(_bits(r[f"{spec}|{mb}|{step}|{n}"]),
+                                                  _bits(ranks[0][f"{spec}|{mb}|{step}|{n}"]))
+            if name in ("topk", "randomk"):   # (searches may stop earlier eagerly in TF)
+                _same_sum(ranks[0][f"{spec}|25|{step}|{n}"], ranks[0][f"{spec}|0|{step}|{n}"], P,
+                          err_msg=f"{spec}: bucket vs tensor, {n}")
+    inputs = [{(s, n): r[f"in|{s}|{n}"] for s in range(steps) for n in shapes} for r in ranks]
+    stats = ranks[0][f"{spec}|25|stats"]              # sent, received, received_local, union, k
+    ks = sum(max(1, math.ceil(float(kv["density"]) * max(1, int(np.prod(s))))) for s in shapes.values())
+    if name != "dct":
+        assert (stats[:, 4] == ks).all(), (stats[:, 4], ks)
+    if name == "topk":
+        outs, unions, res = agg_reference(inputs, spec, steps)
+        for step in range(steps):
+            for n in shapes:
+                np.testing.assert_allclose(ranks[0][f"{spec}|25|{step}|{n}"], outs[step][n],
+                                           rtol=1e-5, atol=1e-6, err_msg=f"{spec} step {step} {n}")
+        assert list(stats[:, 3]) == unions
+        for r, rank in enumerate(ranks):
+            for n in shapes:
+                np.testing.assert_allclose(rank[f"{spec}|25|state|residual/{n}"], res[r][n],
+                                           rtol=1e-5, atol=1e-6)
+    if kv.get("agg") == "leader":
+        assert (stats[:, 3] <= ks).all()             # the union is the leader's k at most
+        if kv.get("ef") == "0" and name == "laplace_topk":
+            # the leader had nothing to propose: empty union, zero aggregate, no hang
+            assert stats[zero_step, 3] == 0
+            for n in shapes:
+                assert not ranks[0][f"{spec}|25|{zero_step}|{n}"].any()
+    if kv.get("ef") != "0":                          # nothing lost, only delayed
+        for n in shapes:
+            sent = sum(ranks[0][f"{spec}|25|{s}|{n}"].astype(np.float64) for s in range(steps))
+            kept = sum(r[f"{spec}|25|state|residual/{n}"].astype(np.float64).reshape(sent.shape)
+                       for r in ranks)
+            given = sum(r[f"in|{s}|{n}"].astype(np.float64) for r in ranks for s in range(steps))
+            np.testing.assert_allclose(sent + kept, given, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{spec}: error feedback lost gradient in {n}")
+    if f"{spec}|resumed|{next(iter(shapes))}" in ranks[0]:
+        for rank in ranks:
+            for n in shapes:
+                _same_sum(rank[f"{spec}|resumed|{n}"], rank[f"{spec}|25|{steps - 1}|{n}"], P,
+                          err_msg=f"{spec}: restored run differs in {n}")
+    # bytes: leader's non-leaders receive k indices; local's estimate (P-1) k 8
+    assert (stats[:, 2] == (P - 1) * ks * 8).all() or name == "dct"
+
+
+def check_agg_average_and_process_set(ranks, specs, shapes):
+    """op=Average divides the Sum by P; on -np 3 a process set of ranks 0 and 2 runs
+    agg=leader among them (leader: set rank step mod 2 = global rank 0, then 2)."""
+    P = len(ranks)
+    for n in shapes:
+        for r in ranks:
+            np.testing.assert_allclose(r[f"average|{n}"], r[f"{specs[0]}|25|0|{n}"] / P, rtol=1e-6)
+    if P == 3:
+        members = [ranks[0], ranks[2]]
+        inputs = [{(s, n): r[f"in|{s}|{n}"] for s in range(2) for n in shapes} for r in members]
+        outs, _, _ = agg_reference(inputs, specs[1], 2)
+        for r in members:
+            for s in range(2):
+                for n in shapes:
+                    np.testing.assert_allclose(r[f"pset|{s}|{n}"], outs[s][n], rtol=1e-5, atol=1e-6)
+        assert not any(k.startswith("pset|") for k in ranks[1])

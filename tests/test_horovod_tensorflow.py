@@ -6,7 +6,8 @@ import math
 import pytest
 
 from conftest import load_ranks
-from horovod_checks import (BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
+from horovod_checks import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
+                            check_agg_average_and_process_set, BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
                             check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,
                             check_bucket_tolerance,
                             check_checkpoint, check_empty_rank, check_functional,
@@ -67,3 +68,18 @@ def test_bucketed_laplace_topk_counts_within_tolerance(tf_job, spec):
 
 def test_ranks_with_different_bucket_sizes_fail_clearly(tmp_path):
     check_bucket_mismatch_fails_clearly("tf_worker.py", tmp_path)
+
+
+@pytest.mark.parametrize("spec", AGG_SPECS)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_aggregation_aware_selection(request, spec, np_):
+    """agg=union/leader/hint: every rank the same aggregate, equal to the reference;
+    error feedback conserves; checkpoints resume; an empty union hangs nobody."""
+    out = request.getfixturevalue("tf_job" if np_ == 2 else "agg3_jobs")
+    check_agg(load_ranks(out, "tf_agg", np_), spec, AGG_SHAPES, AGG_STEPS, AGG_ZERO_STEP)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_aggregation_average_and_process_set(request, np_):
+    out = request.getfixturevalue("tf_job" if np_ == 2 else "agg3_jobs")
+    check_agg_average_and_process_set(load_ranks(out, "tf_agg", np_), AGG_SPECS, AGG_SHAPES)

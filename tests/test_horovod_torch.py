@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import load_ranks
-from horovod_checks import (BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
+from horovod_checks import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
+                            check_agg_average_and_process_set, BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
                             check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,
                             check_bucket_plan, check_bucket_policy_and_checkpoint,
                             check_bucket_tolerance, check_checkpoint, check_empty_rank,
@@ -90,3 +91,18 @@ def test_buckets_policy_and_checkpoint_between_paths(torch_job):
 
 def test_ranks_with_different_bucket_sizes_fail_clearly(tmp_path):
     check_bucket_mismatch_fails_clearly("torch_worker.py", tmp_path)
+
+
+@pytest.mark.parametrize("spec", AGG_SPECS)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_aggregation_aware_selection(request, spec, np_):
+    """agg=union/leader/hint: every rank the same aggregate, equal to the reference;
+    error feedback conserves; checkpoints resume; an empty union hangs nobody."""
+    out = request.getfixturevalue("torch_job" if np_ == 2 else "agg3_jobs")
+    check_agg(load_ranks(out, "torch_agg", np_), spec, AGG_SHAPES, AGG_STEPS, AGG_ZERO_STEP)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_aggregation_average_and_process_set(request, np_):
+    out = request.getfixturevalue("torch_job" if np_ == 2 else "agg3_jobs")
+    check_agg_average_and_process_set(load_ranks(out, "torch_agg", np_), AGG_SPECS, AGG_SHAPES)

@@ -149,9 +149,11 @@ def reshape(t, shape):
 
 def abs_sum_max(t):
     a = _tf.abs(_tf.cast(t, _tf.float32))
-    if numel(t) == 0:
+    if t.shape.num_elements() == 0:
         return _tf.constant(0.0), _tf.constant(0.0)
-    return _tf.reduce_sum(a), _tf.reduce_max(a)
+    # (a length known only at run time, e.g. sidco_exp's candidates in tf.function:
+    # the max of magnitudes and 0, so an empty one gives 0)
+    return _tf.reduce_sum(a), _tf.reduce_max(_tf.concat([_tf.reshape(a, [-1]), [0.0]], 0))
 
 
 def count_above(t, thresholds):
