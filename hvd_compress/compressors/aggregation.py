@@ -186,19 +186,13 @@ def _record_hint(sp, rnd, mags):
     ops, union, dparts = rnd.ops, rnd.union, _domain_parts(sp, rnd.parts, rnd.dctx)
     picked = union
     if (sp.hint or "top") == "top":
-        if len(dparts) == 1:
-            count = ops.reduce_sum(ops.ones_like(mags, ops.float32))
-            mean = ops.reduce_sum(mags) / ops.where(count > 0, count, 0 * count + 1)
-            keep = mags >= mean
-        else:
-            lay = rnd.ctx.segments
-            seg = ops.gather(ops.segment_ids(lay, mags), union)
-            T = len(lay.numels)
-            sums = ops.scatter_sum(T, seg, mags, ops.float32)
-            counts = ops.scatter_sum(T, seg, 0 * mags + 1, ops.float32)
-            means = sums / ops.where(counts > 0, counts, 0 * counts + 1)
-            keep = mags >= ops.gather(means, seg)
-        picked = ops.gather(union, ops.mask_indices(keep))
+        # per tensor (segment) sums, the same additions for a tensor alone or in a bucket
+        T = len(dparts)
+        seg = 0 * union if T == 1 else ops.gather(ops.segment_ids(rnd.ctx.segments, mags), union)
+        sums = ops.scatter_sum(T, seg, mags, ops.float32)
+        counts = ops.scatter_sum(T, seg, ops.ones_like(mags, ops.float32), ops.float32)
+        means = sums / ops.where(counts > 0, counts, 0 * counts + 1)
+        picked = ops.gather(union, ops.mask_indices(mags >= ops.gather(means, seg)))
     mask = ops.cast(ops.scatter_sum(rnd.dctx.numel, picked, ops.ones_like(picked, ops.float32),
                                     ops.float32), ops.uint8)
     state = sp._state(ops)
