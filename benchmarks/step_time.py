@@ -9,6 +9,8 @@ decompress (see benchmarks/step_time_worker.py for what each part holds).
                                                   # nn.TransformerEncoder, 4.5M parameters
     python benchmarks/step_time.py --specs "none;topk:density=0.01@0;topk:density=0.01"
                                                   # "@0": bucket_mb=0 (tensor by tensor)
+    python benchmarks/step_time.py --np 3 --links 1gbit --name step_time_agg \
+        --specs "none;topk:density=0.01;topk:density=0.01,agg=leader"   # 3 workers
 
 Every compressor of a (link, model) pair runs in one horovodrun launch, one after the
 other on the same processes.  ``horovod`` is Horovod's own DistributedOptimizer without
@@ -51,12 +53,12 @@ STEPS = {"plain": {"mnist_cnn": (60, 5), "vgg_small": (20, 3), "resnet_small": (
 PARTS = ["compute", "compress", "communicate", "decompress", "other"]
 
 
-def run_pair(prefix, link, model, specs, steps, warmup, timeout):
+def run_pair(prefix, link, model, specs, steps, warmup, timeout, workers=2):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         python = sys.executable
         horovodrun = str(Path(python).with_name("horovodrun"))
-        argv = prefix + [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", python,
+        argv = prefix + [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", python,
                          str(ROOT / "benchmarks" / "step_time_worker.py"), "--model", model,
                          "--specs", ";".join(specs), "--steps", str(steps),
                          "--warmup", str(warmup), "--out", out]
@@ -128,6 +130,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="3 steps after 1 warm-up")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per horovodrun launch")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--np", type=int, default=2, dest="workers",
+                   help="workers (horovodrun -np), one thread each")
+    p.add_argument("--name", default="step_time", help="results file stem (before the date)")
     args = p.parse_args()
     links = args.links.split(",")
     models, specs = args.models.split(","), args.specs.split(";")
@@ -140,16 +145,17 @@ def main():
         with shaped_link(LINKS[link]) as prefix:
             for model in models:
                 steps, warmup = (3, 1) if args.quick else STEPS[link].get(model, (10, 3))
-                rows += run_pair(prefix, link, model, specs, steps, warmup, args.timeout)
+                rows += run_pair(prefix, link, model, specs, steps, warmup, args.timeout,
+                                 args.workers)
     import torch
     import horovod
     info = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
-                horovod=horovod.__version__, cpus=os.cpu_count(), workers=2,
+                horovod=horovod.__version__, cpus=os.cpu_count(), workers=args.workers,
                 threads_per_worker=1, links=links, rows=rows)
     for link in links:
         print(table(rows, link))
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"step_time_{info['date']}")
+    stem = os.path.join(args.out, f"{args.name}_{info['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(info, f, indent=1)
     plot(rows, links, models, stem + ".png")

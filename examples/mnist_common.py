@@ -79,11 +79,16 @@ class Report:
         row = dict(epoch=epoch, elapsed_s=self._clock() - self._start,
                    loss=float(loss), test_accuracy=float(accuracy),
                    bytes_sent=stats["total_sent"], bytes_dense=stats["total_dense"],
-                   ratio=stats["ratio"])
+                   ratio=stats["ratio"], bytes_received=stats["total_received"],
+                   bytes_received_local=stats["total_received_local"],
+                   union_over_k=stats["total_union_over_k"])
         self.rows.append(row)
+        union = "" if row["union_over_k"] is None else \
+            (f"  union/k {row['union_over_k']:.2f}, received {human_bytes(row['bytes_received'])}"
+             f" vs {human_bytes(row['bytes_received_local'])} with agg=local")
         print(f"epoch {epoch}: loss {loss:.4f}  test accuracy {100 * accuracy:.2f}%  "
               f"sent {human_bytes(row['bytes_sent'])} vs dense {human_bytes(row['bytes_dense'])}"
-              f"  ({row['ratio']:.1f}x less)", flush=True)
+              f"  ({row['ratio']:.1f}x less){union}", flush=True)
 
     def finish(self):
         last = self.rows[-1]

@@ -171,6 +171,12 @@ def test_low_precision_gradients_keep_their_dtype(dtype):
     assert out.dtype == dtype and out.shape == (40,)
 
 
+def test_compress_of_a_two_round_exchange_says_what_to_use():
+    comp = hvd_compress.from_spec("topk:density=0.1,agg=leader")
+    with pytest.raises(TypeError, match="two-round exchange.*DistributedOptimizer"):
+        comp.compress(torch.randn(10), "w")
+
+
 def test_malformed_round_inputs_are_rejected():
     comp = hvd_compress.from_spec("topk:density=0.1,agg=union")
     idx, rnd = comp.propose(torch.randn(50), "w", 0, 2)

@@ -1,6 +1,7 @@
 """MNIST-5k through real horovodrun -np 2 (the examples), same seed and steps:
 top-k (1%, error feedback), Hylo's per-layer policy and DCT (>= 50x) within one point of uncompressed
-training, and laplace_topk (1%) within one point of exact top-k; bytes saved are reported."""
+training, and laplace_topk (1%) within one point of exact top-k; aggregation-aware selection
+(agg=leader, agg=hint) within one point of agg=local; bytes saved are reported."""
 import functools
 import json
 
@@ -58,3 +59,11 @@ def test_dct_at_50x_within_one_point_of_uncompressed(framework):
     dense, dct = train(framework, "none"), train(framework, "dct:density=0.01,block=64")
     assert final(dct, "ratio") >= 50
     assert final(dct) >= final(dense) - 0.01, (final(dct), final(dense))
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+@pytest.mark.parametrize("agg", ["leader", "hint"])
+def test_aggregation_aware_within_one_point_of_local(framework, agg):
+    local, run = train(framework, "topk:density=0.01"), train(framework, f"topk:density=0.01,agg={agg}")
+    assert final(run) >= final(local) - 0.01, (final(run), final(local))
+    assert final(run, "union_over_k") >= 1.0 if agg == "hint" else final(run, "union_over_k") == 1.0

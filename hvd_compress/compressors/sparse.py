@@ -113,6 +113,21 @@ class DensitySparsifier(Sparsifier):
         return max(1, min(n, math.ceil(self.density * n)))
 
     # -- aggregation-aware exchange (agg=union/leader/hint): two rounds ----------------
+    def compress(self, tensor, name=None):
+        self._one_round()
+        return super().compress(tensor, name)
+
+    def compress_bucket(self, flat, layout):
+        self._one_round()
+        return super().compress_bucket(flat, layout)
+
+    def _one_round(self):
+        if self.agg is not None:
+            raise TypeError(f"{self.spec!r} is a two-round exchange (propose, agree, finish: "
+                            "see hvd_compress.compressors.aggregation), not compress(); "
+                            "hvd_compress.torch.DistributedOptimizer and hvd_compress."
+                            "tensorflow.DistributedGradientTape run it")
+
     @property
     def hint_beta(self):
         return 1.0 if self.beta is None else self.beta
