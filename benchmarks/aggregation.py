@@ -3,7 +3,7 @@ hvd_compress/compressors/aggregation.py): how large the aggregate grows with the
 of workers P, what each rank receives, how far the update is from the dense average,
 and what that costs on a network, modelled.  One process, no Horovod.
 
-    python benchmarks/aggregation.py                   # everything (about 15-25 minutes on 2 cores)
+    python benchmarks/aggregation.py                   # everything (about 11 minutes on 2 cores)
     python benchmarks/aggregation.py --quick           # P = 2, 4, 8; 5 steps; hint study at P = 8
     python benchmarks/aggregation.py --workers 2,8 --densities 0.01 --steps 20 --no-hint-study
     python benchmarks/aggregation.py --compressor laplace_topk
@@ -54,8 +54,13 @@ last measured |U|/k and its one proposer's length (exactly 1 and k for topk).  R
 error and accuracy are not extrapolated.
 
 Hint study (part of the default run; ``--no-hint-study`` skips it): at P = 16 and
-density 0.01, ``agg=hint`` with ``hint=top`` and beta 0.5, 1, 2, 4 and ``hint=union``
-with beta 1, 4 against ``local`` and ``union``.
+density 0.01, ``agg=hint`` with ``hint=top`` and beta 0.5, 1, 2, 4, 8 (the default) and
+``hint=union`` with beta 1, 4, 8 against ``local`` and ``union``.
+
+A larger model (``--model-params``, default 25M, about ResNet-50): the same modelled
+times with every size scaled by n (k = density n), union/k and the proposals per rank
+as measured on the CNN.  Bytes there dominate latency, which on the 80k-parameter CNN
+they do not.
 
 Prints markdown tables and writes benchmarks/results/aggregation_<date>.json and .png
 (a column per density: union/k against P, then the modelled communication time against P
@@ -88,11 +93,13 @@ from pytorch_mnist import Net  # noqa: E402
 
 STRATEGIES = {"local": "", "union": ",agg=union", "leader": ",agg=leader", "hint": ",agg=hint"}
 HINT_VARIANTS = {"hint top b=0.5": ",agg=hint,beta=0.5,hint=top",
-                 "hint top b=1": ",agg=hint",       # the default: the same run as "hint"
+                 "hint top b=1": ",agg=hint,beta=1,hint=top",
                  "hint top b=2": ",agg=hint,beta=2,hint=top",
                  "hint top b=4": ",agg=hint,beta=4,hint=top",
+                 "hint top b=8": ",agg=hint",       # the default: the same run as "hint"
                  "hint union b=1": ",agg=hint,beta=1,hint=union",
-                 "hint union b=4": ",agg=hint,beta=4,hint=union"}
+                 "hint union b=4": ",agg=hint,beta=4,hint=union",
+                 "hint union b=8": ",agg=hint,beta=8,hint=union"}
 HINT_DENSITY = 0.01
 BATCH, LR, MOMENTUM, SEED = 32, 0.02, 0.9, 42
 MODEL_MAX_P = 256
@@ -206,16 +213,18 @@ def extrapolate(strategy, measured, P, sizes):
     return min(ratio, union_cap(sizes, P)), last["proposed_per_rank_k"]
 
 
-def model_rows(strategy, density, measured, sizes, model_ps, alpha, gbits):
-    """The modelled rows of one (strategy, density) for every P of ``model_ps``."""
-    k = sum(kt for _, kt in sizes)
+def model_rows(strategy, density, measured, sizes, model_ps, alpha, gbits, k=None):
+    """The modelled rows of one (strategy, density) for every P of ``model_ps``; ``k``:
+    the model's total k (default: the CNN's, ``sizes``); union/k and proposals per rank
+    / k as measured on the CNN, or extrapolated."""
+    k = k or sum(kt for _, kt in sizes)
     rows = []
     for P in model_ps:
         if P in measured:
-            union_k, received = measured[P]["union_k"], measured[P]["received"]
+            union_k, per_rank = measured[P]["union_k"], measured[P]["proposed_per_rank_k"]
         else:
             union_k, per_rank = extrapolate(strategy, measured, P, sizes)
-            received = received_bytes(strategy, P, per_rank * P * k, union_k * k)
+        received = received_bytes(strategy, P, per_rank * P * k, union_k * k)
         rows.append({"strategy": strategy, "density": density, "P": P,
                      "extrapolated": P not in measured, "union_k": union_k,
                      "received": received,
@@ -265,23 +274,27 @@ def hint_table(rows, gbit):
     return "\n".join(lines)
 
 
-def plot(rows, dense, densities, gbits, path):
-    """A column per density: union/k against P, then the modelled time per bandwidth."""
+def plot(rows, dense, densities, gbits, path, big, big_dense, params):
+    """A column per density: union/k against P, then the modelled time per bandwidth
+    (the CNN), then the larger model's at 10 Gbit/s."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1 + len(gbits), len(densities),
-                             figsize=(5.2 * len(densities), 3.4 * (1 + len(gbits))), squeeze=False)
+    g_big = 10 if 10 in gbits else gbits[0]
+    fig, axes = plt.subplots(2 + len(gbits), len(densities),
+                             figsize=(5.2 * len(densities), 3.4 * (2 + len(gbits))), squeeze=False)
     colors = dict(local="#4c72b0", union="#dd8452", leader="#55a868", hint="#c44e52",
                   dense="#777777")
-    panels = [("union_k", "|U| / k", "union/k")] + [
-        (str(g), "ms per step", f"modelled communication per step, {g} Gbit/s") for g in gbits]
+    panels = [("union_k", "|U| / k", "union/k", rows, dense)] + [
+        (str(g), "ms per step", f"modelled communication, {g} Gbit/s", rows, dense)
+        for g in gbits] + [(str(g_big), "ms per step", f"{params / 1e6:g}M parameters, "
+                            f"{g_big} Gbit/s", big, big_dense)]
     for j, density in enumerate(densities):
-        for i, (key, ylabel, title) in enumerate(panels):
+        for i, (key, ylabel, title, series, reference) in enumerate(panels):
             ax = axes[i][j]
             value = (lambda r: r["union_k"]) if i == 0 else (lambda r: 1e3 * r["time_s"][key])
             for strategy in STRATEGIES:
-                sel = [r for r in rows if r["strategy"] == strategy and r["density"] == density]
+                sel = [r for r in series if r["strategy"] == strategy and r["density"] == density]
                 meas = [r for r in sel if not r["extrapolated"]]
                 extra = meas[-1:] + [r for r in sel if r["extrapolated"]]
                 ax.plot([r["P"] for r in meas], [value(r) for r in meas], "o-",
@@ -289,15 +302,16 @@ def plot(rows, dense, densities, gbits, path):
                 ax.plot([r["P"] for r in extra], [value(r) for r in extra], "o--",
                         color=colors[strategy], mfc="none")
             if i > 0:
-                ax.plot([r["P"] for r in dense], [value(r) for r in dense], "s:",
+                ax.plot([r["P"] for r in reference], [value(r) for r in reference], "s:",
                         color=colors["dense"], label="dense allreduce")
                 ax.set_yscale("log")
-            ax.set_title(f"{title}, density {density} (dashed: extrapolated)", fontsize=9)
+            ax.set_title(f"{title}, density {density}", fontsize=9)
             ax.set_ylabel(ylabel)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("workers P")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+    fig.suptitle("simulated P: solid; extrapolated: dashed", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -309,7 +323,7 @@ def main():
     p.add_argument("--workers", default="2,4,8,16,32,64", help="simulated P, comma-separated")
     p.add_argument("--densities", default="0.01,0.001")
     p.add_argument("--compressor", default="topk", help="a density sparsifier, e.g. laplace_topk")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--hint-study", action=argparse.BooleanOptionalAction, default=True,
                    help="the hint variants at --hint-workers and density 0.01")
     p.add_argument("--hint-workers", type=int, default=16)
@@ -317,6 +331,8 @@ def main():
     p.add_argument("--gbits", default="1,10,100", help="bandwidths in Gbit/s")
     p.add_argument("--quick", action="store_true", help="P = 2, 4, 8; 5 steps; hint study at 8")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--model-params", type=int, default=25_000_000,
+                   help="parameters of the larger model the cost model is scaled to")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     if args.quick:
@@ -354,7 +370,7 @@ def main():
     for run in runs:
         measured[run["spec"], run["P"]] = dict(summary(run), accuracy=run.get("accuracy"))
     model_ps = sorted(set(workers) | {2 ** i for i in range(1, int(math.log2(MODEL_MAX_P)) + 1)})
-    rows, accuracy = [], {}
+    rows, big, accuracy = [], [], {}
     for d in densities:
         probe = hvd_compress.from_spec(f"{args.compressor}:density={d}")
         sizes = [(n, probe.k(n)) for n in sizes_n]
@@ -363,9 +379,12 @@ def main():
             spec = f"{args.compressor}:density={d}{suffix}"
             by_p = {P: measured[spec, P] for P in workers}
             rows += model_rows(s, d, by_p, sizes, model_ps, alpha, gbits)
+            big += model_rows(s, d, by_p, sizes, model_ps, alpha, gbits,
+                              k=probe.k(args.model_params))
             accuracy[d].update({(s, P): m["accuracy"] for P, m in by_p.items()
                                 if m["accuracy"] is not None})
     dense = dense_rows(sum(sizes_n), model_ps, alpha, gbits)
+    big_dense = dense_rows(args.model_params, model_ps, alpha, gbits)
 
     for d in densities:
         print(f"\n### {args.compressor}, density {d}: mean over {args.steps} steps "
@@ -373,6 +392,10 @@ def main():
         print(table([r for r in rows if r["density"] == d], accuracy[d], gbits))
     print("\n### dense float32 ring allreduce (reference)\n")
     print(table(dense, {}, gbits))
+    for d in densities:
+        print(f"\n### modelled: a {args.model_params / 1e6:g}M-parameter model, density {d} "
+              "(union/k as on the CNN)\n")
+        print(table([r for r in big if r["density"] == d] + big_dense, {}, gbits))
     hint_rows = []
     if args.hint_study:
         g = 10 if 10 in gbits else gbits[0]
@@ -400,12 +423,13 @@ def main():
                 runs=[dict(r, strategy=specs[r["spec"], r["P"]][0],
                            density=specs[r["spec"], r["P"]][1],
                            **summary(r)) for r in runs],
-                model=rows, dense=dense, hint_study=hint_rows)
+                model=rows, dense=dense, hint_study=hint_rows,
+                large_model=dict(params=args.model_params, rows=big, dense=big_dense))
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"aggregation_{info['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(info, f, indent=1)
-    plot(rows, dense, densities, gbits, stem + ".png")
+    plot(rows, dense, densities, gbits, stem + ".png", big, big_dense, args.model_params)
     print(f"\nwrote {stem}.json and .png ({elapsed / 60:.1f} minutes)")
 
 

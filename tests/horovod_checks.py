@@ -186,7 +186,7 @@ def agg_reference(inputs, spec, steps, ranks=None):
     ``inputs[r][(step, name)]``; returns (outs[step][name], unions[step], residuals)."""
     _, kv = _spec_params(spec)
     agg, density = kv["agg"], float(kv["density"])
-    beta, hint = float(kv.get("beta", 1.0)), kv.get("hint", "top")
+    beta, hint = float(kv.get("beta", 8.0)), kv.get("hint", "top")   # the defaults
     P = len(inputs)
     names = sorted({n for (_, n) in inputs[0]})
     res = [{n: np.zeros(inputs[0][(0, n)].size, np.float32) for n in names} for _ in range(P)]

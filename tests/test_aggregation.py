@@ -231,3 +231,14 @@ def test_tensorflow_matches_torch_eager_and_in_tf_function():
                 out = fn(*[tf.constant(g) for g in gs])
                 np.testing.assert_allclose(out.numpy(), ref[s][0].numpy(), rtol=1e-6,
                                            err_msg=f"{spec} {mode} step {s}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hint_with_beta_0_is_union(family):
+    """beta=0 boosts nothing: every selector (gaussian_k's fit included) sees the
+    gradient itself, so agg=hint,beta=0 makes the same choices as agg=union."""
+    data = grads(3, 3, seed=7)
+    union, _, _ = run(f"{family},agg=union", data)
+    hint, _, _ = run(f"{family},agg=hint,beta=0", data)
+    for a, b in zip(union, hint):
+        assert torch.equal(a[0], b[0])

@@ -130,7 +130,7 @@ class DensitySparsifier(Sparsifier):
 
     @property
     def hint_beta(self):
-        return 1.0 if self.beta is None else self.beta
+        return aggregation.DEFAULT_BETA if self.beta is None else self.beta
 
     def to_domain(self, flat, ctx, ops):
         """The values selection works on, and their Ctx (DCT coefficients for dct)."""
