@@ -127,8 +127,7 @@ def propose(sp, flat, ctx, ops, step, parts, own, rank, size):
     domain, dctx = sp.to_domain(compensated, ctx, ops)
     score = domain
     if sp.agg == "hint":
-        mask = _hint_mask(sp, parts, dctx, ops, domain)
-        boost = 1.0 + sp.hint_beta * ops.cast(mask, ops.float32)
+        boost = _hint_boost(sp, parts, dctx, ops, domain)
         # signed, so a selector that fits the gradient's distribution (gaussian_k) sees
         # the gradient itself where there is no boost; every selector takes |.| itself
         score = ops.to_float32(domain) * boost
@@ -178,18 +177,19 @@ def finish(sp, summed, rnd):
     return sp.from_domain(coefs, rnd.ctx, ops)
 
 
-# -- hint state: a uint8 mask per tensor (of its selection domain) -----------------------
+# -- hint state: per tensor (of its selection domain) the boost 1 + beta [i in H] --------
 
 def _domain_parts(sp, parts, dctx):
     """(name, numel) of each tensor in the selection domain."""
     return parts if len(parts) > 1 else ((parts[0][0], dctx.numel),)
 
 
-def _hint_mask(sp, parts, dctx, ops, like):
+def _hint_boost(sp, parts, dctx, ops, like):
+    """float32 ``1 + beta [i in H]`` (stored as is: one multiply per step in ``propose``)."""
     state = sp._state(ops)
-    masks = [state.get(HINT_PREFIX + name, lambda n=n: ops.zeros(n, ops.uint8, like))
-             for name, n in _domain_parts(sp, parts, dctx)]
-    return masks[0] if len(masks) == 1 else ops.concat(masks)
+    boosts = [state.get(HINT_PREFIX + name, lambda n=n: ops.zeros(n, ops.float32, like) + 1.0)
+              for name, n in _domain_parts(sp, parts, dctx)]
+    return boosts[0] if len(boosts) == 1 else ops.concat(boosts)
 
 
 def _record_hint(sp, rnd, mags):
@@ -205,13 +205,13 @@ def _record_hint(sp, rnd, mags):
         counts = ops.scatter_sum(T, seg, ops.ones_like(mags, ops.float32), ops.float32)
         means = sums / ops.where(counts > 0, counts, 0 * counts + 1)
         picked = ops.gather(union, ops.mask_indices(mags >= ops.gather(means, seg)))
-    mask = ops.cast(ops.scatter_sum(rnd.dctx.numel, picked, ops.ones_like(picked, ops.float32),
-                                    ops.float32), ops.uint8)
+    boost = ops.scatter_sum(rnd.dctx.numel, picked,
+                            ops.ones_like(picked, ops.float32) * sp.hint_beta, ops.float32) + 1.0
     state = sp._state(ops)
-    pieces = [mask] if len(dparts) == 1 else ops.split(mask, [n for _, n in dparts])
+    pieces = [boost] if len(dparts) == 1 else ops.split(boost, [n for _, n in dparts])
     for (name, n), piece in zip(dparts, pieces):
         key = HINT_PREFIX + name
-        state.get(key, lambda n=n: ops.zeros(n, ops.uint8, piece))
+        state.get(key, lambda n=n: ops.zeros(n, ops.float32, piece) + 1.0)
         state.set(key, piece)
 
 

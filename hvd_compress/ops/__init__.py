@@ -39,7 +39,7 @@ block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers
 ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,
 ``segment_counts``, ``segment_sum_int``, ``rows_max``/``rows_min``, ``split_sizes``,
 ``host_all``, and the choice ``segmented_search``); aggregation-aware exchange
-(``unique_sorted``, ``reduce_sum``, ``ones_like``, ``uint8``).  ``twobit_decode_sum`` and
+(``unique_sorted``, ``ones_like``).  ``twobit_decode_sum`` and
 ``rangefloat_decode_ranks`` are optional
 fast paths: they return None where a framework or device has none, and the compressor's
 generic code (written once) runs instead.

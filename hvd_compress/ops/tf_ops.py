@@ -11,7 +11,6 @@ bfloat16 = _tf.bfloat16
 int16 = _tf.int16
 int32 = _tf.int32
 int64 = _tf.int64
-uint8 = _tf.uint8
 
 
 def flatten(t):
@@ -461,10 +460,6 @@ def segmented_search(t, exact):
 def unique_sorted(idx):
     """The distinct values of 1-D int32 ``idx``, ascending."""
     return _tf.sort(_tf.unique(idx).y)
-
-
-def reduce_sum(t):
-    return _tf.reduce_sum(t)
 
 
 def ones_like(t, dtype):

@@ -11,7 +11,6 @@ bfloat16 = _torch.bfloat16
 int16 = _torch.int16
 int32 = _torch.int32
 int64 = _torch.int64
-uint8 = _torch.uint8
 
 
 def flatten(t):
@@ -478,10 +477,6 @@ def segmented_search(t, exact):
 def unique_sorted(idx):
     """The distinct values of 1-D int32 ``idx``, ascending."""
     return _torch.unique(idx, sorted=True)
-
-
-def reduce_sum(t):
-    return t.sum()
 
 
 def ones_like(t, dtype):
