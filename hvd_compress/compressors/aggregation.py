@@ -37,9 +37,9 @@ Every density sparsifier takes the spec key ``agg=``:
                      (benchmarks/aggregation.py, 16 simulated workers training the
                      MNIST CNN at density 0.01): ``hint=top`` with beta 0.5 to 8 cut the
                      union to 0.88x-0.43x of ``local``'s, ``hint=union`` to 0.78x-0.43x;
-                     at equal overlap ``top`` kept the update closer to the dense
-                     average and trained better, and beta 8 was the smallest boost that
-                     at least halved the union.
+                     at equal overlap both were as far from the dense average and
+                     ``top`` trained better, and beta 8 was the smallest boost that at
+                     least halved the union.
 
 The three non-local strategies share a two-round exchange, which the glue layers run:
 

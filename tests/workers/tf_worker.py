@@ -14,9 +14,10 @@ import hvd_compress
 import hvd_compress.tensorflow as hctf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cases import (AGG_MBS, AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP,  # noqa: E402
-                   BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS, POLICY, SHAPES,
-                   SPECS)
+import agg_scenario  # noqa: E402
+from agg_scenario import agg_grads  # noqa: E402
+from cases import (AGG_SHAPES, BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS,  # noqa: E402
+                   BUCKET_TOL_SPECS, POLICY, SHAPES, SPECS)
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
 
@@ -202,14 +203,6 @@ def bucket_mismatch(out):
         sys.exit(3)
 
 
-def agg_grads(step):
-    """This rank's gradients at ``step``; the step's leader has zeros on AGG_ZERO_STEP."""
-    zero = step == AGG_ZERO_STEP and hvd.rank() == step % hvd.size()
-    return [np.zeros(s, np.float32) if zero else
-            rng(41, step, i).standard_normal(s).astype(np.float32)
-            for i, s in enumerate(AGG_SHAPES.values())]
-
-
 def _agg_run(comp, mb, steps, start=0, op=hvd.Sum, process_set=hvd.global_process_set):
     """``steps`` steps from ``start``, eagerly for bucket_mb=0 and in tf.function else:
     (outputs per step, stats per step)."""
@@ -225,7 +218,7 @@ def _agg_run(comp, mb, steps, start=0, op=hvd.Sum, process_set=hvd.global_proces
     fn = one if mb == 0 else tf.function(one)
     outs, stats = [], []
     for step in range(start, start + steps):
-        grads = fn(*[tf.constant(g) for g in agg_grads(step)])
+        grads = fn(*[tf.constant(g) for g in agg_grads(hvd, step).values()])
         outs.append({n: g.numpy() for n, g in zip(AGG_SHAPES, grads)})
         st = hctf.stats(comp).as_dict()
         stats.append([st[f"last_{k}"] for k in ("sent", "received", "received_local", "union", "k")])
@@ -233,39 +226,7 @@ def _agg_run(comp, mb, steps, start=0, op=hvd.Sum, process_set=hvd.global_proces
 
 
 def agg(out):
-    """As the PyTorch worker's ``agg`` (eager tensor by tensor, tf.function bucketed)."""
-    for step in range(AGG_STEPS):
-        for n, g in zip(AGG_SHAPES, agg_grads(step)):
-            out[f"in|{step}|{n}"] = g
-    for spec in AGG_SPECS:
-        for mb in AGG_MBS:
-            comp = hvd_compress.from_spec(spec)
-            outs, stats = _agg_run(comp, mb, AGG_STEPS)
-            for step, o in enumerate(outs):
-                for n, v in o.items():
-                    out[f"{spec}|{mb}|{step}|{n}"] = v
-            out[f"{spec}|{mb}|stats"] = np.array(stats, dtype=np.float64)
-            for k, v in comp.state_dict()["state"].items():
-                out[f"{spec}|{mb}|state|{k}"] = np.asarray(v).copy()
-        if "hint" in spec or "leader" in spec:        # checkpoint: 2 steps, save, 2 more
-            first = hvd_compress.from_spec(spec)
-            _agg_run(first, 25, 2)
-            second = hvd_compress.from_spec(spec)
-            second.load_state_dict(first.state_dict(), framework="tensorflow")
-            outs, _ = _agg_run(second, 25, AGG_STEPS - 2, start=2)
-            for n, v in outs[-1].items():
-                out[f"{spec}|resumed|{n}"] = v
-    outs, _ = _agg_run(hvd_compress.from_spec(AGG_SPECS[0]), 25, 1, op=hvd.Average)
-    for n, v in outs[0].items():
-        out[f"average|{n}"] = v
-    if hvd.size() == 3:
-        ps = hvd.add_process_set([0, 2])
-        if ps.included():
-            outs, _ = _agg_run(hvd_compress.from_spec(AGG_SPECS[1]), 25, 2, process_set=ps)
-            for step, o in enumerate(outs):
-                for n, v in o.items():
-                    out[f"pset|{step}|{n}"] = v
-        hvd.remove_process_set(ps)
+    agg_scenario.agg(out, hvd, _agg_run, "tensorflow")
 
 
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
