@@ -79,7 +79,7 @@ class Policy(Compressor):
             raise ValueError("state_dict is for another policy:\n"
                              f"  {state_dict.get('spec')}\nnot\n  {self.spec}")
         for c, sd in zip(self.compressors(), state_dict["state"]):
-            if sd["state"]:
+            if sd["state"] or c._store is not None:     # (an empty one clears)
                 c.load_state_dict(sd, framework)
 
     def residual(self, name):

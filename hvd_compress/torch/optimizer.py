@@ -17,6 +17,11 @@ from ..stats import Stats
 from . import collectives
 
 
+class CompressedOptimizer:
+    """Marks the optimizers made by :func:`DistributedOptimizer` (each is a subclass of
+    the wrapped optimizer's class made on the fly, and of this)."""
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
                  op, process_set, bucket_mb=None):
@@ -55,6 +60,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._checked = False
         self._synchronized = False
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # hvd.broadcast_optimizer_state initialises an empty optimizer state with a step on
+        # zero gradients; for Horovod's own DistributedOptimizer (recognised by __module__)
+        # it takes the wrapped optimizer's plain step, without collectives.  Ours is one
+        # too: no compressed exchange, and error feedback untouched.
+        self.__module__ = hvd.DistributedOptimizer.__module__
         self.bucket_mb = buckets.bucket_mb(bucket_mb)
         entries = [(self._names[p], tuple(p.shape), self.compression.for_tensor(self._names[p], p),
                     p.dtype, p.element_size()) for p in self._params]
@@ -108,6 +118,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressor = self.compression.for_tensor(self._names[params[0]], params[0])
         return collectives.bucket_allreduce_async(flat, self._layouts[b], compressor,
                                                   self.op, self.process_set)
+
+    def drop_in_flight(self):
+        """Forget the collectives of a step that will not finish (Elastic Horovod's reset
+        after a failure: Horovod was shut down under them) and check the configuration
+        again in the new world at the next step.  Error-feedback state is restored by
+        :mod:`hvd_compress.torch.elastic`."""
+        self._handles.clear()
+        for p in self._params:
+            self._delay[p] = self.backward_passes_per_step
+        self._waiting = [len(b) for b in self._buckets]
+        self._synchronized = False
+        self._checked = False
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
@@ -167,7 +189,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``opt.compression.state_dict()`` holds the error-feedback state to checkpoint (per
     parameter name, whatever the buckets).
     """
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, CompressedOptimizer),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, process_set, bucket_mb)

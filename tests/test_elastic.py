@@ -1,0 +1,68 @@
+"""Elastic Horovod with hvd_compress through real horovodrun (two "hosts", localhost and
+127.0.0.1, from a discovery script): rank 1 dies mid-run, rank 0 resets, restores the
+last commit, and finishes; see tests/workers/elastic_worker.py."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import HOROVODRUN, ROOT
+
+WORKER = ROOT / "tests" / "workers" / "elastic_worker.py"
+SPECS = ["none", "topk:density=0.1", "laplace_topk:density=0.1", "twobit", "hylo"]
+
+
+def _env(tmp_path, **extra):
+    return dict(os.environ, OUT_DIR=str(tmp_path), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                **extra)
+
+
+def _equal(a, b, where=""):
+    """Nested state dicts equal bit for bit."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            _equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_lost_worker_restores_the_commit_and_finishes(tmp_path, spec):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    cmd = [str(HOROVODRUN), "--network-interface", "lo", "-np", "2", "--min-np", "1",
+           "--max-np", "2", "--host-discovery-script", str(discover), "--gloo",
+           sys.executable, str(WORKER), "elastic", spec]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts)),
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert "RESET size 1" in log and "ELASTIC_DONE 0 1" in log, log[-5000:]
+
+    reset = torch.load(tmp_path / "reset_rank0.pt")
+    commit = torch.load(tmp_path / f"commit{reset['step']}_rank0.pt")
+    assert 0 < reset["step"] < 24
+    # after the reset: the model, the optimizer and *this rank's* residuals and counters
+    # are the commit's, bit for bit (not the failed step's, not rank 1's)
+    _equal(reset["model"], commit["model"], "model")
+    _equal(reset["compression"], commit["compression"], "compression")
+
+    # the rest of the run equals one worker started from that commit on the same data
+    subprocess.run([sys.executable, str(WORKER), "reference", spec,
+                    str(tmp_path / f"commit{reset['step']}_rank0.pt")],
+                   cwd=ROOT, env=_env(tmp_path), check=True, capture_output=True, timeout=300)
+    final, ref = torch.load(tmp_path / "final_rank0.pt"), torch.load(tmp_path / "reference.pt")
+    assert final["size"] == 1
+    _equal(final["model"], ref["model"], "final parameters")

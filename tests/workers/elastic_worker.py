@@ -1,0 +1,119 @@
+"""Elastic Horovod with hvd_compress (tests/test_elastic.py runs it).
+
+``elastic SPEC``: under ``horovodrun --host-discovery-script`` with 2 workers; rank 1
+removes its host from ``$HOSTS_FILE`` and dies at step DIE; rank 0 resets and finishes.
+Every rank writes each commit (model, optimizer, compression state) and, after a reset,
+its compression state; rank 0 writes its final parameters.
+
+``reference SPEC COMMIT_FILE``: one process (plain ``python``, Horovod of size 1) that
+starts from a commit written above and runs the remaining steps on rank 0's data.
+"""
+import os
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+import hvd_compress
+import hvd_compress.torch as hct
+
+STEPS, DIE, COMMIT_EVERY = 24, 11, 4
+OUT = os.environ.get("OUT_DIR", ".")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3)
+        self.fc = torch.nn.Linear(8 * 6 * 6, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def build(spec):
+    torch.manual_seed(0)
+    model = Net()
+    compression = hvd_compress.Hylo.from_model(model, min_size=64) if spec == "hylo" \
+        else hvd_compress.from_spec(spec)
+    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   model.named_parameters(), compression=compression)
+    return model, opt
+
+
+def one_step(model, opt, step):
+    gen = torch.Generator().manual_seed(1000 * step + hvd.rank())
+    x, y = torch.randn(16, 1, 8, 8, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return opt
+
+
+def has_state(state_dict):
+    """Any error-feedback tensor or counter in a compressor's (or policy's) state_dict?"""
+    state = state_dict["state"]
+    return any(has_state(s) for s in state) if isinstance(state, list) else bool(state)
+
+
+def snapshot(model, opt, step):
+    return {"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+            "compression": opt.compression.state_dict()}
+
+
+def elastic(spec):
+    model, opt = build(spec)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)      # must not run a compressed step
+    assert opt.stats.steps == 0 and not has_state(opt.compression.state_dict())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+    def on_reset():
+        torch.save(snapshot(model, opt, state.step), f"{OUT}/reset_rank{hvd.rank()}.pt")
+        print(f"RESET size {hvd.size()} at step {state.step}", flush=True)
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < STEPS:
+            if state.step == DIE and hvd.rank() == 1 and hvd.size() == 2:
+                hosts = os.environ["HOSTS_FILE"]
+                me = os.environ["HOROVOD_HOSTNAME"]
+                keep = [h for h in open(hosts).read().split() if not h.startswith(me + ":")]
+                with open(hosts, "w") as f:
+                    f.write("\n".join(keep) + "\n")
+                time.sleep(1)
+                os._exit(7)        # dies before its step: rank 0's collectives fail
+            one_step(model, opt, state.step)
+            opt.step()
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                torch.save(snapshot(model, opt, state.step),
+                           f"{OUT}/commit{state.step}_rank{hvd.rank()}.pt")
+                state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        torch.save({"model": model.state_dict(), "size": hvd.size(), "steps": opt.stats.steps},
+                   f"{OUT}/final_rank0.pt")
+    print("ELASTIC_DONE", hvd.rank(), hvd.size(), flush=True)
+
+
+def reference(spec, commit_file):
+    model, opt = build(spec)
+    commit = torch.load(commit_file)
+    model.load_state_dict(commit["model"])
+    opt.load_state_dict(commit["opt"])
+    opt.compression.load_state_dict(commit["compression"])
+    for step in range(commit["step"], STEPS):
+        one_step(model, opt, step).step()
+    torch.save({"model": model.state_dict()}, f"{OUT}/reference.pt")
+
+
+if __name__ == "__main__":
+    hvd.init()
+    torch.set_num_threads(1)
+    if sys.argv[1] == "elastic":
+        elastic(sys.argv[2])
+    else:
+        reference(sys.argv[2], sys.argv[3])
