@@ -14,6 +14,10 @@ copies; ``load_state_dict()`` restores them bit for bit.
 """
 
 
+def _dtype_name(dtype):
+    return getattr(dtype, "name", None) or str(dtype).replace("torch.", "")
+
+
 class TorchStore:
     """Named state tensors for PyTorch."""
 
@@ -190,7 +194,13 @@ class ResidualMemory:
 
     def _residual_n(self, name, n, like):
         ops = self.ops
-        return self.store.get(self.PREFIX + name, lambda: ops.zeros(n, like.dtype, like))
+        r = self.store.get(self.PREFIX + name, lambda: ops.zeros(n, like.dtype, like))
+        if ops.numel(r) != n or r.dtype != like.dtype:
+            raise ValueError(
+                f"error-feedback residual of {name!r} has {ops.numel(r)} values of "
+                f"{_dtype_name(r.dtype)}, but the tensor has {n} of {_dtype_name(like.dtype)}: "
+                "the loaded state_dict was saved for another model or configuration")
+        return r
 
     @staticmethod
     def _contiguous(tensors):

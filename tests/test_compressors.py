@@ -283,3 +283,25 @@ def test_tf_function_compress_and_residual():
         total_sent += step(tf.constant(g)).numpy()
     np.testing.assert_allclose(total_sent + c.residual("g").numpy().reshape(20, 30), total_in,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize("case", ["size", "dtype"])
+def test_checkpoint_of_another_model_names_the_tensor_and_both_shapes(framework, case):
+    """A residual that does not fit the tensor: ValueError at the first step, naming the
+    tensor, both sizes and dtypes (never a raw shape error inside an operator)."""
+    import torch
+    if framework == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+        make = {"size": lambda: tf.random.normal([12]), "dtype": lambda: tf.random.normal([10], dtype=tf.float16)}
+        first = tf.random.normal([10])
+    else:
+        make = {"size": lambda: torch.randn(12), "dtype": lambda: torch.randn(10).half()}
+        first = torch.randn(10)
+    saved = hvd_compress.from_spec("topk:density=0.1")
+    saved.compress(first, "layer.weight")
+    restored = hvd_compress.from_spec("topk:density=0.1")
+    restored.load_state_dict(saved.state_dict(), framework)
+    with pytest.raises(ValueError, match=r"'layer.weight' has 10 values of float32, but the tensor "
+                                         r"has (12 of float32|10 of float16)"):
+        restored.compress(make[case](), "layer.weight")

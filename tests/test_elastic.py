@@ -2,8 +2,10 @@
 127.0.0.1, from a discovery script): rank 1 dies mid-run, rank 0 resets, restores the
 last commit, and finishes; see tests/workers/elastic_worker.py."""
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -66,3 +68,17 @@ def test_lost_worker_restores_the_commit_and_finishes(tmp_path, spec):
     final, ref = torch.load(tmp_path / "final_rank0.pt"), torch.load(tmp_path / "reference.pt")
     assert final["size"] == 1
     _equal(final["model"], ref["model"], "final parameters")
+
+
+def test_killed_worker_without_elastic_fails_every_rank_within_a_minute(tmp_path):
+    """Without Elastic, a dead worker ends the job: rank 0 gets Horovod's error, no hang."""
+    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+           str(WORKER), "killed", "topk:density=0.1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    ended = time.time()
+    log = proc.stdout + proc.stderr
+    died = float(re.search(r"DYING (\d+\.\d+)", log).group(1))
+    assert proc.returncode != 0 and "KILLED_RUN_FINISHED 0" not in log, log[-3000:]
+    assert ended - died < 60, f"the job took {ended - died:.1f} s to fail after the worker died"
+    print(f"job failed {ended - died:.1f} s after the worker died")

@@ -5,6 +5,8 @@ removes its host from ``$HOSTS_FILE`` and dies at step DIE; rank 0 resets and fi
 Every rank writes each commit (model, optimizer, compression state) and, after a reset,
 its compression state; rank 0 writes its final parameters.
 
+``killed SPEC``: plain ``horovodrun -np 2`` (no Elastic); rank 1 exits at step 3.
+
 ``reference SPEC COMMIT_FILE``: one process (plain ``python``, Horovod of size 1) that
 starts from a commit written above and runs the remaining steps on rank 0's data.
 """
@@ -99,6 +101,17 @@ def elastic(spec):
     print("ELASTIC_DONE", hvd.rank(), hvd.size(), flush=True)
 
 
+def killed(spec):
+    """No Elastic: rank 1 exits at step 3; rank 0 must fail with Horovod's error."""
+    model, opt = build(spec)
+    for step in range(STEPS):
+        if step == 3 and hvd.rank() == 1:
+            print(f"DYING {time.time():.3f}", flush=True)
+            os._exit(7)
+        one_step(model, opt, step).step()
+    print("KILLED_RUN_FINISHED", hvd.rank(), flush=True)   # must not be reached by rank 0
+
+
 def reference(spec, commit_file):
     model, opt = build(spec)
     commit = torch.load(commit_file)
@@ -115,5 +128,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "elastic":
         elastic(sys.argv[2])
+    elif sys.argv[1] == "killed":
+        killed(sys.argv[2])
     else:
         reference(sys.argv[2], sys.argv[3])
