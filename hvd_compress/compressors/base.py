@@ -40,6 +40,8 @@ class Ctx(NamedTuple):
     name: str
     finite: Any = None   #: known "no NaN/Inf in encode's input" (so encode needn't check)
     segments: Any = None  #: a bucket's :class:`~hvd_compress.buckets.Layout` (else None)
+    wire: Any = None      #: this rank's payload: dtypes (and an allreduce's length); the
+                          #: aggregate must match (:meth:`Compressor.check_aggregate`)
 
     @property
     def bucket(self):
@@ -95,8 +97,9 @@ class Compressor:
                 "Use hvd_compress.torch.DistributedOptimizer (or hvd_compress.tensorflow."
                 "DistributedGradientTape) instead.")
         ctx = Ctx(ops.shape(tensor), tensor.dtype, ops.numel(tensor), name or "")
-        return self._compress_flat(ops.flatten(tensor), ctx, ops, self._steps(ops, [name]),
-                                   ((name, ctx.numel),)), ctx
+        payload = self._compress_flat(ops.flatten(tensor), ctx, ops, self._steps(ops, [name]),
+                                      ((name, ctx.numel),))
+        return payload, ctx._replace(wire=_wire(payload, ops))
 
     def compress_bucket(self, flat, layout):
         """One payload for a *bucket*: ``flat`` holds the flattened tensors of ``layout``
@@ -115,8 +118,9 @@ class Compressor:
                             "it cannot take a bucket of several")
         ops = ops_for(flat)
         ctx = Ctx((layout.total,), flat.dtype, layout.total, layout.key, segments=layout)
-        return self._compress_flat(flat, ctx, ops, self._steps(ops, layout.names),
-                                   tuple(zip(layout.names, layout.numels)), own=True), ctx
+        payload = self._compress_flat(flat, ctx, ops, self._steps(ops, layout.names),
+                                      tuple(zip(layout.names, layout.numels)), own=True)
+        return payload, ctx._replace(wire=_wire(payload, ops))
 
     def _steps(self, ops, names):
         """Per-tensor step counters (``uses_step``): one count, a list for a bucket, or None."""
@@ -147,9 +151,39 @@ class Compressor:
 
     def decompress(self, payload, ctx):
         """Tensor of ``ctx.shape`` and ``ctx.dtype``: the sum of what every rank sent."""
-        first = payload[0] if isinstance(payload, (tuple, list)) else payload
-        ops = ops_for(first)
+        ops = self.check_aggregate(payload, ctx)
         return ops.reshape(ops.cast(self.decode(payload, ctx, ops), ctx.dtype), ctx.shape)
+
+    def check_aggregate(self, payload, ctx):
+        """The framework's ops, after checking that ``payload`` has the structure of this
+        rank's own (``ctx.wire``): as many tensors, the same dtypes, and for an allreduce
+        the same length.  ValueError (TypeError for a dtype) naming the compressor."""
+        what = f"{self.name} ({ctx.name or 'tensor'})"
+        several = isinstance(payload, (tuple, list))
+        if several and not payload:
+            raise ValueError(f"{what}: an empty payload; the payload is malformed")
+        first = payload[0] if several else payload
+        ops = ops_for(first)
+        if ctx.wire is None:
+            return ops
+        if self.collective == "allreduce":
+            dtype, n = ctx.wire
+            if several:
+                raise ValueError(f"{what}: an allreduce payload is one tensor, got {len(payload)}")
+            if payload.dtype != dtype:
+                raise TypeError(f"{what}: payload of dtype {payload.dtype}, expected {dtype}")
+            if ops.numel(payload) != n:
+                raise ValueError(f"{what}: payload of {ops.numel(payload)} values, expected {n}; "
+                                 "the payload is malformed")
+            return ops
+        if not several or len(payload) != len(ctx.wire):
+            got = len(payload) if several else 1
+            raise ValueError(f"{what}: a payload is {len(ctx.wire)} tensors, got {got}; "
+                             "the payload is malformed")
+        for i, (t, dtype) in enumerate(zip(payload, ctx.wire)):
+            if t.dtype != dtype:
+                raise TypeError(f"{what}: payload tensor {i} has dtype {t.dtype}, expected {dtype}")
+        return ops
 
     def decompress_bucket(self, payload, ctx):
         """The flat sum (``ctx.dtype``) over ranks of a bucket: tensor ``i`` of the layout
@@ -218,6 +252,13 @@ class Compressor:
 
     def __repr__(self):
         return f"<hvd_compress {self.spec}>"
+
+
+def _wire(payload, ops):
+    """What :meth:`Compressor.check_aggregate` compares the aggregate with."""
+    if isinstance(payload, (tuple, list)):
+        return tuple(t.dtype for t in payload)
+    return payload.dtype, ops.numel(payload)
 
 
 def payload_bytes(payload, ops):

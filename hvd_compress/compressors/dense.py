@@ -60,7 +60,7 @@ class BF16(Compressor):
         (bits,) = payload
         n = ctx.numel
         length = ops.length(bits)
-        if isinstance(length, int) and (n == 0 or length % n):
+        if isinstance(length, int) and (n == 0 or length == 0 or length % n):
             raise ValueError(f"bf16: payload of {length} values is not a whole number of "
                              f"tensors of {n} values; the payload is malformed")
         return ops.sum_rows(ops.cast(ops.bitcast(bits, ops.bfloat16), ops.float32), n)

@@ -74,12 +74,20 @@ class RangeFloatCodec:
         return ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])
 
     def decode(self, data, headers, ops):
+        n_words = ops.length(headers)
+        if isinstance(n_words, int) and n_words % 2:
+            raise ValueError(f"rangefloat: a header of {n_words} int32 values is not a whole "
+                             "number of [E, count] pairs; the payload is malformed")
         h = ops.reshape(headers, [-1, 2])
         emax, counts = h[:, 0], ops.cast(h[:, 1], ops.int32)
         groups = (counts + self.per_group - 1) // self.per_group
         n_bytes = ops.length(data)                     # a tensor inside tf.function: no check
         expected = ops.reduce_sum_int(groups) * self.group_bytes
-        if isinstance(n_bytes, int) and ops.host_bool(expected != n_bytes):
+        odd = ops.reduce_sum_int((emax < -127) | (emax > 128) | (counts < 0))
+        if isinstance(n_bytes, int) and ops.host_bool((expected != n_bytes) | (odd > 0)):
+            if ops.host_bool(odd > 0):
+                raise ValueError("rangefloat: a header holds an exponent outside [-127, 128] "
+                                 "or a negative count; the payload is malformed")
             raise ValueError(f"rangefloat: {n_bytes} bytes where the headers say "
                              f"{int(expected)}; the payload is malformed")
         fast = ops.rangefloat_decode_ranks(data, emax, counts, self.e, self.m)

@@ -84,7 +84,10 @@ class Sparsifier(Compressor):
         if self.codec is None:
             values, idx = payload
         else:
-            values, idx = self.codec.decode(payload[0], payload[1], ops), payload[2]
+            try:
+                values, idx = self.codec.decode(payload[0], payload[1], ops), payload[2]
+            except ValueError as e:
+                raise ValueError(f"{self.name} ({ctx.name or 'tensor'}) values: {e}") from None
         nv, ni = ops.length(values), ops.length(idx)
         if isinstance(nv, int) and isinstance(ni, int) and nv != ni:
             raise ValueError(f"{self.name}: payload has {nv} values but {ni} indices")
