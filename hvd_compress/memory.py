@@ -12,6 +12,7 @@ State lives in a *store*: a dict of tensors for PyTorch, a dict of ``tf.Variable
 for TensorFlow (so updates work inside ``tf.function``).  ``state_dict()`` returns
 copies; ``load_state_dict()`` restores them bit for bit.
 """
+import numpy as np
 
 
 def _dtype_name(dtype):
@@ -69,9 +70,11 @@ class TFStore:
 
     def __init__(self):
         self._vars = {}
+        self._inits = {}
 
     def get(self, key, init):
         import tensorflow as tf
+        self._inits.setdefault(key, init)
         if key not in self._vars:
             with tf.init_scope():
                 self._vars[key] = tf.Variable(init(), trainable=False,
@@ -96,10 +99,19 @@ class TFStore:
         return {k: v.numpy().copy() for k, v in self._vars.items()}
 
     def load_state_dict(self, state):
+        """Variables keep their identity (graphs that captured them stay valid): values
+        are assigned; a variable the state does not have goes back to its initial value."""
         import tensorflow as tf
+        for k, var in self._vars.items():
+            if k not in state and k in self._inits:
+                var.assign(self._inits[k]())
         for k, v in state.items():
             value = v.numpy() if hasattr(v, "numpy") else v
             if k in self._vars:
+                if tuple(self._vars[k].shape) != tuple(np.shape(value)):
+                    raise ValueError(f"state {k!r} has shape {tuple(np.shape(value))}, but this "
+                                     f"compressor's is {tuple(self._vars[k].shape)}: the state_dict "
+                                     "was saved for another model or configuration")
                 self._vars[k].assign(value)
             else:
                 with tf.init_scope():

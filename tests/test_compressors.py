@@ -305,3 +305,21 @@ def test_checkpoint_of_another_model_names_the_tensor_and_both_shapes(framework,
     with pytest.raises(ValueError, match=r"'layer.weight' has 10 values of float32, but the tensor "
                                          r"has (12 of float32|10 of float16)"):
         restored.compress(make[case](), "layer.weight")
+
+
+def test_tensorflow_state_restore_keeps_variables_and_resets_new_ones():
+    """TFStore.load_state_dict assigns in place (tf.function graphs keep their variables);
+    state created after the saved one goes back to its initial value (zero residual); a
+    residual of another shape raises ValueError naming it."""
+    tf = pytest.importorskip("tensorflow")
+    c = hvd_compress.from_spec("topk:density=0.1")
+    empty = c.state_dict()
+    c.compress(tf.random.normal([10]), "w")
+    var = c._store._vars["residual/w"]
+    assert float(tf.reduce_sum(tf.abs(var))) > 0
+    c.load_state_dict(empty, "tensorflow")
+    assert c._store._vars["residual/w"] is var and not var.numpy().any()
+    other = hvd_compress.from_spec("topk:density=0.1")
+    other.compress(tf.random.normal([12]), "w")
+    with pytest.raises(ValueError, match=r"'residual/w' has shape \(12,\), but this compressor's is \(10,\)"):
+        c.load_state_dict(other.state_dict(), "tensorflow")

@@ -2,6 +2,7 @@
 127.0.0.1, from a discovery script): rank 1 dies mid-run, rank 0 resets, restores the
 last commit, and finishes; see tests/workers/elastic_worker.py."""
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from conftest import HOROVODRUN, ROOT
 
 WORKER = ROOT / "tests" / "workers" / "elastic_worker.py"
+TF_WORKER = ROOT / "tests" / "workers" / "elastic_tf_worker.py"
 SPECS = ["none", "topk:density=0.1", "laplace_topk:density=0.1", "twobit", "hylo"]
 
 
@@ -37,8 +39,8 @@ def _equal(a, b, where=""):
         assert a == b, where
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_lost_worker_restores_the_commit_and_finishes(tmp_path, spec):
+def _elastic_run(tmp_path, worker, spec):
+    """2 workers on two "hosts"; rank 1 removes its host and dies mid-run."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     discover = tmp_path / "discover.sh"
@@ -46,12 +48,18 @@ def test_lost_worker_restores_the_commit_and_finishes(tmp_path, spec):
     discover.chmod(0o755)
     cmd = [str(HOROVODRUN), "--network-interface", "lo", "-np", "2", "--min-np", "1",
            "--max-np", "2", "--host-discovery-script", str(discover), "--gloo",
-           sys.executable, str(WORKER), "elastic", spec]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts)),
+           sys.executable, str(worker), "elastic", spec]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts),
+                                                  TF_CPP_MIN_LOG_LEVEL="2"),
                           capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert "RESET size 1" in log and "ELASTIC_DONE 0 1" in log, log[-5000:]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_lost_worker_restores_the_commit_and_finishes(tmp_path, spec):
+    _elastic_run(tmp_path, WORKER, spec)
 
     reset = torch.load(tmp_path / "reset_rank0.pt")
     commit = torch.load(tmp_path / f"commit{reset['step']}_rank0.pt")
@@ -82,3 +90,29 @@ def test_killed_worker_without_elastic_fails_every_rank_within_a_minute(tmp_path
     assert proc.returncode != 0 and "KILLED_RUN_FINISHED 0" not in log, log[-3000:]
     assert ended - died < 60, f"the job took {ended - died:.1f} s to fail after the worker died"
     print(f"job failed {ended - died:.1f} s after the worker died")
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.1", "twobit"])
+def test_tensorflow_lost_worker_restores_the_commit_and_finishes(tmp_path, spec):
+    """The same with a Keras 3 model in a custom loop (DistributedGradientTape), with
+    hvd_compress.tensorflow.ElasticState and hvd_compress.tensorflow.elastic.run."""
+    import numpy as np
+    _elastic_run(tmp_path, TF_WORKER, spec)
+    load = lambda name: pickle.loads((tmp_path / name).read_bytes())  # noqa: E731
+    reset = load("reset_rank0.pkl")
+    commit = load(f"commit{reset['step']}_rank0.pkl")
+    assert 0 < reset["step"] < 24
+    for a, b in zip(reset["vars"], commit["vars"]):
+        np.testing.assert_array_equal(a, b)
+    state, saved = reset["compression"]["state"], commit["compression"]["state"]
+    assert set(state) == set(saved) and saved
+    for k in saved:
+        np.testing.assert_array_equal(state[k], saved[k], err_msg=k)
+    subprocess.run([sys.executable, str(TF_WORKER), "reference", spec,
+                    str(tmp_path / f"commit{reset['step']}_rank0.pkl")], cwd=ROOT,
+                   env=_env(tmp_path, TF_CPP_MIN_LOG_LEVEL="2"), check=True,
+                   capture_output=True, timeout=300)
+    final, ref = load("final_rank0.pkl"), load("reference.pkl")
+    assert final["size"] == 1
+    for a, b in zip(final["vars"], ref["vars"]):
+        np.testing.assert_array_equal(a, b)

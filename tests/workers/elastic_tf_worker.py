@@ -1,0 +1,102 @@
+"""Elastic Horovod with hvd_compress in a TensorFlow custom loop (tests/test_elastic.py).
+
+``elastic SPEC``: rank 1 removes its host and dies at step DIE; rank 0 restores the
+commit (``hvd_compress.tensorflow.ElasticState``) and finishes.  ``reference SPEC FILE``:
+one process from a commit.  Files as in elastic_worker.py (numpy .npz).
+"""
+import os
+import pickle
+import sys
+import time
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+import hvd_compress
+import hvd_compress.tensorflow as hctf
+
+STEPS, DIE, COMMIT_EVERY = 24, 11, 4
+OUT = os.environ.get("OUT_DIR", ".")
+
+
+def build(spec):
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((20,)), tf.keras.layers.Dense(16, activation="relu"),
+                                 tf.keras.layers.Dense(10)])
+    return model, tf.keras.optimizers.SGD(0.05, momentum=0.9), hvd_compress.from_spec(spec)
+
+
+def one_step(model, opt, comp, step):
+    gen = np.random.default_rng([step, hvd.rank()])
+    x = tf.constant(gen.standard_normal((16, 20)).astype(np.float32))
+    y = tf.constant(gen.integers(0, 10, 16))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+            y, model(x), from_logits=True))
+    tape = hctf.DistributedGradientTape(tape, compression=comp)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def snapshot(model, opt, comp, step):
+    return {"step": step, "vars": [v.numpy() for v in model.variables + list(opt.variables)],
+            "compression": comp.state_dict()}
+
+
+def elastic(spec):
+    model, opt, comp = build(spec)
+    opt.build(model.trainable_variables)
+    state = hctf.ElasticState(model.variables, compression=comp, optimizer=opt, step=0)
+
+    def on_reset():
+        with open(f"{OUT}/reset_rank{hvd.rank()}.pkl", "wb") as f:
+            pickle.dump(snapshot(model, opt, comp, state.step), f)
+        print(f"RESET size {hvd.size()} at step {state.step}", flush=True)
+    state.register_reset_callbacks([on_reset])
+
+    @hctf.elastic.run
+    def train(state):
+        while state.step < STEPS:
+            if state.step == DIE and hvd.rank() == 1 and hvd.size() == 2:
+                hosts, me = os.environ["HOSTS_FILE"], os.environ["HOROVOD_HOSTNAME"]
+                keep = [h for h in open(hosts).read().split() if not h.startswith(me + ":")]
+                with open(hosts, "w") as f:
+                    f.write("\n".join(keep) + "\n")
+                time.sleep(1)
+                os._exit(7)
+            one_step(model, opt, comp, state.step)
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                with open(f"{OUT}/commit{state.step}_rank{hvd.rank()}.pkl", "wb") as f:
+                    pickle.dump(snapshot(model, opt, comp, state.step), f)
+                state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        with open(f"{OUT}/final_rank0.pkl", "wb") as f:
+            pickle.dump({"vars": [v.numpy() for v in model.variables], "size": hvd.size()}, f)
+    print("ELASTIC_DONE", hvd.rank(), hvd.size(), flush=True)
+
+
+def reference(spec, commit_file):
+    model, opt, comp = build(spec)
+    opt.build(model.trainable_variables)
+    with open(commit_file, "rb") as f:
+        commit = pickle.load(f)
+    for v, value in zip(model.variables + list(opt.variables), commit["vars"]):
+        v.assign(value)
+    comp.load_state_dict(commit["compression"], "tensorflow")
+    for step in range(commit["step"], STEPS):
+        one_step(model, opt, comp, step)
+    with open(f"{OUT}/reference.pkl", "wb") as f:
+        pickle.dump({"vars": [v.numpy() for v in model.variables]}, f)
+
+
+if __name__ == "__main__":
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    if sys.argv[1] == "elastic":
+        elastic(sys.argv[2])
+    else:
+        reference(sys.argv[2], sys.argv[3])
