@@ -116,3 +116,29 @@ def test_tensorflow_lost_worker_restores_the_commit_and_finishes(tmp_path, spec)
     assert final["size"] == 1
     for a, b in zip(final["vars"], ref["vars"]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_joining_worker_takes_the_counters_and_starts_without_residuals(tmp_path):
+    """One worker; a second host appears at step 5 and joins at a commit.  At its first
+    step the new rank has rank 0's random-k counters (so both draw the same indices) and
+    no residual of its own; rank 0 keeps its residuals."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    cmd = [str(HOROVODRUN), "--network-interface", "lo", "-np", "1", "--min-np", "1",
+           "--max-np", "2", "--host-discovery-script", str(discover), "--gloo",
+           sys.executable, str(WORKER), "join", "randomk:density=0.1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts)),
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "JOIN_DONE 1 2" in log, log[-5000:]
+    first, new = (torch.load(tmp_path / f"joined_rank{r}.pt") for r in (0, 1))
+    assert first["step"] == new["step"] > 5
+    counters = {k: int(v) for k, v in first["compression"]["state"].items() if k.startswith("step/")}
+    assert counters and all(c > 0 for c in counters.values())
+    assert {k: int(v) for k, v in new["compression"]["state"].items()
+            if k.startswith("step/")} == counters
+    assert not any(k.startswith("residual/") for k in new["compression"]["state"])
+    assert any(k.startswith("residual/") for k in first["compression"]["state"])

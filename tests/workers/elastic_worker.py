@@ -5,6 +5,8 @@ removes its host from ``$HOSTS_FILE`` and dies at step DIE; rank 0 resets and fi
 Every rank writes each commit (model, optimizer, compression state) and, after a reset,
 its compression state; rank 0 writes its final parameters.
 
+``join SPEC``: starts with one worker; a second host appears at step 5 and joins.
+
 ``killed SPEC``: plain ``horovodrun -np 2`` (no Elastic); rank 1 exits at step 3.
 
 ``reference SPEC COMMIT_FILE``: one process (plain ``python``, Horovod of size 1) that
@@ -101,6 +103,33 @@ def elastic(spec):
     print("ELASTIC_DONE", hvd.rank(), hvd.size(), flush=True)
 
 
+def join(spec):
+    """Starts alone; at step 5 rank 0 adds a second host; after the reset every rank
+    writes its compression state at its first step in the world of 2."""
+    model, opt = build(spec)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        written = False
+        while state.step < STEPS:
+            if state.step == 5 and hvd.size() == 1:
+                with open(os.environ["HOSTS_FILE"], "a") as f:
+                    f.write("127.0.0.1:1\n")
+            if hvd.size() == 2 and not written:
+                torch.save({"step": state.step, "compression": opt.compression.state_dict()},
+                           f"{OUT}/joined_rank{hvd.rank()}.pt")
+                written = True
+            one_step(model, opt, state.step).step()
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+                time.sleep(0.5 if hvd.size() == 1 and state.step >= 8 else 0)
+
+    train(state)
+    print("JOIN_DONE", hvd.rank(), hvd.size(), flush=True)
+
+
 def killed(spec):
     """No Elastic: rank 1 exits at step 3; rank 0 must fail with Horovod's error."""
     model, opt = build(spec)
@@ -128,6 +157,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "elastic":
         elastic(sys.argv[2])
+    elif sys.argv[1] == "join":
+        join(sys.argv[2])
     elif sys.argv[1] == "killed":
         killed(sys.argv[2])
     else:
