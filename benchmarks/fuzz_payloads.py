@@ -13,13 +13,11 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
-import random  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402,F401  (Triton before TensorFlow, see tests/conftest.py)
-from malformed import DTYPES, MUTATIONS, SPECS, TF, Torch, check  # noqa: E402
+from malformed import SPECS, TF, Torch, fuzz  # noqa: E402
 
 
 def main():
@@ -28,15 +26,9 @@ def main():
     p.add_argument("--frameworks", default="torch,tensorflow")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    rng = random.Random(args.seed)
     for name in args.frameworks.split(","):
         fw = Torch() if name == "torch" else TF()
-        counts = collections.defaultdict(collections.Counter)
-        for i in range(args.cases):
-            spec = rng.choice(SPECS)
-            outcome = check(fw, spec, rng.choice(MUTATIONS), rng.randrange(4),
-                            rng.randrange(1, 10), rng.choice(DTYPES), seed=i)
-            counts[spec][outcome] += 1
+        counts = fuzz(fw, args.cases, args.seed)
         print(f"\n### {name}: {args.cases} malformed aggregates, no raw error\n")
         print("| compressor | clear error | still well formed | not applicable |")
         print("|---|---|---|---|")

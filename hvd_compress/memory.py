@@ -19,8 +19,14 @@ def _dtype_name(dtype):
     return getattr(dtype, "name", None) or str(dtype).replace("torch.", "")
 
 
+def _residual_keys(state):
+    return frozenset(k for k in state if k.startswith(ResidualMemory.PREFIX))
+
+
 class TorchStore:
     """Named state tensors for PyTorch."""
+
+    loaded = frozenset()     #: the residual keys of the last load_state_dict
 
     def __init__(self):
         self._tensors = {}
@@ -63,10 +69,13 @@ class TorchStore:
     def load_state_dict(self, state):
         import torch
         self._tensors = {k: torch.as_tensor(v).clone() for k, v in state.items()}
+        self.loaded = _residual_keys(state)
 
 
 class TFStore:
     """Named state ``tf.Variable``s for TensorFlow, created outside any graph."""
+
+    loaded = frozenset()     #: the residual keys of the last load_state_dict
 
     def __init__(self):
         self._vars = {}
@@ -102,6 +111,7 @@ class TFStore:
         """Variables keep their identity (graphs that captured them stay valid): values
         are assigned; a variable the state does not have goes back to its initial value."""
         import tensorflow as tf
+        self.loaded = _residual_keys(state)
         for k, var in self._vars.items():
             if k not in state and k in self._inits:
                 var.assign(self._inits[k]())
@@ -206,6 +216,12 @@ class ResidualMemory:
 
     def _residual_n(self, name, n, like):
         ops = self.ops
+        loaded = self.store.loaded
+        if loaded and self.PREFIX + name not in loaded:
+            raise ValueError(
+                f"the loaded state_dict has error-feedback residuals for {len(loaded)} "
+                f"tensors but none for {name!r}: it was saved for another model or "
+                "configuration")
         r = self.store.get(self.PREFIX + name, lambda: ops.zeros(n, like.dtype, like))
         if ops.numel(r) != n or r.dtype != like.dtype:
             raise ValueError(

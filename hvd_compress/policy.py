@@ -74,13 +74,13 @@ class Policy(Compressor):
     def state_dict(self):
         return {"spec": self.spec, "state": [c.state_dict() for c in self.compressors()]}
 
-    def load_state_dict(self, state_dict, framework="torch"):
+    def load_state_dict(self, state_dict, framework="torch", strict=True):
         if state_dict.get("spec") != self.spec:
             raise ValueError("state_dict is for another policy:\n"
                              f"  {state_dict.get('spec')}\nnot\n  {self.spec}")
         for c, sd in zip(self.compressors(), state_dict["state"]):
             if sd["state"] or c._store is not None:     # (an empty one clears)
-                c.load_state_dict(sd, framework)
+                c.load_state_dict(sd, framework, strict)
 
     def residual(self, name):
         return self.compressor_for(name).residual(name)

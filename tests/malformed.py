@@ -1,6 +1,9 @@
 """Malformed aggregated payloads for every compressor (no test here: the generator and
 the check that tests/test_malformed_payloads.py runs under hypothesis, and
 benchmarks/fuzz_payloads.py runs longer, printing counts)."""
+import collections
+import random
+
 import numpy as np
 
 import hvd_compress
@@ -111,3 +114,21 @@ def check(fw, spec, how, which, amount, dtype, seed=0):
                              f"{type(e).__name__}: {e}") from None
     assert tuple(out.shape) == shape, f"{spec} {how}: shape {tuple(out.shape)}"
     return "ok"
+
+
+#: compressors whose payload holds free bit patterns (codes, headers) that a change may
+#: leave well formed, e.g. an extra empty [E, 0] rangefloat header, shifted 2-bit codes
+FREE_BITS = {"twobit", "rangefloat:bits=8", "dct:density=0.1,block=32",
+             "topk:density=0.1,values=rangefloat8"}
+
+
+def fuzz(fw, cases, seed=0):
+    """``cases`` random (compressor, mutation) cases: {spec: Counter(error/ok/skip)}."""
+    rng = random.Random(seed)
+    counts = collections.defaultdict(collections.Counter)
+    for i in range(cases):
+        spec = rng.choice(SPECS)
+        outcome = check(fw, spec, rng.choice(MUTATIONS), rng.randrange(4),
+                        rng.randrange(1, 10), rng.choice(DTYPES), seed=i)
+        counts[spec][outcome] += 1
+    return counts

@@ -323,3 +323,20 @@ def test_tensorflow_state_restore_keeps_variables_and_resets_new_ones():
     other.compress(tf.random.normal([12]), "w")
     with pytest.raises(ValueError, match=r"'residual/w' has shape \(12,\), but this compressor's is \(10,\)"):
         c.load_state_dict(other.state_dict(), "tensorflow")
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_checkpoint_without_a_tensor_names_it(framework):
+    if framework == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+        make = lambda n: tf.random.normal([n])  # noqa: E731
+    else:
+        import torch
+        make = lambda n: torch.randn(n)  # noqa: E731
+    saved = hvd_compress.from_spec("topk:density=0.1")
+    saved.compress(make(10), "a")
+    restored = hvd_compress.from_spec("topk:density=0.1")
+    restored.load_state_dict(saved.state_dict(), framework)
+    restored.compress(make(10), "a")                       # in the checkpoint: fine
+    with pytest.raises(ValueError, match=r"residuals for 1 tensors but none for 'b'"):
+        restored.compress(make(7), "b")

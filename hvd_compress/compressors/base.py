@@ -210,8 +210,11 @@ class Compressor:
         return {"spec": self.spec,
                 "state": self._store.state_dict() if self._store is not None else {}}
 
-    def load_state_dict(self, state_dict, framework="torch"):
-        """Restore what :meth:`state_dict` returned; the spec must match."""
+    def load_state_dict(self, state_dict, framework="torch", strict=True):
+        """Restore what :meth:`state_dict` returned; the spec must match.  ``strict``: a
+        tensor compressed later that has no residual in ``state_dict`` (while others do)
+        raises ValueError, as a checkpoint of another model would (Elastic restores pass
+        False: a tensor may have had no gradient yet at the commit)."""
         if state_dict.get("spec") != self.spec:
             raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
                              f"not {self.spec!r}")
@@ -221,6 +224,8 @@ class Compressor:
                                                        "tensorflow": "tf_ops"}[framework])
             self._state(ops)
         self._store.load_state_dict(state_dict["state"])
+        if not strict:
+            self._store.loaded = frozenset()
 
     # -- spec ---------------------------------------------------------------------------
     @classmethod

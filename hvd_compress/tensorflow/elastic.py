@@ -61,7 +61,8 @@ class ElasticState(ObjectState):
     def restore(self):
         for v, value in zip(self._variables(), self._values):
             v.assign(value)
-        self.compression.load_state_dict(copy.deepcopy(self._compression_state), "tensorflow")
+        self.compression.load_state_dict(copy.deepcopy(self._compression_state), "tensorflow",
+                                         strict=False)
         super().restore()
 
     def sync(self):
@@ -77,7 +78,7 @@ class ElasticState(ObjectState):
         for c, state, mine, theirs in zip(members, states, counters, agreed):
             if set(mine) != set(theirs) or any(int(mine[k]) != int(theirs[k]) for k in mine):
                 state["state"].update(theirs)
-                c.load_state_dict(state, "tensorflow")
+                c.load_state_dict(state, "tensorflow", strict=False)
         _tape._CHECKED.pop(self.compression, None)     # check the configuration again
         self._save_tensors()
         super().sync()

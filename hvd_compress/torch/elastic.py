@@ -48,7 +48,8 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
     def restore(self):
         self.value.drop_in_flight()
         super().restore()
-        self.value.compression.load_state_dict(copy.deepcopy(self._saved_compression))
+        self.value.compression.load_state_dict(copy.deepcopy(self._saved_compression),
+                                               strict=False)
 
     def sync(self):
         self.value.drop_in_flight()
@@ -65,7 +66,7 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
         for c, state, mine, theirs in zip(members, states, counters, agreed):
             if set(mine) != set(theirs) or any(int(mine[k]) != int(theirs[k]) for k in mine):
                 state["state"].update(theirs)
-                c.load_state_dict(state)
+                c.load_state_dict(state, strict=False)
 
 
 def register():
