@@ -247,3 +247,26 @@ class ResidualMemory:
         """The residual of ``name`` (flat), or None if none was stored yet."""
         key = self.PREFIX + name
         return self.store.get(key, lambda: None) if key in self.store.keys() else None
+
+
+def residual_norm(state_dict):
+    """L2 norm of every error-feedback residual in a compressor's (or a policy's)
+    ``state_dict()``: the part of past gradients this rank has not sent yet."""
+    state = state_dict["state"]
+    if isinstance(state, list):                    # a policy: one state_dict per member
+        return float(np.sqrt(sum(residual_norm(s) ** 2 for s in state)))
+    total = 0.0
+    for key, value in state.items():
+        if key.startswith(ResidualMemory.PREFIX):
+            a = value.detach().cpu().double().numpy() if hasattr(value, "detach") \
+                else np.asarray(value, dtype=np.float64)
+            total += float(np.sum(np.square(a.astype(np.float64))))
+    return float(np.sqrt(total))
+
+
+def lost_residual_norm(at_commit, survivors):
+    """Norm of the residuals the lost ranks held at the last commit: ``at_commit`` (old
+    rank -> norm, from every rank at the commit), ``survivors`` (the old ranks still
+    here; None for a rank that joined)."""
+    gone = set(at_commit) - {r for r in survivors if r is not None}
+    return float(np.sqrt(sum(at_commit[r] ** 2 for r in gone)))

@@ -29,6 +29,8 @@ class Stats:
         self._exchange = dict.fromkeys(EXCHANGE, 0)
         self.last_exchange = dict.fromkeys(EXCHANGE, 0)
         self.total_exchange = dict.fromkeys(EXCHANGE, 0)
+        #: Elastic Horovod: L2 norm of the residuals lost with lost workers (at the commit)
+        self.lost_residual_norm = 0.0
         self._times = [0.0, 0.0, 0.0]
         self.last_times = dict.fromkeys(self.TIMES, 0.0)
         self.total_times = dict.fromkeys(self.TIMES, 0.0)
@@ -72,6 +74,7 @@ class Stats:
         for k in self.TIMES:
             out["last_" + k] = self.last_times[k]
             out["total_" + k] = self.total_times[k]
+        out["lost_residual_norm"] = self.lost_residual_norm
         return out
 
     def __repr__(self):

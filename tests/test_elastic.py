@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import HOROVODRUN, ROOT
+from hvd_compress.memory import residual_norm
 
 WORKER = ROOT / "tests" / "workers" / "elastic_worker.py"
 TF_WORKER = ROOT / "tests" / "workers" / "elastic_tf_worker.py"
@@ -76,6 +77,10 @@ def test_lost_worker_restores_the_commit_and_finishes(tmp_path, spec):
     final, ref = torch.load(tmp_path / "final_rank0.pt"), torch.load(tmp_path / "reference.pt")
     assert final["size"] == 1
     _equal(final["model"], ref["model"], "final parameters")
+    # what rank 1 had not sent at that commit, reported by rank 0
+    lost = residual_norm(torch.load(tmp_path / f"commit{reset['step']}_rank1.pt")["compression"])
+    assert final["lost"] == pytest.approx(lost, rel=1e-9)
+    assert (lost > 0) == (spec != "none")
 
 
 def test_killed_worker_without_elastic_fails_every_rank_within_a_minute(tmp_path):
@@ -116,6 +121,8 @@ def test_tensorflow_lost_worker_restores_the_commit_and_finishes(tmp_path, spec)
     assert final["size"] == 1
     for a, b in zip(final["vars"], ref["vars"]):
         np.testing.assert_array_equal(a, b)
+    lost = residual_norm(load(f"commit{reset['step']}_rank1.pkl")["compression"])
+    assert lost > 0 and final["lost"] == pytest.approx(lost, rel=1e-9)
 
 
 def test_joining_worker_takes_the_counters_and_starts_without_residuals(tmp_path):

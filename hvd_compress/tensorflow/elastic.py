@@ -16,7 +16,10 @@ nothing of error feedback; :class:`ElasticState` takes its place:
   agree (random-k draws, ``agg=leader``'s rotation); residuals stay per rank, a rank that
   joins starts with none; the configuration check runs again in the new world.
 
-A lost worker's residual is lost with it (the part of its gradients it had not sent).
+A lost worker's residual is lost with it (the part of its gradients it had not sent):
+every commit shares each rank's residual norm (one small allgather), so after a loss
+rank 0 prints the norm of what the lost workers had not sent at the last commit, and
+``state.lost_residual_norm`` adds it up.
 """
 import copy
 
@@ -24,6 +27,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 from horovod.common.elastic import ObjectState
 
+from ..memory import lost_residual_norm, residual_norm
 from . import tape as _tape
 from .collectives import resolve_cached
 
@@ -43,6 +47,9 @@ class ElasticState(ObjectState):
         self._model_variables = list(variables)
         self._optimizer = optimizer
         self.compression = resolve_cached(compression)
+        #: L2 norm of the residuals lost with lost workers (at the last commit), summed
+        self.lost_residual_norm = 0.0
+        self._norms, self._rank, self._restored = {}, None, False
         self._save_tensors()
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
 
@@ -55,7 +62,12 @@ class ElasticState(ObjectState):
         self._compression_state = copy.deepcopy(self.compression.state_dict())
 
     def save(self):
+        """At ``commit()`` (every rank): copies, and every rank's residual norm (one small
+        allgather), so that a lost rank's can be reported."""
         self._save_tensors()
+        self._rank = hvd.rank()
+        self._norms = dict(hvd.allgather_object((self._rank, residual_norm(self._compression_state)),
+                                                name="hvd_compress.elastic_norms"))
         super().save()
 
     def restore(self):
@@ -63,6 +75,7 @@ class ElasticState(ObjectState):
             v.assign(value)
         self.compression.load_state_dict(copy.deepcopy(self._compression_state), "tensorflow",
                                          strict=False)
+        self._restored = True
         super().restore()
 
     def sync(self):
@@ -79,6 +92,16 @@ class ElasticState(ObjectState):
             if set(mine) != set(theirs) or any(int(mine[k]) != int(theirs[k]) for k in mine):
                 state["state"].update(theirs)
                 c.load_state_dict(state, "tensorflow", strict=False)
+        here = hvd.allgather_object(self._rank if self._restored else None,
+                                    name="hvd_compress.elastic_survivors")
+        if self._restored and self._norms:
+            lost = lost_residual_norm(self._norms, here)
+            self.lost_residual_norm += lost
+            if hvd.rank() == 0 and lost:
+                print(f"hvd_compress: {len(self._norms) - len([r for r in here if r is not None])}"
+                      " worker(s) lost; the gradient they had not sent yet (their error-feedback"
+                      f" residuals at the last commit) had L2 norm {lost:.6g}", flush=True)
+        self._restored = False
         _tape._CHECKED.pop(self.compression, None)     # check the configuration again
         self._save_tensors()
         super().sync()

@@ -23,13 +23,18 @@ handler:
   the configuration check runs again at the next step.
 
 A lost worker's residual is lost with it, like its in-flight gradient: that part of its
-past gradients was never sent.  ``opt.stats`` go on counting across resets.
+past gradients was never sent.  Every commit shares each rank's residual norm (one small
+allgather), so after a loss rank 0 prints the norm of what the lost workers had not sent
+at the last commit, and ``opt.stats.lost_residual_norm`` adds it up.  ``opt.stats`` go
+on counting across resets.
 """
 import copy
 
 import horovod.torch as hvd
 from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_registry,
                                          set_handler_registry)
+
+from ..memory import lost_residual_norm, residual_norm
 
 COUNTER_PREFIXES = ("step/", "agg/")    #: state keys that must agree between ranks
 
@@ -40,21 +45,39 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
     def __init__(self, optimizer):
         super().__init__(optimizer)
         self._saved_compression = copy.deepcopy(optimizer.compression.state_dict())
+        self._norms, self._rank, self._restored = {}, None, False
 
     def save(self):
+        """At ``commit()`` (every rank): a copy of the state, and every rank's residual
+        norm (one small allgather), so that a lost rank's can be reported."""
         super().save()
         self._saved_compression = copy.deepcopy(self.value.compression.state_dict())
+        self._rank = hvd.rank()
+        norms = hvd.allgather_object((self._rank, residual_norm(self._saved_compression)),
+                                     name="hvd_compress.elastic_norms")
+        self._norms = dict(norms)
 
     def restore(self):
         self.value.drop_in_flight()
         super().restore()
         self.value.compression.load_state_dict(copy.deepcopy(self._saved_compression),
                                                strict=False)
+        self._restored = True
 
     def sync(self):
         self.value.drop_in_flight()
         super().sync()              # rank 0's optimizer state (no compressed step: see
         #                             DistributedOptimizer, broadcast_optimizer_state)
+        here = hvd.allgather_object(self._rank if self._restored else None,
+                                    name="hvd_compress.elastic_survivors")
+        if self._restored and self._norms:
+            lost = lost_residual_norm(self._norms, here)
+            self.value.stats.lost_residual_norm += lost
+            if hvd.rank() == 0 and lost:
+                print(f"hvd_compress: {len(self._norms) - len([r for r in here if r is not None])}"
+                      f" worker(s) lost; the gradient they had not sent yet (their error-feedback"
+                      f" residuals at the last commit) had L2 norm {lost:.6g}", flush=True)
+        self._restored = False
         compression = self.value.compression
         members = compression.compressors() if hasattr(compression, "compressors") \
             else [compression]

@@ -75,7 +75,8 @@ def elastic(spec):
     train(state)
     if hvd.rank() == 0:
         with open(f"{OUT}/final_rank0.pkl", "wb") as f:
-            pickle.dump({"vars": [v.numpy() for v in model.variables], "size": hvd.size()}, f)
+            pickle.dump({"vars": [v.numpy() for v in model.variables], "size": hvd.size(),
+                         "lost": state.lost_residual_norm}, f)
     print("ELASTIC_DONE", hvd.rank(), hvd.size(), flush=True)
 
 

@@ -98,7 +98,8 @@ def elastic(spec):
 
     train(state)
     if hvd.rank() == 0:
-        torch.save({"model": model.state_dict(), "size": hvd.size(), "steps": opt.stats.steps},
+        torch.save({"model": model.state_dict(), "size": hvd.size(), "steps": opt.stats.steps,
+                    "lost": opt.stats.as_dict()["lost_residual_norm"]},
                    f"{OUT}/final_rank0.pt")
     print("ELASTIC_DONE", hvd.rank(), hvd.size(), flush=True)
 
@@ -124,7 +125,10 @@ def join(spec):
             state.step += 1
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
-                time.sleep(0.5 if hvd.size() == 1 and state.step >= 8 else 0)
+            deadline = time.time() + 120
+            while hvd.size() == 1 and state.step >= 8 and time.time() < deadline:
+                time.sleep(0.5)      # wait (on a slow machine) for the new worker:
+                state.commit()       # raises HostsUpdatedInterrupt once it is seen
 
     train(state)
     print("JOIN_DONE", hvd.rank(), hvd.size(), flush=True)
