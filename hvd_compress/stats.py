@@ -83,6 +83,24 @@ class Stats:
                 f"dense={d['total_dense']}B ratio={d['ratio']:.1f}x>")
 
 
+# -- bytes one rank receives (python ints, or int64 tensors inside TensorFlow) -----------
+
+def ring_received(nbytes, size):
+    """A ring allreduce of ``nbytes``: ``2 (P-1)/P nbytes``."""
+    return nbytes * (2 * (size - 1)) // size
+
+
+def union_received(gathered, own, union, width, size):
+    """agg=union/leader/hint: the other ranks' int32 indices (``gathered - own`` of
+    them), then a ring allreduce of ``union`` values of ``width`` bytes."""
+    return (gathered - own) * 4 + ring_received(union * width, size)
+
+
+def local_received(k, width, size):
+    """What agg=local would receive if every rank sent k (value, int32 index) pairs."""
+    return (size - 1) * k * (4 + width)
+
+
 def summarize(steps, last_sent, last_dense, total_sent, total_dense, last_exchange=None,
               total_exchange=None):
     """The dict that ``stats.as_dict()`` returns in both glue layers."""

@@ -40,21 +40,27 @@ def _equal(a, b, where=""):
         assert a == b, where
 
 
-def _elastic_run(tmp_path, worker, spec):
-    """2 workers on two "hosts"; rank 1 removes its host and dies mid-run."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+def _elastic(tmp_path, hosts, np_, *args):
+    """``horovodrun`` elastic on the "hosts" ``hosts`` (a file a discovery script
+    prints; the workers edit it); returns the job's rc and log."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("".join(f"{h}:1\n" for h in hosts))
     discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
     discover.chmod(0o755)
-    cmd = [str(HOROVODRUN), "--network-interface", "lo", "-np", "2", "--min-np", "1",
+    cmd = [str(HOROVODRUN), "--network-interface", "lo", "-np", str(np_), "--min-np", "1",
            "--max-np", "2", "--host-discovery-script", str(discover), "--gloo",
-           sys.executable, str(worker), "elastic", spec]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts),
+           sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts_file),
                                                   TF_CPP_MIN_LOG_LEVEL="2"),
                           capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _elastic_run(tmp_path, worker, spec):
+    """2 workers on two "hosts"; rank 1 removes its host and dies mid-run."""
+    rc, log = _elastic(tmp_path, ["localhost", "127.0.0.1"], 2, worker, "elastic", spec)
+    assert rc == 0, log[-5000:]
     assert "RESET size 1" in log and "ELASTIC_DONE 0 1" in log, log[-5000:]
 
 
@@ -129,18 +135,8 @@ def test_joining_worker_takes_the_counters_and_starts_without_residuals(tmp_path
     """One worker; a second host appears at step 5 and joins at a commit.  At its first
     step the new rank has rank 0's random-k counters (so both draw the same indices) and
     no residual of its own; rank 0 keeps its residuals."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:1\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
-    cmd = [str(HOROVODRUN), "--network-interface", "lo", "-np", "1", "--min-np", "1",
-           "--max-np", "2", "--host-discovery-script", str(discover), "--gloo",
-           sys.executable, str(WORKER), "join", "randomk:density=0.1"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts)),
-                          capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "JOIN_DONE 1 2" in log, log[-5000:]
+    rc, log = _elastic(tmp_path, ["localhost"], 1, WORKER, "join", "randomk:density=0.1")
+    assert rc == 0 and "JOIN_DONE 1 2" in log, log[-5000:]
     first, new = (torch.load(tmp_path / f"joined_rank{r}.pt") for r in (0, 1))
     assert first["step"] == new["step"] > 5
     counters = {k: int(v) for k, v in first["compression"]["state"].items() if k.startswith("step/")}

@@ -232,9 +232,7 @@ def in_process(compressors, tensors, name):
         parts = len(payloads[0][0])
         gathered = tuple(ops.concat([p[i] for p, _ in payloads]) for i in range(parts))
         outs = [c.decompress(gathered, ctx) for c, (_, ctx) in zip(compressors, payloads)]
-        ctx = payloads[0][1]
-        k = c0.k(c0.to_domain(ops.flatten(tensors[0]), ctx, ops)[1].numel) \
-            if hasattr(c0, "to_domain") else None
+        k = c0.k(c0.domain_ctx(payloads[0][1]).numel) if hasattr(c0, "domain_ctx") else None
         proposed = [ops.length(p[-1]) for p, _ in payloads]
         union = ops.length(ops.unique_sorted(gathered[-1]))
         return outs, {"union": union, "k": k, "proposed": proposed}

@@ -42,12 +42,12 @@ class DCTSparse(DensitySparsifier):
         self.block, self.bits = check_dct_block(block), int(bits)
         self._select = LaplaceTopK(density=self.density, ef=False)
 
-    def coefficients_ctx(self, ctx):
+    def domain_ctx(self, ctx):
         padded = -(-ctx.numel // self.block) * self.block
         return ctx._replace(numel=padded, shape=(padded,), finite=None)   # coefficients may overflow
 
     def to_domain(self, flat, ctx, ops):
-        return ops.block_dct(flat, self.block), self.coefficients_ctx(ctx)
+        return ops.block_dct(flat, self.block), self.domain_ctx(ctx)
 
     def from_domain(self, coefs, ctx, ops):
         return ops.head(ops.block_idct(coefs, self.block), ctx.numel)
@@ -59,4 +59,4 @@ class DCTSparse(DensitySparsifier):
         return super().encode(*self.to_domain(flat, ctx, ops), ops, step)
 
     def decode(self, payload, ctx, ops):
-        return self.from_domain(super().decode(payload, self.coefficients_ctx(ctx), ops), ctx, ops)
+        return self.from_domain(super().decode(payload, self.domain_ctx(ctx), ops), ctx, ops)

@@ -135,8 +135,12 @@ class DensitySparsifier(Sparsifier):
     def hint_beta(self):
         return aggregation.DEFAULT_BETA if self.beta is None else self.beta
 
+    def domain_ctx(self, ctx):
+        """The Ctx of the values selection works on (DCT coefficients for dct)."""
+        return ctx
+
     def to_domain(self, flat, ctx, ops):
-        """The values selection works on, and their Ctx (DCT coefficients for dct)."""
+        """The values selection works on, and :meth:`domain_ctx`."""
         return flat, ctx
 
     def from_domain(self, coefs, ctx, ops):

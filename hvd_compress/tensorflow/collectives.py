@@ -12,6 +12,7 @@ import tensorflow as tf
 from ..compressors import payload_bytes
 from ..ops import tf_ops
 from ..spec import from_spec, resolve
+from ..stats import local_received, ring_received, union_received
 
 PREFIX = "hvd_compress."
 _CACHE = {}
@@ -55,11 +56,6 @@ def _average(out, op, process_set):
     return out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
 
 
-def _ring_received(nbytes, size):
-    """Bytes one rank receives in a ring allreduce of ``nbytes``: ``2 (P-1)/P nbytes``."""
-    return tf.cast(nbytes, tf.int64) * (2 * (size - 1)) // size
-
-
 def _traffic(sent, received, received_local=None, union=0, k=0):
     """What the tape's stats count for one tensor or bucket (int64 tensors)."""
     received = tf.cast(received, tf.int64)
@@ -74,7 +70,7 @@ def _payload_traffic(compressor, payload, aggregate, process_set):
     allgather the other ranks' payloads."""
     sent = payload_bytes(payload, tf_ops)
     if compressor.collective == "allreduce":
-        return _traffic(sent, _ring_received(sent, process_set.size()))
+        return _traffic(sent, ring_received(tf.cast(sent, tf.int64), process_set.size()))
     return _traffic(sent, payload_bytes(aggregate, tf_ops) - sent)
 
 
@@ -90,8 +86,8 @@ def _union(compressor, proposal, rnd, wire, process_set):
     w, w_local = values.dtype.size, tf.as_dtype(rnd.ctx.dtype).size
     union = tf.size(values, out_type=tf.int64)
     own = tf.size(proposal, out_type=tf.int64)
-    received = (tf.size(gathered, out_type=tf.int64) - own) * 4 + _ring_received(union * w, size)
-    return out, _traffic(own * 4 + union * w, received, (size - 1) * rnd.k * (4 + w_local),
+    received = union_received(tf.size(gathered, out_type=tf.int64), own, union, w, size)
+    return out, _traffic(own * 4 + union * w, received, local_received(rnd.k, w_local, size),
                          union, rnd.k)
 
 

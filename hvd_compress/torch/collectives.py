@@ -11,6 +11,7 @@ import torch
 from ..compressors import payload_bytes
 from ..ops import torch_ops
 from ..spec import resolve
+from ..stats import local_received, ring_received, union_received
 
 PREFIX = "hvd_compress."
 
@@ -154,15 +155,10 @@ def advance(handle):
     own = int(handle.round.proposed)
     handle.union, handle.k = int(values.numel()), handle.round.k
     handle.sent_bytes += values.numel() * w
-    handle.received_bytes = (gathered.numel() - own) * 4 + ring_received(values.numel() * w, size)
-    handle.received_local_bytes = (size - 1) * handle.k * (4 + w_local)
+    handle.received_bytes = union_received(gathered.numel(), own, values.numel(), w, size)
+    handle.received_local_bytes = local_received(handle.k, w_local, size)
     handle.wait_s += waited - start
     handle.compress_s += time.perf_counter() - waited
-
-
-def ring_received(nbytes, size):
-    """Bytes one rank receives in a ring allreduce of ``nbytes``: ``2 (P-1)/P nbytes``."""
-    return 2 * (size - 1) * nbytes // size
 
 
 def synchronize(handle):

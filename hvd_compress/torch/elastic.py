@@ -28,68 +28,35 @@ allgather), so after a loss rank 0 prints the norm of what the lost workers had 
 at the last commit, and ``opt.stats.lost_residual_norm`` adds it up.  ``opt.stats`` go
 on counting across resets.
 """
-import copy
-
 import horovod.torch as hvd
 from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_registry,
                                          set_handler_registry)
 
-from ..memory import lost_residual_norm, residual_norm
-
-COUNTER_PREFIXES = ("step/", "agg/")    #: state keys that must agree between ranks
+from ..elastic import CompressionCommit
 
 
 class CompressedOptimizerStateHandler(OptimizerStateHandler):
-    """Horovod's optimizer state handler plus the compressor's per-rank state."""
+    """Horovod's optimizer state handler plus the compressor's per-rank state
+    (:class:`hvd_compress.elastic.CompressionCommit`)."""
 
     def __init__(self, optimizer):
         super().__init__(optimizer)
-        self._saved_compression = copy.deepcopy(optimizer.compression.state_dict())
-        self._norms, self._rank, self._restored = {}, None, False
+        self._commit = CompressionCommit(optimizer.compression, hvd, "torch")
 
     def save(self):
-        """At ``commit()`` (every rank): a copy of the state, and every rank's residual
-        norm (one small allgather), so that a lost rank's can be reported."""
         super().save()
-        self._saved_compression = copy.deepcopy(self.value.compression.state_dict())
-        self._rank = hvd.rank()
-        norms = hvd.allgather_object((self._rank, residual_norm(self._saved_compression)),
-                                     name="hvd_compress.elastic_norms")
-        self._norms = dict(norms)
+        self._commit.save()
 
     def restore(self):
         self.value.drop_in_flight()
         super().restore()
-        self.value.compression.load_state_dict(copy.deepcopy(self._saved_compression),
-                                               strict=False)
-        self._restored = True
+        self._commit.restore()
 
     def sync(self):
         self.value.drop_in_flight()
         super().sync()              # rank 0's optimizer state (no compressed step: see
         #                             DistributedOptimizer, broadcast_optimizer_state)
-        here = hvd.allgather_object(self._rank if self._restored else None,
-                                    name="hvd_compress.elastic_survivors")
-        if self._restored and self._norms:
-            lost = lost_residual_norm(self._norms, here)
-            self.value.stats.lost_residual_norm += lost
-            if hvd.rank() == 0 and lost:
-                print(f"hvd_compress: {len(self._norms) - len([r for r in here if r is not None])}"
-                      f" worker(s) lost; the gradient they had not sent yet (their error-feedback"
-                      f" residuals at the last commit) had L2 norm {lost:.6g}", flush=True)
-        self._restored = False
-        compression = self.value.compression
-        members = compression.compressors() if hasattr(compression, "compressors") \
-            else [compression]
-        states = [c.state_dict() for c in members]
-        counters = [{k: v for k, v in s["state"].items() if k.startswith(COUNTER_PREFIXES)}
-                    for s in states]
-        agreed = hvd.broadcast_object(counters, root_rank=0,
-                                      name="hvd_compress.elastic_counters")
-        for c, state, mine, theirs in zip(members, states, counters, agreed):
-            if set(mine) != set(theirs) or any(int(mine[k]) != int(theirs[k]) for k in mine):
-                state["state"].update(theirs)
-                c.load_state_dict(state, strict=False)
+        self.value.stats.lost_residual_norm += self._commit.sync()
 
 
 def register():

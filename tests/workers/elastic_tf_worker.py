@@ -7,7 +7,6 @@ one process from a commit.  Files as in elastic_worker.py (numpy .npz).
 import os
 import pickle
 import sys
-import time
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -15,6 +14,7 @@ import tensorflow as tf
 
 import hvd_compress
 import hvd_compress.tensorflow as hctf
+from lost_host import leave_and_die
 
 STEPS, DIE, COMMIT_EVERY = 24, 11, 4
 OUT = os.environ.get("OUT_DIR", ".")
@@ -59,12 +59,7 @@ def elastic(spec):
     def train(state):
         while state.step < STEPS:
             if state.step == DIE and hvd.rank() == 1 and hvd.size() == 2:
-                hosts, me = os.environ["HOSTS_FILE"], os.environ["HOROVOD_HOSTNAME"]
-                keep = [h for h in open(hosts).read().split() if not h.startswith(me + ":")]
-                with open(hosts, "w") as f:
-                    f.write("\n".join(keep) + "\n")
-                time.sleep(1)
-                os._exit(7)
+                leave_and_die()
             one_step(model, opt, comp, state.step)
             state.step += 1
             if state.step % COMMIT_EVERY == 0:

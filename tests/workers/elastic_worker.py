@@ -21,6 +21,7 @@ import torch
 
 import hvd_compress
 import hvd_compress.torch as hct
+from lost_host import leave_and_die
 
 STEPS, DIE, COMMIT_EVERY = 24, 11, 4
 OUT = os.environ.get("OUT_DIR", ".")
@@ -81,13 +82,7 @@ def elastic(spec):
     def train(state):
         while state.step < STEPS:
             if state.step == DIE and hvd.rank() == 1 and hvd.size() == 2:
-                hosts = os.environ["HOSTS_FILE"]
-                me = os.environ["HOROVOD_HOSTNAME"]
-                keep = [h for h in open(hosts).read().split() if not h.startswith(me + ":")]
-                with open(hosts, "w") as f:
-                    f.write("\n".join(keep) + "\n")
-                time.sleep(1)
-                os._exit(7)        # dies before its step: rank 0's collectives fail
+                leave_and_die()
             one_step(model, opt, state.step)
             opt.step()
             state.step += 1
