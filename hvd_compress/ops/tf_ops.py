@@ -464,3 +464,37 @@ def unique_sorted(idx):
 
 def ones_like(t, dtype):
     return _tf.ones(_tf.shape(t), dtype=dtype)
+
+
+# -- fixed point and modular int32 (coded SGD, hvd_compress.coded) -------------------
+FIXED_MAX = 2 ** 31 - 1
+
+
+def fixed_encode(t, value_range):
+    x = _tf.cast(_tf.reshape(t, [-1]), _tf.float64)
+    finite = _tf.math.is_finite(x)
+    clipped = _tf.reduce_sum(_tf.cast(finite & (_tf.abs(x) > value_range), _tf.int64))
+    nonfinite = _tf.reduce_sum(_tf.cast(~finite, _tf.int64))
+    x = _tf.where(_tf.math.is_nan(x), _tf.zeros_like(x), x)
+    q = _tf.round(_tf.clip_by_value(x, -value_range, value_range) * (FIXED_MAX / value_range))
+    q = _tf.clip_by_value(q, -FIXED_MAX, FIXED_MAX)
+    return _tf.cast(q, _tf.int32), _tf.stack([clipped, nonfinite])
+
+
+def fixed_decode(q, value_range):
+    return _tf.cast(_tf.cast(q, _tf.float64) * (value_range / FIXED_MAX), _tf.float32)
+
+
+def wrap_int32(x):
+    return _tf.cast(_tf.math.floormod(x + 2 ** 31, 2 ** 32) - 2 ** 31, _tf.int32)
+
+
+def saturate_int32(x):
+    big = _tf.constant(FIXED_MAX, _tf.int64)
+    return (_tf.cast(_tf.clip_by_value(x, -big, big), _tf.int32),
+            _tf.reduce_sum(_tf.cast(_tf.abs(x) > big, _tf.int64)))
+
+
+def pad_to(t, n):
+    m = int(t.shape[0])
+    return t if m == n else _tf.concat([t, _tf.zeros([n - m], t.dtype)], 0)

@@ -481,3 +481,40 @@ def unique_sorted(idx):
 
 def ones_like(t, dtype):
     return _torch.ones(t.shape, dtype=dtype, device=t.device)
+
+
+# -- fixed point and modular int32 (coded SGD, hvd_compress.coded) -------------------
+FIXED_MAX = 2 ** 31 - 1
+
+
+def fixed_encode(t, value_range):
+    """int32 ``q = round(t·(2³¹−1)/R)`` of 1-D ``t`` (so 0x7FFFFFFF is R, 0x80000001 is −R)
+    and int64 ``[clipped, nonfinite]`` counts: |t| > R saturates, NaN becomes 0, ±Inf
+    saturates.  Computed in float64, so every float32 rounds the same on every rank."""
+    x = t.reshape(-1).to(_torch.float64)
+    finite = _torch.isfinite(x)
+    counts = _torch.stack([(finite & (x.abs() > value_range)).sum(), (~finite).sum()])
+    x = _torch.nan_to_num(x, nan=0.0, posinf=value_range, neginf=-value_range)
+    q = _torch.round(x.clamp(-value_range, value_range) * (FIXED_MAX / value_range))
+    return q.clamp(-FIXED_MAX, FIXED_MAX).to(_torch.int32), counts
+
+
+def fixed_decode(q, value_range):
+    """float32 ``q·R/(2³¹−1)`` of integer ``q`` (any width), through float64."""
+    return (q.to(_torch.float64) * (value_range / FIXED_MAX)).to(_torch.float32)
+
+
+def wrap_int32(x):
+    """int64 ``x`` modulo 2³² into int32 (two's complement): the wire form of a sum whose
+    terms are subtracted again by the receiver, so the wrap-around cancels exactly."""
+    return (((x + 2 ** 31) & (2 ** 32 - 1)) - 2 ** 31).to(_torch.int32)
+
+
+def saturate_int32(x):
+    """int64 ``x`` clamped to ±(2³¹−1) as int32, and the int64 count of clamped entries."""
+    return x.clamp(-FIXED_MAX, FIXED_MAX).to(_torch.int32), (x.abs() > FIXED_MAX).sum()
+
+
+def pad_to(t, n):
+    """1-D ``t`` followed by zeros up to length ``n``."""
+    return t if t.numel() == n else _torch.cat([t, t.new_zeros(n - t.numel())])

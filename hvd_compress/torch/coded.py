@@ -1,0 +1,169 @@
+"""PyTorch glue for coded synchronous SGD (:mod:`hvd_compress.coded`).
+
+    opt = hvd_compress.coded.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        batch_size=B, redundancy=2)
+    sampler = hvd_compress.coded.CodedBatchSampler(len(data), B, hvd.size(), hvd.rank(), 2)
+    for idx in sampler:                     # this worker's parts of one global mini-batch
+        opt.zero_grad()
+        loss = opt.backward(lambda x, y: F.cross_entropy(model(x), y), x_all[idx], y_all[idx])
+        opt.step()                          # coded exchange, then the wrapped step
+
+``backward`` runs one forward/backward per part this worker holds (``C(n−1, r−1)`` of
+them, ``B/C(n, r)`` samples each), scaling each part's mean loss by its share of the
+global mini-batch, so the exchanged sum is the gradient of the mean loss over ``B``.
+"""
+import time
+
+import horovod.torch as hvd
+import torch
+
+from ..coded.exchange import DEFAULT_RANGE, CodedExchange
+from ..coded.process_sets import group_sets
+from ..ops import torch_ops
+
+PREFIX = "hvd_compress.coded."
+
+
+class _Comm:
+    """The collectives the exchange needs, over Horovod; counts the bytes it hands over."""
+
+    def __init__(self):
+        self.sets, self.sent_bytes = {}, 0
+
+    def _count(self, t):
+        self.sent_bytes += t.numel() * t.element_size()
+
+    def allgather_config(self, vec):
+        return hvd.allgather(torch.from_numpy(vec).reshape(1, -1),
+                             name=PREFIX + "config").numpy()
+
+    def register_groups(self, groups, mine):
+        sets = group_sets(hvd, groups)
+        self.sets = {g: sets[g] for g in mine}
+
+    def group_allgather(self, packets):
+        handles = []
+        for g, p in packets:          # every group's allgather in flight at once
+            self._count(p)
+            handles.append(hvd.allgather_async(p, name=PREFIX + "g" + "-".join(map(str, g)),
+                                               process_set=self.sets[g]))
+        return [hvd.synchronize(h) for h in handles]
+
+    def alltoall(self, chunks, splits):
+        buf = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int32)
+        self._count(buf)
+        out, _ = hvd.alltoall(buf, splits=torch.tensor(splits, dtype=torch.int32),
+                              name=PREFIX + "scatter")
+        return out
+
+    def allgather(self, t):
+        self._count(t)
+        return hvd.allgather(t, name=PREFIX + "slices")
+
+    def allreduce_sum(self, t):
+        self._count(t)
+        return hvd.allreduce(t, op=hvd.Sum, name=PREFIX + "allreduce")
+
+
+class DistributedOptimizer:
+    """Wraps ``optimizer``: :meth:`backward` computes this worker's part gradients,
+    :meth:`step` exchanges them (``exchange=`` ``multicast``, ``reduce_scatter`` or
+    ``allreduce``; see :mod:`hvd_compress.coded.exchange`), writes the global gradient of
+    the mini-batch into ``p.grad`` and steps the wrapped optimizer.
+
+    ``batch_size`` is the *global* mini-batch; ``redundancy`` r in [1, hvd.size()];
+    ``value_range`` R of the int32 fixed point (entries beyond ±R are clipped and
+    counted in :attr:`stats`).  ``opt.stats`` holds bytes sent/received per step, what
+    Horovod's ring allreduce would move, clip counts and the seconds spent computing,
+    encoding, communicating and decoding.
+    """
+
+    def __init__(self, optimizer, named_parameters, batch_size, redundancy,
+                 value_range=DEFAULT_RANGE, exchange="multicast"):
+        self.optimizer = optimizer
+        named = list(named_parameters)
+        self._params = [p for _, p in named if p.requires_grad]
+        if not self._params:
+            raise ValueError("named_parameters has no parameter that requires a gradient")
+        numel = sum(p.numel() for p in self._params)
+        self.exchange = CodedExchange(hvd.size(), hvd.rank(), redundancy, numel,
+                                      value_range, exchange)
+        self.placement = self.exchange.placement
+        self.batch_size = int(batch_size)
+        self._slices = self.placement.part_slices(self.batch_size)   # checks batch_size
+        self._positions, self._lengths = self.placement.worker_indices(hvd.rank(), self.batch_size)
+        self._comm = _Comm()
+        self._prepared = False
+        self._part_grads = {}
+        self.compute_s = 0.0
+
+    # the wrapped optimizer's interface
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._part_grads = {}
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+    def _flat_grad(self):
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                          .reshape(-1).float() for p in self._params])
+
+    def backward(self, loss_fn, *tensors):
+        """Forward/backward of each of this worker's parts; ``tensors`` are either the
+        whole global mini-batch or this worker's samples (a :class:`CodedBatchSampler`
+        batch).  Returns the sum of the parts' weighted losses (a float)."""
+        start = time.perf_counter()
+        lens = {len(t) for t in tensors}
+        if len(lens) != 1:
+            raise ValueError(f"tensors have different lengths {sorted(lens)}")
+        length = lens.pop()
+        if length == self.batch_size:
+            tensors = [t[torch.from_numpy(self._positions)] for t in tensors]
+        elif length != len(self._positions):
+            raise ValueError(f"expected the global mini-batch ({self.batch_size} samples) or "
+                             f"this worker's parts ({len(self._positions)}), got {length}")
+        total, at = 0.0, 0
+        for q, n in zip(self.exchange.my_parts, self._lengths):
+            for p in self._params:
+                p.grad = None
+            loss = loss_fn(*(t[at:at + n] for t in tensors)) * (n / self.batch_size)
+            loss.backward()
+            self._part_grads[q] = self._flat_grad()
+            total += float(loss.detach())
+            at += n
+        self.compute_s += time.perf_counter() - start
+        return total
+
+    def synchronize(self):
+        """Exchange the part gradients and write the global gradient into ``p.grad``."""
+        if sorted(self._part_grads) != list(self.exchange.my_parts):
+            raise RuntimeError("call opt.backward(loss_fn, ...) before opt.step()")
+        if not self._prepared:
+            self.exchange.prepare(self._comm, self.batch_size)
+            self._prepared = True
+        flat = self.exchange.run(torch_ops, self._part_grads, self._comm)
+        self._part_grads = {}
+        at = 0
+        for p in self._params:
+            p.grad = flat[at:at + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
+            at += p.numel()
+
+    def step(self, closure=None):
+        self.synchronize()
+        return self.optimizer.step(closure)
+
+    @property
+    def stats(self):
+        s = self.exchange.stats()
+        s["total_compute_s"] = self.compute_s
+        s["total_handed_to_horovod"] = self._comm.sent_bytes
+        return s
