@@ -153,29 +153,32 @@ class CodedExchange:
         return o.cast(coded[self.placement.part_of(part)][pos * self.segment:
                                                           (pos + 1) * self.segment], o.int64)
 
-    def packets(self, o, coded):
-        """``[(group, packet)]``: this worker's packet (int32, :attr:`segment` long) for
-        each of its groups, in the groups' order (algorithm 3)."""
-        me = self.rank
-        return [(g, o.wrap_int32(_sum([self._segment(o, coded, g, k, me)
-                                       for k in g if k != me])))
+    def packets(self, o, coded, flag):
+        """``[(group, packet)]``: this worker's packet for each of its groups, in the
+        groups' order (algorithm 3): :attr:`segment` coded int32 entries, then ``flag``
+        (this worker's own count of NaN/Inf entries, plain)."""
+        me, tail = self.rank, o.reshape(o.cast(flag, o.int32), [1])
+        return [(g, o.concat([o.wrap_int32(_sum([self._segment(o, coded, g, k, me)
+                                                 for k in g if k != me])), tail]))
                 for g in self.my_groups]
 
     def decode(self, o, coded, gathered):
         """All parts from ``coded`` (this worker's) and ``gathered`` (per group, the
-        members' packets in group order, concatenated): algorithm 4."""
-        me, parts = self.rank, dict(coded)
+        members' packets in group order, concatenated): algorithm 4.  Also returns
+        ``{sender: flag}`` for every worker this one shares a group with (all others)."""
+        me, parts, flags, w = self.rank, dict(coded), {}, self.segment + 1
         for g, flat in zip(self.my_groups, gathered):
-            lacking = tuple(w for w in g if w != me)             # the part this worker lacks
+            lacking = tuple(j for j in g if j != me)             # the part this worker lacks
             segments = []
             for j in lacking:                                    # its r holders, in order
-                at = g.index(j) * self.segment
+                at = g.index(j) * w
                 packet = o.cast(flat[at:at + self.segment], o.int64)
+                flags[j] = flat[at + self.segment]
                 known = [self._segment(o, coded, g, k, j) for k in g if k not in (j, me)]
                 segments.append(o.wrap_int32(packet - _sum(known)) if known
                                 else o.wrap_int32(packet))
             parts[self.placement.part_of(lacking)] = o.pad_to(o.concat(segments), self.padded)
-        return parts
+        return parts, flags
 
     # -- reduce_scatter -------------------------------------------------------------------
     def _plan_reduce_scatter(self):
@@ -205,15 +208,17 @@ class CodedExchange:
             splits[i] = self.slice + 1
         return chunks, splits
 
-    def reduce_slice(self, o, coded, received):
-        """This worker's slice of the total (int32, saturated) followed by the count of
-        saturated entries so far, from its own parts and the received pre-sums."""
+    def reduce_slice(self, o, coded, received, flag):
+        """This worker's slice of the total (int32, saturated), the count of saturated
+        entries so far and ``flag`` (its own NaN/Inf count), from its own parts and the
+        received pre-sums."""
         me, w = self.rank, self.slice + 1
         got = [o.cast(received[t * w:(t + 1) * w], o.int64) for t in range(len(self.senders_to_me))]
         terms = [self._slice(o, coded[q], me) for q in self.my_parts] + [g[:self.slice] for g in got]
         v, sat = o.saturate_int32(_sum(terms))
         sat = _sum([o.cast(sat, o.int64)] + [g[self.slice] for g in got])
-        return o.concat([v, o.cast(o.reshape(sat, [1]), o.int32)])
+        return o.concat([v, o.cast(o.reshape(sat, [1]), o.int32),
+                         o.cast(o.reshape(flag, [1]), o.int32)])
 
     # -- one step -------------------------------------------------------------------------
     def run(self, o, part_grads, comm):
@@ -236,33 +241,38 @@ class CodedExchange:
             sent = received = ring = 2 * (self.n - 1) * self.numel * 4 // self.n
         else:
             coded = {q: self.encode_part(o, part_grads[q]) for q in self.my_parts}
+            # A worker's own NaN/Inf count travels beside the coded values: replicas of a
+            # part can differ (one worker's NaN), and every rank must take the same decision.
+            own_flag = _sum([o.cast(coded[q][1], o.int64) for q in self.my_parts])
             t1 = time.perf_counter()
             if self.r == self.n:
                 parts, sent, received = coded, 0, 0
                 t2 = time.perf_counter()
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])
+                nonfinite = int(own_flag)
             elif self.exchange == "multicast":
-                packets = self.packets(o, coded)
+                packets = self.packets(o, coded, own_flag)
                 gathered = comm.group_allgather(packets)
                 t2 = time.perf_counter()
-                parts = self.decode(o, coded, gathered)
+                parts, flags = self.decode(o, coded, gathered)
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])
-                sent = len(packets) * self.segment * 4
-                received = len(packets) * self.r * self.segment * 4
+                nonfinite = int(own_flag) + sum(int(f) for f in flags.values())
+                sent = len(packets) * (self.segment + 1) * 4
+                received = len(packets) * self.r * (self.segment + 1) * 4
             else:
                 chunks, splits = self.scatter_buffer(o, coded)
                 received_buf = comm.alltoall(chunks, splits)
-                mine = self.reduce_slice(o, coded, received_buf)
+                mine = self.reduce_slice(o, coded, received_buf, own_flag)
                 everyone = comm.allgather(mine)
                 t2 = time.perf_counter()
-                w = self.slice + 1
+                w = self.slice + 2
                 total = o.cast(o.concat([everyone[i * w:i * w + self.slice] for i in range(self.n)]),
                                o.int64)
-                sat_extra = int(_sum([o.cast(everyone[i * w + self.slice], o.int64)
-                                      for i in range(self.n)]))
+                sat_extra = sum(int(everyone[i * w + self.slice]) for i in range(self.n))
+                nonfinite = sum(int(everyone[i * w + self.slice + 1]) for i in range(self.n))
                 sent = sum(splits) * 4 + (self.n - 1) * w * 4
-                received = (len(self.senders_to_me) + self.n - 1) * w * 4
-            clipped, nonfinite = int(total[0]), int(total[1])
+                received = len(self.senders_to_me) * (self.slice + 1) * 4 + (self.n - 1) * w * 4
+            clipped = int(total[0])
             result = o.fixed_decode(total[HEADER:self.length], self.range)
             ring = 2 * (self.n - 1) * self.numel * 4 // self.n
         t3 = time.perf_counter()

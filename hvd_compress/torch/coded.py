@@ -117,10 +117,16 @@ class DistributedOptimizer:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
                           .reshape(-1).float() for p in self._params])
 
+    def _prepare(self):
+        if not self._prepared:
+            self.exchange.prepare(self._comm, self.batch_size)
+            self._prepared = True
+
     def backward(self, loss_fn, *tensors):
         """Forward/backward of each of this worker's parts; ``tensors`` are either the
         whole global mini-batch or this worker's samples (a :class:`CodedBatchSampler`
         batch).  Returns the sum of the parts' weighted losses (a float)."""
+        self._prepare()          # first step: ranks compare configurations before any check
         start = time.perf_counter()
         lens = {len(t) for t in tensors}
         if len(lens) != 1:
@@ -147,9 +153,6 @@ class DistributedOptimizer:
         """Exchange the part gradients and write the global gradient into ``p.grad``."""
         if sorted(self._part_grads) != list(self.exchange.my_parts):
             raise RuntimeError("call opt.backward(loss_fn, ...) before opt.step()")
-        if not self._prepared:
-            self.exchange.prepare(self._comm, self.batch_size)
-            self._prepared = True
         flat = self.exchange.run(torch_ops, self._part_grads, self._comm)
         self._part_grads = {}
         at = 0

@@ -1,0 +1,259 @@
+"""Coded synchronous SGD (seed 003): placement, fixed point and both coded exchanges in
+one process (n simulated workers), then through real ``horovodrun -np 3`` and ``-np 4``
+jobs in both frameworks (tests/workers/coded_worker.py)."""
+from math import ceil, comb
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, horovodrun, load_ranks
+from hvd_compress.coded import CodedBatchSampler, CodedExchange, placement
+from hvd_compress.coded.exchange import HEADER
+from hvd_compress.ops import torch_ops as o
+
+MAX = 2 ** 31 - 1
+
+
+def fixed_reference(parts, value_range=10.0):
+    """Independent numpy: the int64 sum of the parts' int32 fixed point, decoded."""
+    q = np.round(np.clip(np.asarray(parts, np.float64), -value_range, value_range)
+                 * (MAX / value_range)).astype(np.int64)
+    return (q.sum(0).astype(np.float64) * (value_range / MAX)).astype(np.float32)
+
+
+# -- placement ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,r", [(3, 1), (3, 2), (4, 2), (5, 3), (4, 4)])
+def test_placement_counts(n, r):
+    p = placement(n, r)
+    assert p.num_parts == comb(n, r) and len(p.groups) == comb(n, r + 1) if r < n else True
+    for w in range(n):
+        assert len(p.worker_parts(w)) == comb(n - 1, r - 1)
+    for q, part in enumerate(p.parts):
+        assert len(part) == r and sum(p.holds(w, q) for w in range(n)) == r
+    sizes = p.part_sizes(25)
+    assert sum(sizes) == 25 and max(sizes) - min(sizes) <= 1
+
+
+def test_placement_errors():
+    with pytest.raises(ValueError, match="redundancy"):
+        placement(3, 0)
+    with pytest.raises(ValueError, match="redundancy"):
+        placement(3, 4)
+    with pytest.raises(ValueError, match="batch_size"):
+        placement(4, 2).part_sizes(5)        # 6 parts
+    with pytest.raises(ValueError, match="exchange"):
+        CodedExchange(3, 0, 2, 10, exchange="allreduce")
+    with pytest.raises(ValueError, match="value_range"):
+        CodedExchange(3, 0, 2, 10, value_range=0)
+    with pytest.raises(ValueError, match="nothing to exchange"):
+        CodedExchange(3, 0, 2, 0)
+
+
+def test_sampler_gives_each_worker_its_parts():
+    n, r, B = 4, 2, 26
+    samplers = [CodedBatchSampler(100, B, n, w, r, seed=3) for w in range(n)]
+    batches = [list(s) for s in samplers]
+    assert all(len(b) == 100 // B for b in batches)
+    order = np.random.default_rng([3, 0]).permutation(100)
+    p = placement(n, r)
+    for step in range(len(batches[0])):
+        glob = order[step * B:(step + 1) * B]
+        for w in range(n):
+            want = np.concatenate([glob[a:b] for q, (a, b) in enumerate(p.part_slices(B))
+                                   if w in p.parts[q]])
+            assert batches[w][step] == want.tolist()
+        # every sample is computed by exactly r workers
+        counts = np.bincount(np.concatenate([batches[w][step] for w in range(n)]), minlength=100)
+        assert set(counts[glob]) == {r}
+
+
+# -- fixed point --------------------------------------------------------------------------
+
+def test_fixed_point_matches_the_paper():
+    q, counts = o.fixed_encode(torch.tensor([10.0, -10.0, 0.0, 12.0, float("nan"),
+                                             float("-inf")]), 10.0)
+    assert q.tolist() == [0x7FFFFFFF, -0x7FFFFFFF, 0, 0x7FFFFFFF, 0, -0x7FFFFFFF]
+    assert counts.tolist() == [1, 2]          # 12 clipped; NaN and -Inf non-finite
+    assert int(q[1]) & 0xFFFFFFFF == 0x80000001
+    assert o.fixed_decode(q[:2].long(), 10.0).tolist() == [10.0, -10.0]
+
+
+def test_wrap_cancels_exactly_at_the_extremes():
+    a = torch.tensor([MAX, -MAX, MAX, 5], dtype=torch.int64)
+    b = torch.tensor([MAX, -MAX, -MAX, -7], dtype=torch.int64)
+    packet = o.wrap_int32(a + b)                 # overflows int32 and wraps
+    assert torch.equal(o.wrap_int32(packet.long() - b), a.int())
+
+
+# -- the exchanges, n workers simulated in one process ------------------------------------
+
+def simulate(n, r, grads, exchange, value_range=10.0):
+    """Run the exchange of every worker with the collectives done by hand; returns each
+    worker's int64 total (header included)."""
+    ex = [CodedExchange(n, w, r, grads.shape[1], value_range, exchange) for w in range(n)]
+    coded = [{q: e.encode_part(o, torch.from_numpy(grads[q])) for q in e.my_parts} for e in ex]
+    if r == n:
+        return [sum(c[q].long() for q in c) for c in coded]
+    if exchange == "multicast":
+        pk = [dict(e.packets(o, coded[w], torch.tensor(w))) for w, e in enumerate(ex)]
+        out = []
+        for w, e in enumerate(ex):
+            for g in e.my_groups:
+                assert pk[w][g].numel() == e.segment + 1 and pk[w][g].dtype == torch.int32
+            parts, flags = e.decode(o, coded[w], [torch.cat([pk[m][g] for m in g])
+                                                  for g in e.my_groups])
+            assert {j: int(f) for j, f in flags.items()} == {j: j for j in range(n) if j != w}
+            out.append(sum(parts[q].long() for q in range(e.placement.num_parts)))
+        return out
+    bufs = [e.scatter_buffer(o, coded[w]) for w, e in enumerate(ex)]
+    slices = []
+    for i, e in enumerate(ex):
+        recv = [bufs[j][0][ex[j].receivers.index(i)] for j in range(n) if bufs[j][1][i]]
+        assert len(recv) == n - r
+        slices.append(e.reduce_slice(o, coded[i], torch.cat(recv), torch.tensor(i)))
+        assert int(slices[-1][-1]) == i
+    total = torch.cat([s[:ex[0].slice] for s in slices]).long()
+    return [total] * n
+
+
+@pytest.mark.parametrize("exchange", ["multicast", "reduce_scatter"])
+@pytest.mark.parametrize("n,r", [(2, 1), (3, 1), (3, 2), (4, 1), (4, 2), (4, 3), (5, 2),
+                                 (5, 3), (6, 3), (4, 4)])
+def test_exchange_recovers_the_exact_fixed_point_sum(n, r, exchange):
+    D = 101                                     # not a multiple of r or n: padding
+    rng = np.random.default_rng([n, r])
+    grads = np.clip(rng.standard_normal((comb(n, r), D)) * 4, -10, 10).astype(np.float32)
+    if exchange == "multicast":     # the parts' sums wrap around int32 in the packets
+        grads[:, :5] = [9.99, -9.99, 10.0, -10.0, 9.5]
+    else:                           # reduce_scatter needs the *total* within the range
+        grads /= len(grads)
+        grads[:, :5] = 0
+        grads[0, :5] = [9.99, -9.99, 10.0, -10.0, 9.5]
+    want = fixed_reference(grads)
+    for total in simulate(n, r, grads, exchange):
+        assert int(total[0]) == int(total[1]) == 0
+        got = o.fixed_decode(total[HEADER:HEADER + D], 10.0).numpy()
+        assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+def test_header_counts_clipped_and_nonfinite_over_all_parts():
+    grads = np.zeros((3, 8), np.float32)
+    grads[0, 0], grads[1, 1], grads[2, 2], grads[2, 3] = 11, -12, np.nan, np.inf
+    for ex in ("multicast", "reduce_scatter"):
+        for total in simulate(3, 2, grads, ex):
+            assert total[:2].tolist() == [2, 2]
+
+
+def test_reduce_scatter_saturates_and_counts_a_total_beyond_the_range():
+    n, r = 4, 2
+    grads = np.full((comb(n, r), 16), 6.0, np.float32)       # total 36 > 10
+    ex = [CodedExchange(n, w, r, 16, exchange="reduce_scatter") for w in range(n)]
+    coded = [{q: e.encode_part(o, torch.from_numpy(grads[q])) for q in e.my_parts} for e in ex]
+    bufs = [e.scatter_buffer(o, coded[w]) for w, e in enumerate(ex)]
+    counts = 0
+    for i, e in enumerate(ex):
+        recv = torch.cat([bufs[j][0][ex[j].receivers.index(i)] for j in range(n) if bufs[j][1][i]])
+        mine = e.reduce_slice(o, coded[i], recv, torch.tensor(0))
+        assert (mine[:e.slice][: max(0, min(e.slice, 16 + HEADER - i * e.slice))].abs() <= MAX).all()
+        counts += int(mine[e.slice])
+    assert counts >= 16        # every value saturated at least once (pre-sums and totals)
+
+
+def test_formula_is_the_papers_load():
+    for n, r in [(3, 1), (3, 2), (4, 2), (4, 3), (8, 3)]:
+        f = CodedExchange(n, 0, r, 1000).formula()
+        assert f["paper_load"] == pytest.approx(f["sent_parts"] / comb(n, r))
+
+
+# -- real horovodrun jobs -----------------------------------------------------------------
+
+JOBS = [("torch", 3, {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}), ("torch", 4, {"STATIC_SETS": "1"}),
+        ("tf", 3, {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}), ("tf", 4, {"STATIC_SETS": "1"})]
+
+
+@pytest.fixture(scope="module")
+def coded_jobs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("coded_jobs")
+    for framework, n, env in JOBS:
+        rc, log = horovodrun([ROOT / "tests/workers/coded_worker.py", framework], out,
+                             np_=n, env=env)
+        assert rc == 0, log[-6000:]
+    return {(f, n): load_ranks(out, f"coded_{f}_{n}", n) for f, n, _ in JOBS}
+
+
+def cases(n):
+    return [(r, ex) for r in range(1, n) for ex in ("multicast", "reduce_scatter")] + \
+        [(1, "allreduce"), (n, "multicast")]
+
+
+@pytest.mark.parametrize("framework,n", [(f, n) for f, n, _ in JOBS])
+def test_every_rank_gets_the_fixed_point_sum_bit_for_bit(coded_jobs, framework, n):
+    ranks = coded_jobs[(framework, n)]
+    for r, ex in cases(n):
+        key = f"{r}|{ex}"
+        got = ranks[0][f"{key}|got"]
+        for other in ranks[1:]:
+            assert np.array_equal(other[f"{key}|got"].view(np.int32), got.view(np.int32)), key
+        parts, full = ranks[0][f"{key}|parts"], ranks[0][f"{key}|full"]
+        assert len(parts) == comb(n, r)
+        if ex == "allreduce":
+            np.testing.assert_allclose(got, parts.sum(0), rtol=1e-5, atol=1e-7)
+            continue
+        want = fixed_reference(parts)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), key
+        # and the plain full-batch gradient, within the fixed point's resolution
+        tol = len(parts) * 10.0 / MAX + 1e-6 * np.abs(full).max()
+        assert np.abs(got - full).max() <= tol, (key, np.abs(got - full).max(), tol)
+
+
+@pytest.mark.parametrize("framework,n", [(f, n) for f, n, _ in JOBS])
+def test_bytes_sent_per_worker_equal_the_formula(coded_jobs, framework, n):
+    for rank in coded_jobs[(framework, n)]:
+        for r, ex in cases(n):
+            sent, received, handed, clipped = rank[f"{r}|{ex}|bytes"]
+            D = len(rank[f"{r}|{ex}|got"])
+            assert clipped == 0
+            if ex == "multicast" and r < n:
+                seg = ceil((D + HEADER) / r)              # + 1: the sender's NaN flag
+                assert sent == handed == comb(n - 1, r) * (seg + 1) * 4
+                assert received == r * sent
+                # the paper's load (1/r)(1 - r/n) of all C(n, r) parts, up to the padding
+                load = sent / (comb(n, r) * (D + HEADER) * 4)
+                assert load == pytest.approx((1 / r) * (1 - r / n),
+                                             rel=r * (seg + 1) / (D + HEADER) - 1 + 1e-9)
+            elif ex == "reduce_scatter":
+                s = ceil((D + HEADER) / n)
+                assert sent == (n - r) * (s + 1) * 4 + (n - 1) * (s + 2) * 4
+                assert received == sent
+                assert handed == (n - r) * (s + 1) * 4 + (s + 2) * 4
+            elif ex == "allreduce":
+                assert sent == 2 * (n - 1) * D * 4 // n and handed == D * 4
+            else:                                # r == n: nothing to exchange
+                assert sent == received == 0
+
+
+@pytest.mark.parametrize("framework,n", [(f, n) for f, n, _ in JOBS])
+def test_clipping_is_counted_reported_and_exact(coded_jobs, framework, n):
+    ranks = coded_jobs[(framework, n)]
+    parts = ranks[0]["clip|multicast|parts"]
+    expected = int((np.abs(parts) > 0.5).sum())
+    assert expected > 0
+    for rank in ranks:
+        for ex in ("multicast", "reduce_scatter"):
+            clipped, saturated, warned = rank[f"clip|{ex}|counts"]
+            assert clipped == expected and warned == 1, (ex, rank[f"clip|{ex}|counts"])
+            assert np.array_equal(rank[f"clip|{ex}|got"], ranks[0][f"clip|{ex}|got"])
+        assert np.array_equal(rank["clip|multicast|got"].view(np.int32),
+                              fixed_reference(parts, 0.5).view(np.int32))
+
+
+@pytest.mark.parametrize("framework,n", [(f, n) for f, n, _ in JOBS])
+def test_disagreeing_ranks_and_nan_fail_on_every_rank(coded_jobs, framework, n):
+    for rank in coded_jobs[(framework, n)]:
+        assert "redundancy per rank" in str(rank["fail|redundancy"])
+        assert "batch_size per rank" in str(rank["fail|batch"])
+        assert "exchange per rank" in str(rank["fail|exchange"])
+        for ex in ("multicast", "reduce_scatter", "allreduce"):
+            assert "NaN/Inf" in str(rank[f"nan|{ex}"]), (ex, rank[f"nan|{ex}"])
