@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test demo demo-tf bench clean gpu-test
+.PHONY: setup test demo demo-tf demo-cssgd bench clean gpu-test
 
 setup:
 	@bash ci/setup.sh
@@ -15,6 +15,11 @@ test: setup
 
 demo: setup
 	$(HVDRUN) $(PY) examples/pytorch_mnist.py --compression topk:density=0.01
+
+# coded SGD (seed 003): 3 workers, every part computed on 2 of them
+demo-cssgd: setup
+	HOROVOD_DYNAMIC_PROCESS_SETS=1 $(VENV)/bin/horovodrun -np 3 -H localhost:3 --gloo \
+		$(PY) examples/cssgd_mnist.py --redundancy 2
 
 demo-tf: setup
 	$(HVDRUN) $(PY) examples/tensorflow2_mnist.py --compression topk:density=0.01

@@ -25,6 +25,13 @@ int64 sum of all ``C(n, r)`` parts:
     Horovod has no multicast: each group's packets travel as one allgather in a Horovod
     process set of the group, which Gloo runs over point-to-point TCP.
 
+``multicast_alltoall``
+    The same packets in one global alltoall: worker ``j`` sends ``k`` its packets of
+    the groups it shares with ``k``, in group order.  The bytes on the wire are those of
+    ``multicast`` (a process-set allgather forwards each packet to the r others too);
+    the difference is one collective per step instead of ``C(n−1, r)`` process-set
+    collectives, which Horovod schedules one after the other.
+
 ``reduce_scatter`` (the coding idea, on the transport we have)
     The gradient is cut into ``n`` slices; worker ``i`` owns slice ``i``.  Every part
     that ``i`` lacks is held by one of the ``n−r`` workers ``W_i = {i+1, …, i+n−r}``
@@ -53,7 +60,7 @@ import numpy as np
 from .placement import placement
 
 HEADER = 2                       #: [clipped, nonfinite] in front of every encoded part
-EXCHANGES = ("multicast", "reduce_scatter", "allreduce")
+EXCHANGES = ("multicast", "multicast_alltoall", "reduce_scatter", "allreduce")
 DEFAULT_RANGE = 10.0             #: the paper's [−10, 10]
 
 
@@ -180,6 +187,30 @@ class CodedExchange:
             parts[self.placement.part_of(lacking)] = o.pad_to(o.concat(segments), self.padded)
         return parts, flags
 
+    def alltoall_chunks(self, packets):
+        """``multicast_alltoall``: per receiver ``k`` (rank order), this worker's packets of
+        the groups it shares with ``k`` in group order, and the alltoall splits."""
+        chunks, splits, w = [], [0] * self.n, self.segment + 1
+        for k in range(self.n):
+            mine = [p for g, p in packets if k in g and k != self.rank]
+            if mine:
+                chunks.extend(mine)
+                splits[k] = len(mine) * w
+        return chunks, splits
+
+    def regroup(self, o, packets, received):
+        """``multicast_alltoall``: the received packets laid out as :meth:`decode` takes
+        them (per group, the members' packets in group order, this worker's own included)."""
+        got, at, w = {}, 0, self.segment + 1
+        for j in range(self.n):
+            for g in self.my_groups:
+                if j != self.rank and j in g:
+                    got[(g, j)] = received[at:at + w]
+                    at += w
+        own = dict(packets)
+        return [o.concat([own[g] if m == self.rank else got[(g, m)] for m in g])
+                for g in self.my_groups]
+
     # -- reduce_scatter -------------------------------------------------------------------
     def _plan_reduce_scatter(self):
         """``self.assigned[(j, i)]``: the parts sender j pre-sums for receiver i."""
@@ -250,9 +281,13 @@ class CodedExchange:
                 t2 = time.perf_counter()
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])
                 nonfinite = int(own_flag)
-            elif self.exchange == "multicast":
+            elif self.exchange in ("multicast", "multicast_alltoall"):
                 packets = self.packets(o, coded, own_flag)
-                gathered = comm.group_allgather(packets)
+                if self.exchange == "multicast":
+                    gathered = comm.group_allgather(packets)
+                else:
+                    chunks, splits = self.alltoall_chunks(packets)
+                    gathered = self.regroup(o, packets, comm.alltoall(chunks, splits))
                 t2 = time.perf_counter()
                 parts, flags = self.decode(o, coded, gathered)
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])

@@ -86,7 +86,7 @@ class CodedGradients:
         self.compute_s = 0.0
 
     def part_gradients(self, loss_fn, *tensors):
-        """``({part: flat float32 gradient}, summed weighted loss)`` of this worker."""
+        """``({part: flat float32 gradient}, mean loss over this worker's samples)``."""
         if not self._prepared:   # first step: ranks compare configurations before any check
             self.exchange.prepare(self._comm, self.batch_size)
             self._prepared = True
@@ -111,7 +111,7 @@ class CodedGradients:
             total += float(loss)
             at += n
         self.compute_s += time.perf_counter() - start
-        return grads, total
+        return grads, total * self.batch_size / len(self._positions)
 
     def gradient(self, loss_fn, *tensors):
         """``(loss, [global gradient per variable])``; ``tensors`` are the global

@@ -125,7 +125,7 @@ class DistributedOptimizer:
     def backward(self, loss_fn, *tensors):
         """Forward/backward of each of this worker's parts; ``tensors`` are either the
         whole global mini-batch or this worker's samples (a :class:`CodedBatchSampler`
-        batch).  Returns the sum of the parts' weighted losses (a float)."""
+        batch).  Returns the mean loss over this worker's samples (a float)."""
         self._prepare()          # first step: ranks compare configurations before any check
         start = time.perf_counter()
         lens = {len(t) for t in tensors}
@@ -147,7 +147,7 @@ class DistributedOptimizer:
             total += float(loss.detach())
             at += n
         self.compute_s += time.perf_counter() - start
-        return total
+        return total * self.batch_size / len(self._positions)
 
     def synchronize(self):
         """Exchange the part gradients and write the global gradient into ``p.grad``."""

@@ -120,7 +120,8 @@ def main():
     n, rank = hvd.size(), hvd.rank()
     Model = TorchModel if FRAMEWORK == "torch" else TFModel
     out = {}
-    cases = [(r, ex) for r in range(1, n) for ex in ("multicast", "reduce_scatter")]
+    cases = [(r, ex) for r in range(1, n)
+             for ex in ("multicast", "multicast_alltoall", "reduce_scatter")]
     cases += [(1, "allreduce"), (n, "multicast")]
     for r, ex in cases:
         model = Model()
