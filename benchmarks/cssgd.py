@@ -14,7 +14,8 @@ bytes sent (a multicast packet counted once, the paper's load), bytes received, 
 loopback (``/proc/net/dev`` of the namespace, all ranks' traffic divided by n: Gloo's
 process-set allgather forwards packets around a ring, so a packet meant for r receivers
 is sent r times).  The step times of the multicast runs (r < n) are fitted to the paper's
-``t(r) = r·T_calc + T_comm/r`` (least squares), with its optimal r.  Then the time to a
+``t(r) = r·T_calc + T_comm/r`` (least squares), with its optimal r, and to this
+transport's ``r·T_calc + C(n−1, r)·T_part``.  Then the time to a
 target accuracy of SSGD and of the fastest CSSGD on the shaped link.
 
 Workers share this machine's 2 cores (one thread each), so compute is slower with more
@@ -97,20 +98,35 @@ def measure(prefix, link, n, steps):
 
 
 def fit(rows):
-    """Least squares of step_ms = r·a + b/r over the multicast rows with r < n."""
-    pts = [(r["r"], r["step_ms"]) for r in rows if r["exchange"] == "multicast" and r["r"] < r["n"]]
-    A = np.array([[r, 1 / r] for r, _ in pts])
-    (a, b), *_ = np.linalg.lstsq(A, np.array([t for _, t in pts]), rcond=None)
-    r_opt = float(np.sqrt(b / a)) if a > 0 and b > 0 else None
-    return dict(T_calc_ms=float(a), T_comm_ms=float(b), r_opt=r_opt, points=len(pts))
+    """Least squares over the multicast rows with r < n of two models of the step time:
+    the paper's ``r·a + b/r`` (communication falls as 1/r: one multicast packet serves r
+    receivers) and this transport's ``r·a + C(n−1, r)·b`` (point-to-point TCP: a worker
+    moves C(n−1, r) whole parts' worth of bytes).  Each with its RMS residual."""
+    sel = [r for r in rows if r["exchange"] == "multicast" and r["r"] < r["n"]]
+    t = np.array([r["step_ms"] for r in sel])
+    out = dict(points=len(sel))
+    for name, col in (("paper", lambda r: 1 / r["r"]),
+                      ("transport", lambda r: comb(r["n"] - 1, r["r"]))):
+        A = np.array([[r["r"], col(r)] for r in sel], dtype=float)
+        (a, b), *_ = np.linalg.lstsq(A, t, rcond=None)
+        rms = float(np.sqrt(np.mean((A @ [a, b] - t) ** 2)))
+        out[name] = dict(T_calc_ms=float(a), T_comm_ms=float(b), rms_ms=rms)
+    p = out["paper"]
+    out["r_opt"] = float(np.sqrt(p["T_comm_ms"] / p["T_calc_ms"])) \
+        if p["T_calc_ms"] > 0 and p["T_comm_ms"] > 0 else None
+    return out
 
 
 def table(rows, fits):
     out = []
     for (link, n), f in fits.items():
-        out.append(f"\n### {link}, n = {n}  (fit: t(r) = {f['T_calc_ms']:.1f}·r + "
-                   f"{f['T_comm_ms']:.1f}/r ms, optimal r = "
-                   + (f"{f['r_opt']:.2f}" if f["r_opt"] else "-") + ")\n")
+        p, q = f["paper"], f["transport"]
+        out.append(f"\n### {link}, n = {n}\n\nfit of the multicast step times: paper "
+                   f"t(r) = {p['T_calc_ms']:.1f}·r + {p['T_comm_ms']:.1f}/r ms (RMS "
+                   f"{p['rms_ms']:.1f} ms, optimal r "
+                   + (f"{f['r_opt']:.2f}" if f["r_opt"] else "-") + f"); transport t(r) = "
+                   f"{q['T_calc_ms']:.1f}·r + {q['T_comm_ms']:.1f}·C(n-1, r) ms (RMS "
+                   f"{q['rms_ms']:.1f} ms)\n")
         out.append("| exchange | r | step ms | vs SSGD | compute ms | encode+decode ms | "
                    "communicate ms | sent kB | received kB | on the wire kB | ring allreduce kB "
                    "| paper load |")
@@ -140,10 +156,14 @@ def plot(rows, fits, path):
                 ax.plot(*zip(*pts), style, label=ex)
         ssgd = next(r["step_ms"] for r in sel if r["exchange"] == "ssgd")
         ax.axhline(ssgd, color="k", lw=1, label="SSGD (ring allreduce)")
-        f = fits[key]
-        rr = np.linspace(1, key[1], 50)
+        f = fits[key]["paper"]
+        rr = np.linspace(1, key[1] - 1, 50)
         ax.plot(rr, f["T_calc_ms"] * rr + f["T_comm_ms"] / rr, ":", color="gray",
-                label="fit r·T_calc + T_comm/r")
+                label="paper's fit r·T_calc + T_comm/r")
+        f = fits[key]["transport"]
+        ri = np.arange(1, key[1])
+        ax.plot(ri, [f["T_calc_ms"] * r + f["T_comm_ms"] * comb(key[1] - 1, r) for r in ri],
+                "x", color="gray", label="fit r·T_calc + C(n-1,r)·T_part")
         ax.set(title=f"{key[0]}, n = {key[1]}", xlabel="redundancy r", ylabel="ms per step")
         ax.set_xticks(range(1, key[1] + 1))
         ax.legend(fontsize=7)
@@ -160,7 +180,21 @@ def main():
     p.add_argument("--epochs", type=int, default=8, help="at most, for the time to target")
     p.add_argument("--no-target", action="store_true", help="skip the time-to-target runs")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--from-json", default=None,
+                   help="no measurement: table, fits and plot again from a results JSON")
     args = p.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            info = json.load(f)
+        keys = sorted({(r["link"], r["n"]) for r in info["rows"]},
+                      key=lambda k: (list(LINKS).index(k[0]), k[1]))
+        fits = {k: fit([r for r in info["rows"] if (r["link"], r["n"]) == k]) for k in keys}
+        info["fits"] = [dict(link=k[0], n=k[1], **v) for k, v in fits.items()]
+        print(table(info["rows"], fits))
+        with open(args.from_json, "w") as f:
+            json.dump(info, f, indent=1)
+        plot(info["rows"], fits, args.from_json[:-len(".json")] + ".png")
+        return
     links = args.links.split(",")
     if any(LINKS.get(link) for link in links) and os.geteuid() != 0:
         print("not root: shaped links need a network namespace and tc; plain loopback only")
