@@ -292,3 +292,13 @@ def test_mnist_dnn_cssgd_within_one_point_of_ssgd(tmp_path):
         assert rows[-1]["clipped"] == 0
     assert acc["ssgd"] > 0.85, acc
     assert abs(acc["cssgd"] - acc["ssgd"]) <= 0.01, acc
+
+
+def test_batch_length_errors_name_both_lengths():
+    e = CodedExchange(4, 1, 2, 10)
+    assert e.is_global_batch([24, 24], 24) is True
+    assert e.is_global_batch([12], 24) is False          # 3 of 6 parts of 4 samples
+    with pytest.raises(ValueError, match="different lengths"):
+        e.is_global_batch([24, 23], 24)
+    with pytest.raises(ValueError, match=r"global mini-batch \(24 samples\).*parts \(12\), got 13"):
+        e.is_global_batch([13], 24)

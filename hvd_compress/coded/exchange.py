@@ -340,8 +340,23 @@ class CodedExchange:
                     received_parts=comb(n - 1, r) if r < n else 0,
                     ring_bytes=2 * (n - 1) * D * 4 // n)
 
-    def stats(self):
-        """``last_*`` and ``total_*`` counters (bytes, clip counts, seconds)."""
+    def stats(self, compute_s=0.0, handed=0):
+        """``last_*`` and ``total_*`` counters (bytes, clip counts, seconds), with the
+        glue's seconds of part gradients and bytes handed to Horovod."""
         out = {f"last_{k}": v for k, v in self.last.items()}
         out.update({f"total_{k}": v for k, v in self.totals.items()})
+        out.update(total_compute_s=compute_s, total_handed_to_horovod=handed)
         return out
+
+    def is_global_batch(self, lengths, batch_size):
+        """True when the tensors given (``lengths``: their first dimensions) are the global
+        mini-batch, False when they are this worker's samples; ValueError otherwise."""
+        lengths = set(lengths)
+        if len(lengths) != 1:
+            raise ValueError(f"tensors have different lengths {sorted(lengths)}")
+        length, mine = lengths.pop(), sum(self.placement.part_sizes(batch_size)[q]
+                                         for q in self.my_parts)
+        if length not in (batch_size, mine):
+            raise ValueError(f"expected the global mini-batch ({batch_size} samples) or this "
+                             f"worker's parts ({mine}), got {length}")
+        return length == batch_size

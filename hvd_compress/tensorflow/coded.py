@@ -18,52 +18,8 @@ import numpy as np
 import tensorflow as tf
 
 from ..coded.exchange import DEFAULT_RANGE, CodedExchange
-from ..coded.process_sets import group_sets
+from ..coded.collectives import HorovodComm
 from ..ops import tf_ops
-
-PREFIX = "hvd_compress.coded."
-
-
-class _Comm:
-    """The collectives the exchange needs, over Horovod (eager); counts bytes handed over."""
-
-    def __init__(self):
-        self.sets, self.sent_bytes = {}, 0
-
-    def _count(self, t):
-        self.sent_bytes += int(tf.size(t)) * t.dtype.size
-
-    def allgather_config(self, vec):
-        return hvd.allgather(tf.constant(vec.reshape(1, -1)), name=PREFIX + "config").numpy()
-
-    def register_groups(self, groups, mine):
-        sets = group_sets(hvd, groups)
-        self.sets = {g: sets[g] for g in mine}
-
-    def group_allgather(self, packets):
-        # Eager Horovod ops block; every rank walks the groups in the same global order,
-        # so the smallest pending group always has all its members waiting: no deadlock.
-        out = []
-        for g, p in packets:
-            self._count(p)
-            out.append(hvd.allgather(p, name=PREFIX + "g" + "-".join(map(str, g)),
-                                     process_set=self.sets[g]))
-        return out
-
-    def alltoall(self, chunks, splits):
-        buf = tf.concat(chunks, 0) if chunks else tf.zeros([0], tf.int32)
-        self._count(buf)
-        out, _ = hvd.alltoall(buf, splits=tf.constant(splits, tf.int32), name=PREFIX + "scatter")
-        return out
-
-    def allgather(self, t):
-        self._count(t)
-        return hvd.allgather(t, name=PREFIX + "slices")
-
-    def allreduce_sum(self, t):
-        self._count(t)
-        return hvd.allreduce(t, op=hvd.Sum, name=PREFIX + "allreduce")
-
 
 class CodedGradients:
     """Per-part gradients of this worker and their coded exchange (see
@@ -81,7 +37,7 @@ class CodedGradients:
         self.batch_size = int(batch_size)
         self.placement.part_slices(self.batch_size)                     # checks batch_size
         self._positions, self._lengths = self.placement.worker_indices(hvd.rank(), self.batch_size)
-        self._comm = _Comm()
+        self._comm = HorovodComm(hvd, tf_ops, tf.constant)
         self._prepared = False
         self.compute_s = 0.0
 
@@ -91,15 +47,8 @@ class CodedGradients:
             self.exchange.prepare(self._comm, self.batch_size)
             self._prepared = True
         start = time.perf_counter()
-        lengths = {int(t.shape[0]) for t in tensors}
-        if len(lengths) != 1:
-            raise ValueError(f"tensors have different lengths {sorted(lengths)}")
-        length = lengths.pop()
-        if length == self.batch_size:
+        if self.exchange.is_global_batch([int(t.shape[0]) for t in tensors], self.batch_size):
             tensors = [tf.gather(t, self._positions) for t in tensors]
-        elif length != len(self._positions):
-            raise ValueError(f"expected the global mini-batch ({self.batch_size} samples) or "
-                             f"this worker's parts ({len(self._positions)}), got {length}")
         grads, total, at = {}, 0.0, 0
         for q, n in zip(self.exchange.my_parts, self._lengths):
             with tf.GradientTape() as tape:
@@ -127,7 +76,4 @@ class CodedGradients:
 
     @property
     def stats(self):
-        s = self.exchange.stats()
-        s["total_compute_s"] = self.compute_s
-        s["total_handed_to_horovod"] = self._comm.sent_bytes
-        return s
+        return self.exchange.stats(self.compute_s, self._comm.sent_bytes)

@@ -19,52 +19,8 @@ import horovod.torch as hvd
 import torch
 
 from ..coded.exchange import DEFAULT_RANGE, CodedExchange
-from ..coded.process_sets import group_sets
+from ..coded.collectives import HorovodComm
 from ..ops import torch_ops
-
-PREFIX = "hvd_compress.coded."
-
-
-class _Comm:
-    """The collectives the exchange needs, over Horovod; counts the bytes it hands over."""
-
-    def __init__(self):
-        self.sets, self.sent_bytes = {}, 0
-
-    def _count(self, t):
-        self.sent_bytes += t.numel() * t.element_size()
-
-    def allgather_config(self, vec):
-        return hvd.allgather(torch.from_numpy(vec).reshape(1, -1),
-                             name=PREFIX + "config").numpy()
-
-    def register_groups(self, groups, mine):
-        sets = group_sets(hvd, groups)
-        self.sets = {g: sets[g] for g in mine}
-
-    def group_allgather(self, packets):
-        handles = []
-        for g, p in packets:          # every group's allgather in flight at once
-            self._count(p)
-            handles.append(hvd.allgather_async(p, name=PREFIX + "g" + "-".join(map(str, g)),
-                                               process_set=self.sets[g]))
-        return [hvd.synchronize(h) for h in handles]
-
-    def alltoall(self, chunks, splits):
-        buf = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int32)
-        self._count(buf)
-        out, _ = hvd.alltoall(buf, splits=torch.tensor(splits, dtype=torch.int32),
-                              name=PREFIX + "scatter")
-        return out
-
-    def allgather(self, t):
-        self._count(t)
-        return hvd.allgather(t, name=PREFIX + "slices")
-
-    def allreduce_sum(self, t):
-        self._count(t)
-        return hvd.allreduce(t, op=hvd.Sum, name=PREFIX + "allreduce")
-
 
 class DistributedOptimizer:
     """Wraps ``optimizer``: :meth:`backward` computes this worker's part gradients,
@@ -93,7 +49,7 @@ class DistributedOptimizer:
         self.batch_size = int(batch_size)
         self._slices = self.placement.part_slices(self.batch_size)   # checks batch_size
         self._positions, self._lengths = self.placement.worker_indices(hvd.rank(), self.batch_size)
-        self._comm = _Comm()
+        self._comm = HorovodComm(hvd, torch_ops, torch.from_numpy)
         self._prepared = False
         self._part_grads = {}
         self.compute_s = 0.0
@@ -128,15 +84,8 @@ class DistributedOptimizer:
         batch).  Returns the mean loss over this worker's samples (a float)."""
         self._prepare()          # first step: ranks compare configurations before any check
         start = time.perf_counter()
-        lens = {len(t) for t in tensors}
-        if len(lens) != 1:
-            raise ValueError(f"tensors have different lengths {sorted(lens)}")
-        length = lens.pop()
-        if length == self.batch_size:
+        if self.exchange.is_global_batch([len(t) for t in tensors], self.batch_size):
             tensors = [t[torch.from_numpy(self._positions)] for t in tensors]
-        elif length != len(self._positions):
-            raise ValueError(f"expected the global mini-batch ({self.batch_size} samples) or "
-                             f"this worker's parts ({len(self._positions)}), got {length}")
         total, at = 0.0, 0
         for q, n in zip(self.exchange.my_parts, self._lengths):
             for p in self._params:
@@ -166,7 +115,4 @@ class DistributedOptimizer:
 
     @property
     def stats(self):
-        s = self.exchange.stats()
-        s["total_compute_s"] = self.compute_s
-        s["total_handed_to_horovod"] = self._comm.sent_bytes
-        return s
+        return self.exchange.stats(self.compute_s, self._comm.sent_bytes)
