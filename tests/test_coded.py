@@ -275,6 +275,16 @@ def test_disagreeing_ranks_and_nan_fail_on_every_rank(coded_jobs, framework, n):
             assert "NaN/Inf" in str(rank[f"nan|{ex}"]), (ex, rank[f"nan|{ex}"])
 
 
+def test_a_killed_worker_fails_the_job_instead_of_hanging(tmp_path):
+    import time
+    start = time.monotonic()
+    rc, log = horovodrun([ROOT / "tests/workers/coded_worker.py", "torch", "die"], tmp_path,
+                         np_=3, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, timeout=300)
+    assert rc != 0 and "unexpected" not in log
+    assert "HorovodInternalError" in log or "Connection reset" in log, log[-3000:]
+    assert time.monotonic() - start < 120
+
+
 def test_mnist_dnn_cssgd_within_one_point_of_ssgd(tmp_path):
     """examples/cssgd_mnist.py on -np 3: CSSGD with r = 2 (the fastest r in
     benchmarks/cssgd.py) and SSGD, same seed and samples per step, 5 epochs."""

@@ -108,7 +108,23 @@ class TFModel:
         return np.stack(parts), self.grad(x, y, 1.0)
 
 
+def die():
+    """One coded step, then rank 1 is killed (SIGKILL) before the second; the others
+    must fail, not wait forever."""
+    import signal
+    hvd.init()
+    Model = TorchModel if FRAMEWORK == "torch" else TFModel
+    model = Model()
+    model.step(2, "multicast")
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    model.step(2, "multicast")
+    print("survived a lost worker: unexpected", flush=True)
+
+
 def main():
+    if sys.argv[2:] == ["die"]:
+        return die()
     if os.environ.get("STATIC_SETS"):
         n = int(os.environ["HOROVOD_SIZE"])
         sets = [s for r in range(1, n) for s in coded.process_sets(n, r)]
