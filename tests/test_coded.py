@@ -9,7 +9,7 @@ import torch
 
 from conftest import ROOT, horovodrun, load_ranks
 from hvd_compress.coded import CodedBatchSampler, CodedExchange, placement
-from hvd_compress.coded.exchange import HEADER
+from hvd_compress.coded.exchange import HEADER, in_process
 from hvd_compress.ops import torch_ops as o
 
 MAX = 2 ** 31 - 1
@@ -89,46 +89,14 @@ def test_wrap_cancels_exactly_at_the_extremes():
 
 # -- the exchanges, n workers simulated in one process ------------------------------------
 
-def simulate(n, r, grads, exchange, value_range=10.0):
-    """Run the exchange of every worker with the collectives done by hand; returns each
-    worker's int64 total (header included)."""
-    ex = [CodedExchange(n, w, r, grads.shape[1], value_range, exchange) for w in range(n)]
-    coded = [{q: e.encode_part(o, torch.from_numpy(grads[q])) for q in e.my_parts} for e in ex]
-    if r == n:
-        return [sum(c[q].long() for q in c) for c in coded]
-    if exchange.startswith("multicast"):
-        pk = [e.packets(o, coded[w], torch.tensor(w)) for w, e in enumerate(ex)]
-        if exchange == "multicast_alltoall":
-            sends = [e.alltoall_chunks(pk[w]) for w, e in enumerate(ex)]
-        out = []
-        for w, e in enumerate(ex):
-            for g, p in pk[w]:
-                assert p.numel() == e.segment + 1 and p.dtype == torch.int32
-            if exchange == "multicast":
-                by = [dict(p) for p in pk]
-                gathered = [torch.cat([by[m][g] for m in g]) for g in e.my_groups]
-            else:                          # what alltoall delivers: senders in rank order
-                recv = []
-                for j in range(n):
-                    chunks, splits = sends[j]
-                    flat = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int32)
-                    at = sum(splits[:w])
-                    recv.append(flat[at:at + splits[w]])
-                assert sum(len(c) for c in recv) == r * len(pk[w]) * (e.segment + 1)
-                gathered = e.regroup(o, pk[w], torch.cat(recv))
-            parts, flags = e.decode(o, coded[w], gathered)
-            assert {j: int(f) for j, f in flags.items()} == {j: j for j in range(n) if j != w}
-            out.append(sum(parts[q].long() for q in range(e.placement.num_parts)))
-        return out
-    bufs = [e.scatter_buffer(o, coded[w]) for w, e in enumerate(ex)]
-    slices = []
-    for i, e in enumerate(ex):
-        recv = [bufs[j][0][ex[j].receivers.index(i)] for j in range(n) if bufs[j][1][i]]
-        assert len(recv) == n - r
-        slices.append(e.reduce_slice(o, coded[i], torch.cat(recv), torch.tensor(i)))
-        assert int(slices[-1][-1]) == i
-    total = torch.cat([s[:ex[0].slice] for s in slices]).long()
-    return [total] * n
+def simulate(n, r, grads, exchange, value_range=10.0, flags=None):
+    """Each worker's int64 total (header included), from numpy part gradients; checks that
+    every worker learns the NaN/Inf count of every other."""
+    flags = list(range(n)) if flags is None else flags
+    out = in_process(n, r, [torch.from_numpy(g) for g in grads], exchange, value_range, flags)
+    for w, (total, nonfinite) in enumerate(out):     # r = n: every worker holds every part
+        assert nonfinite == (flags[w] if r == n else sum(flags))
+    return [total for total, _ in out]
 
 
 @pytest.mark.parametrize("exchange", ["multicast", "multicast_alltoall", "reduce_scatter"])
