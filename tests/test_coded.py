@@ -27,7 +27,8 @@ def fixed_reference(parts, value_range=10.0):
 @pytest.mark.parametrize("n,r", [(3, 1), (3, 2), (4, 2), (5, 3), (4, 4)])
 def test_placement_counts(n, r):
     p = placement(n, r)
-    assert p.num_parts == comb(n, r) and len(p.groups) == comb(n, r + 1) if r < n else True
+    assert p.num_parts == comb(n, r)
+    assert len(p.groups) == (comb(n, r + 1) if r < n else 0)
     for w in range(n):
         assert len(p.worker_parts(w)) == comb(n - 1, r - 1)
     for q, part in enumerate(p.parts):
@@ -241,6 +242,15 @@ def test_disagreeing_ranks_and_nan_fail_on_every_rank(coded_jobs, framework, n):
         assert "exchange per rank" in str(rank["fail|exchange"])
         for ex in ("multicast", "reduce_scatter", "allreduce"):
             assert "NaN/Inf" in str(rank[f"nan|{ex}"]), (ex, rank[f"nan|{ex}"])
+        for r, ex in ((2, "multicast"), (2, "multicast_alltoall"), (n, "multicast")):
+            assert "decoded different gradients" in str(rank[f"differ|{r}|{ex}"]), (r, ex)
+
+
+def test_torch_dropout_is_seeded_per_part_so_replicas_agree(coded_jobs):
+    for n in (3, 4):
+        ranks = coded_jobs[("torch", n)]
+        for rank in ranks[1:]:
+            assert np.array_equal(rank["dropout|got"], ranks[0]["dropout|got"])
 
 
 def test_a_killed_worker_fails_the_job_instead_of_hanging(tmp_path):

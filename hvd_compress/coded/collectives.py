@@ -20,9 +20,10 @@ class HorovodComm:
     def _count(self, t):
         self.sent_bytes += int(self.o.size_bytes(t))
 
-    def allgather_config(self, vec):
+    def allgather_ints(self, vec, what):
+        """Every rank's int64 ``vec`` as rows (the configuration, the step's checksum)."""
         return np.asarray(self.hvd.allgather(self.tensor(vec.reshape(1, -1)),
-                                             name=PREFIX + "config"))
+                                             name=PREFIX + what))
 
     def register_groups(self, groups, mine):
         sets = group_sets(self.hvd, groups)

@@ -90,7 +90,7 @@ class CodedExchange:
     clipping counters (:attr:`stats`)."""
 
     def __init__(self, n, rank, redundancy, numel, value_range=DEFAULT_RANGE,
-                 exchange="multicast"):
+                 exchange="multicast", verify=True):
         self.placement = placement(n, redundancy)
         self.n, self.r, self.rank = self.placement.n, self.placement.r, int(rank)
         if not 0 <= self.rank < self.n:
@@ -100,6 +100,9 @@ class CodedExchange:
         self.numel, self.range = int(numel), check_range(value_range)
         self.exchange = check_exchange(exchange, self.r)
         self.length = self.numel + HEADER
+        #: multicast exchanges and r = n: every rank builds the total itself, from its own
+        #: replicas of the parts; compare a checksum of it between ranks every step
+        self.verify = bool(verify)
         self.segment = ceil(self.length / self.r)           # multicast: r segments
         self.slice = ceil(self.length / self.n)             # reduce_scatter: n slices
         self.padded = max(self.segment * self.r, self.slice * self.n)
@@ -139,7 +142,7 @@ class CodedExchange:
         """First step: compare the configuration of every rank (ValueError on all of them
         when they differ, before any process set is touched), then let ``comm`` set up
         one process set per group (a collective over all ranks)."""
-        self.check_config(comm.allgather_config(self.config(batch_size)))
+        self.check_config(comm.allgather_ints(self.config(batch_size), "config"))
         if self.exchange == "multicast" and self.r < self.n:
             comm.register_groups(self.placement.groups, self.my_groups)
 
@@ -261,7 +264,7 @@ class CodedExchange:
             raise ValueError(f"rank {self.rank} computes parts {list(self.my_parts)}, "
                              f"got gradients for {sorted(part_grads)}")
         t0 = time.perf_counter()
-        sat_extra, nonfinite = 0, 0
+        sat_extra, nonfinite, self._verify_s = 0, 0, 0.0
         if self.exchange == "allreduce":
             mine = _sum([o.cast(part_grads[q], o.float32) for q in self.my_parts])
             t1 = time.perf_counter()
@@ -274,13 +277,15 @@ class CodedExchange:
             coded = {q: self.encode_part(o, part_grads[q]) for q in self.my_parts}
             # A worker's own NaN/Inf count travels beside the coded values: replicas of a
             # part can differ (one worker's NaN), and every rank must take the same decision.
-            own_flag = _sum([o.cast(coded[q][1], o.int64) for q in self.my_parts])
+            own_flag = o.saturate_int32(_sum([o.cast(coded[q][1], o.int64)
+                                              for q in self.my_parts]))[0]
             t1 = time.perf_counter()
             if self.r == self.n:
                 parts, sent, received = coded, 0, 0
                 t2 = time.perf_counter()
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])
                 nonfinite = int(own_flag)
+                total, nonfinite = self._verified(o, comm, total, nonfinite)
             elif self.exchange in ("multicast", "multicast_alltoall"):
                 packets = self.packets(o, coded, own_flag)
                 if self.exchange == "multicast":
@@ -292,6 +297,7 @@ class CodedExchange:
                 parts, flags = self.decode(o, coded, gathered)
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])
                 nonfinite = int(own_flag) + sum(int(f) for f in flags.values())
+                total, nonfinite = self._verified(o, comm, total, nonfinite)
                 sent = len(packets) * (self.segment + 1) * 4
                 received = len(packets) * self.r * (self.segment + 1) * 4
             else:
@@ -313,7 +319,8 @@ class CodedExchange:
         t3 = time.perf_counter()
         self.last = dict(sent=sent, received=received, ring=ring, clipped=clipped,
                          nonfinite=nonfinite, saturated=sat_extra, encode_s=t1 - t0,
-                         communicate_s=t2 - t1, decode_s=t3 - t2)
+                         communicate_s=t2 - t1 + self._verify_s,
+                         decode_s=t3 - t2 - self._verify_s)
         self.totals["steps"] += 1
         for key, v in self.last.items():
             self.totals[key] += v
@@ -329,6 +336,31 @@ class CodedExchange:
                           + "; raise value_range (counted in stats['total_clipped'])",
                           RuntimeWarning, stacklevel=2)
         return result
+
+    def _verified(self, o, comm, total, nonfinite):
+        """Where every rank decodes the total from its own replicas (multicast, r = n),
+        compare an int64 checksum of it, and the NaN/Inf count, between ranks (one tiny
+        allgather).  The r replicas of a part must be computed bit for bit alike; if they
+        are not (dropout or other randomness in the loss, non-deterministic kernels), the
+        ranks' totals differ: RuntimeError on every rank, the step not applied.  Returns
+        the total and the NaN/Inf count summed over ranks (r = n) or agreed (multicast)."""
+        if not self.verify:
+            return total, nonfinite
+        start = time.perf_counter()
+        weights = o.cast(o.arange(self.length, like=total), o.int64) * 2 + 1
+        check = int(o.reduce_sum_int(total[:self.length] * weights))   # wraps: a hash
+        rows = np.asarray(comm.allgather_ints(np.array([check, nonfinite], np.int64),
+                                              "check")).reshape(-1, 2)
+        self._verify_s = time.perf_counter() - start
+        if self.r == self.n:
+            nonfinite = int(rows[:, 1].sum())          # every rank computed every part
+        if (rows[:, 0] != rows[0, 0]).any() and not rows[:, 1].any():
+            raise RuntimeError(
+                "coded SGD: ranks decoded different gradients this step (checksums "
+                f"{rows[:, 0].tolist()}): the r copies of a part were not computed alike. "
+                "Seed any randomness of the loss per part (the PyTorch optimizer does, for "
+                "torch's RNG) and use deterministic kernels; the step is not applied")
+        return total, nonfinite
 
     # -- accounting -----------------------------------------------------------------------
     def formula(self):

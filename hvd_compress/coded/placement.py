@@ -103,6 +103,11 @@ class CodedBatchSampler:
     def __init__(self, dataset_len, batch_size, num_replicas, rank, redundancy, seed=0,
                  shuffle=True):
         self.placement = placement(num_replicas, redundancy)
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) \
+                or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be an integer in [0, num_replicas={num_replicas}), "
+                             f"got {rank!r}")
+        self.placement.part_sizes(batch_size)                    # checks batch_size
         self.batch_size = int(batch_size)
         self.positions, self.part_lengths = self.placement.worker_indices(rank, batch_size)
         if dataset_len < batch_size:

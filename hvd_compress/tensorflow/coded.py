@@ -23,19 +23,23 @@ from ..ops import tf_ops
 
 class CodedGradients:
     """Per-part gradients of this worker and their coded exchange (see
-    :class:`hvd_compress.torch.coded.DistributedOptimizer` for the arguments)."""
+    :class:`hvd_compress.torch.coded.DistributedOptimizer` for the arguments).  The r
+    replicas of a part must compute the same bits: a loss with randomness (dropout in a
+    Keras model) draws differently on each replica here, which ``verify`` (default on)
+    detects (RuntimeError on every rank); keep such losses deterministic, or use
+    ``exchange="reduce_scatter"`` (each part's gradient is used from one replica only)."""
 
     def __init__(self, variables, batch_size, redundancy, value_range=DEFAULT_RANGE,
-                 exchange="multicast"):
+                 exchange="multicast", verify=True):
         self.variables = list(variables)
         if not self.variables:
             raise ValueError("variables is empty: nothing to train")
         numel = sum(int(np.prod(v.shape)) for v in self.variables)
         self.exchange = CodedExchange(hvd.size(), hvd.rank(), redundancy, numel,
-                                      value_range, exchange)
+                                      value_range, exchange, verify)
         self.placement = self.exchange.placement
+        self.placement.part_slices(batch_size)                          # checks batch_size
         self.batch_size = int(batch_size)
-        self.placement.part_slices(self.batch_size)                     # checks batch_size
         self._positions, self._lengths = self.placement.worker_indices(hvd.rank(), self.batch_size)
         self._comm = HorovodComm(hvd, tf_ops, tf.constant)
         self._prepared = False

@@ -24,19 +24,25 @@ from ..ops import torch_ops
 
 class DistributedOptimizer:
     """Wraps ``optimizer``: :meth:`backward` computes this worker's part gradients,
-    :meth:`step` exchanges them (``exchange=`` ``multicast``, ``reduce_scatter`` or
-    ``allreduce``; see :mod:`hvd_compress.coded.exchange`), writes the global gradient of
-    the mini-batch into ``p.grad`` and steps the wrapped optimizer.
+    :meth:`step` exchanges them (``exchange=`` ``multicast``, ``multicast_alltoall``,
+    ``reduce_scatter`` or ``allreduce``; see :mod:`hvd_compress.coded.exchange`), writes
+    the global gradient of the mini-batch into ``p.grad`` and steps the wrapped optimizer.
+    To change the gradients before the step (clipping), call :meth:`synchronize`, change
+    ``p.grad``, then :meth:`step` (it does not exchange again).
 
     ``batch_size`` is the *global* mini-batch; ``redundancy`` r in [1, hvd.size()];
     ``value_range`` R of the int32 fixed point (entries beyond ±R are clipped and
-    counted in :attr:`stats`).  ``opt.stats`` holds bytes sent/received per step, what
-    Horovod's ring allreduce would move, clip counts and the seconds spent computing,
-    encoding, communicating and decoding.
+    counted in :attr:`stats`).  The r replicas of a part must compute the same bits:
+    each part's forward/backward runs with torch's RNG seeded from (``seed``, step,
+    part), so dropout draws the same masks on every replica; ``verify`` (default on)
+    compares a checksum of the decoded total between ranks every step and raises on every
+    rank if replicas still differed.  ``opt.stats`` holds bytes sent/received per step,
+    what Horovod's ring allreduce would move, clip counts and the seconds spent
+    computing, encoding, communicating and decoding.
     """
 
     def __init__(self, optimizer, named_parameters, batch_size, redundancy,
-                 value_range=DEFAULT_RANGE, exchange="multicast"):
+                 value_range=DEFAULT_RANGE, exchange="multicast", seed=0, verify=True):
         self.optimizer = optimizer
         named = list(named_parameters)
         self._params = [p for _, p in named if p.requires_grad]
@@ -44,11 +50,13 @@ class DistributedOptimizer:
             raise ValueError("named_parameters has no parameter that requires a gradient")
         numel = sum(p.numel() for p in self._params)
         self.exchange = CodedExchange(hvd.size(), hvd.rank(), redundancy, numel,
-                                      value_range, exchange)
+                                      value_range, exchange, verify)
         self.placement = self.exchange.placement
+        self.placement.part_slices(batch_size)                      # checks batch_size
         self.batch_size = int(batch_size)
-        self._slices = self.placement.part_slices(self.batch_size)   # checks batch_size
         self._positions, self._lengths = self.placement.worker_indices(hvd.rank(), self.batch_size)
+        self.seed, self._steps, self._synchronized = int(seed), 0, False
+        self._devices = sorted({p.device.index for p in self._params if p.is_cuda})
         self._comm = HorovodComm(hvd, torch_ops, torch.from_numpy)
         self._prepared = False
         self._part_grads = {}
@@ -61,7 +69,7 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._part_grads = {}
+        self._part_grads, self._synchronized = {}, False
 
     def state_dict(self):
         return self.optimizer.state_dict()
@@ -90,8 +98,12 @@ class DistributedOptimizer:
         for q, n in zip(self.exchange.my_parts, self._lengths):
             for p in self._params:
                 p.grad = None
-            loss = loss_fn(*(t[at:at + n] for t in tensors)) * (n / self.batch_size)
-            loss.backward()
+            with torch.random.fork_rng(devices=self._devices):
+                # the same RNG draws (dropout) on every replica of the part
+                torch.manual_seed(hash((self.seed, self._steps, q)) & 0x7FFFFFFF)
+                # a fresh copy: the same memory alignment on every replica
+                loss = loss_fn(*(t[at:at + n].clone() for t in tensors)) * (n / self.batch_size)
+                loss.backward()
             self._part_grads[q] = self._flat_grad()
             total += float(loss.detach())
             at += n
@@ -102,16 +114,23 @@ class DistributedOptimizer:
         """Exchange the part gradients and write the global gradient into ``p.grad``."""
         if sorted(self._part_grads) != list(self.exchange.my_parts):
             raise RuntimeError("call opt.backward(loss_fn, ...) before opt.step()")
-        flat = self.exchange.run(torch_ops, self._part_grads, self._comm)
-        self._part_grads = {}
+        part_grads, self._part_grads = self._part_grads, {}
+        self._steps += 1
+        flat = self.exchange.run(torch_ops, part_grads, self._comm)
+        self._synchronized = True
         at = 0
         for p in self._params:
             p.grad = flat[at:at + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
             at += p.numel()
 
     def step(self, closure=None):
-        self.synchronize()
-        return self.optimizer.step(closure)
+        if closure is not None:
+            raise ValueError("closure is not supported: the gradients come from "
+                             "opt.backward(loss_fn, ...) and the coded exchange")
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return self.optimizer.step()
 
     @property
     def stats(self):

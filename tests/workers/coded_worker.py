@@ -53,7 +53,8 @@ class TorchModel:
         (self.loss(x, y) * weight).backward()
         return np.concatenate([p.grad.reshape(-1).numpy() for p in self.params])
 
-    def step(self, r, exchange, batch_size=B, value_range=10.0, poison=False):
+    def step(self, r, exchange, batch_size=B, value_range=10.0, poison=False, noise=False,
+             dropout=False):
         opt = coded.DistributedOptimizer(torch.optim.SGD(self.params, lr=0.0),
                                          [(str(i), p) for i, p in enumerate(self.params)],
                                          batch_size=batch_size, redundancy=r,
@@ -63,6 +64,10 @@ class TorchModel:
         fn = self.loss
         if poison:
             fn = lambda a, b: self.loss(a, b) * float("nan")    # noqa: E731
+        if noise:        # randomness the optimizer does not seed: replicas differ
+            fn = lambda a, b: self.loss(a, b) * (1 + np.random.default_rng().random())  # noqa: E731
+        if dropout:      # torch's RNG: seeded per part, so the replicas agree
+            fn = lambda a, b: self.loss(torch.nn.functional.dropout(a, 0.5), b)  # noqa: E731
         opt.zero_grad()
         opt.backward(fn, x, y)
         opt.step()
@@ -92,13 +97,15 @@ class TFModel:
             loss = self.loss(x, y) * weight
         return np.concatenate([g.numpy().reshape(-1) for g in tape.gradient(loss, self.params)])
 
-    def step(self, r, exchange, batch_size=B, value_range=10.0, poison=False):
+    def step(self, r, exchange, batch_size=B, value_range=10.0, poison=False, noise=False):
         cg = coded.CodedGradients(self.params, batch_size=batch_size, redundancy=r,
                                   value_range=value_range, exchange=exchange)
         x, y = data()
         fn = self.loss
         if poison:
             fn = lambda a, b: self.loss(a, b) * float("nan")    # noqa: E731
+        if noise:
+            fn = lambda a, b: self.loss(a, b) * (1 + np.random.default_rng().random())  # noqa: E731
         _, grads = cg.gradient(fn, tf.constant(x), tf.constant(y))
         return np.concatenate([g.numpy().reshape(-1) for g in grads]), cg.stats
 
@@ -173,6 +180,16 @@ def main():
             out[f"nan|{ex}"] = np.array("no error")
         except FloatingPointError as e:
             out[f"nan|{ex}"] = np.array(str(e))
+    # replicas that compute differently: every rank must refuse the step
+    for r, ex in ((2, "multicast"), (2, "multicast_alltoall"), (n, "multicast")):
+        try:
+            Model().step(r, ex, noise=True)
+            out[f"differ|{r}|{ex}"] = np.array("no error")
+        except RuntimeError as e:
+            out[f"differ|{r}|{ex}"] = np.array(str(e))
+    if FRAMEWORK == "torch":
+        got, _ = Model().step(2, "multicast", dropout=True)
+        out["dropout|got"] = got
     np.savez(os.path.join(os.environ["OUT_DIR"], f"coded_{FRAMEWORK}_{n}_rank{rank}.npz"), **out)
 
 
