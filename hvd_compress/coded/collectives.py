@@ -57,3 +57,32 @@ class HorovodComm:
     def allreduce_sum(self, t):
         self._count(t)
         return self.hvd.allreduce(t, op=self.hvd.Sum, name=PREFIX + "allreduce")
+
+
+class CodedWorker:
+    """What both frameworks' entry points share: this worker's :class:`CodedExchange`,
+    its samples of a global mini-batch, the Horovod comm and the counters."""
+
+    def _setup(self, hvd, o, tensor, numel, batch_size, redundancy, value_range, exchange,
+               verify):
+        from .exchange import CodedExchange
+        self.exchange = CodedExchange(hvd.size(), hvd.rank(), redundancy, numel,
+                                      value_range, exchange, verify)
+        self.placement = self.exchange.placement
+        self.placement.part_slices(batch_size)                      # checks batch_size
+        self.batch_size = int(batch_size)
+        self._positions, self._lengths = self.placement.worker_indices(hvd.rank(),
+                                                                       self.batch_size)
+        self._comm, self._ops = HorovodComm(hvd, o, tensor), o
+        self._prepared, self.compute_s = False, 0.0
+
+    def _prepare(self):
+        """First step: the ranks compare configurations (before any local check)."""
+        if not self._prepared:
+            self.exchange.prepare(self._comm, self.batch_size)
+            self._prepared = True
+
+    @property
+    def stats(self):
+        """Bytes, clip counts and seconds (see :meth:`CodedExchange.stats`)."""
+        return self.exchange.stats(self.compute_s, self._comm.sent_bytes)

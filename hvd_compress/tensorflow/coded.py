@@ -17,11 +17,11 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from ..coded.exchange import DEFAULT_RANGE, CodedExchange
-from ..coded.collectives import HorovodComm
+from ..coded.collectives import CodedWorker
+from ..coded.exchange import DEFAULT_RANGE
 from ..ops import tf_ops
 
-class CodedGradients:
+class CodedGradients(CodedWorker):
     """Per-part gradients of this worker and their coded exchange (see
     :class:`hvd_compress.torch.coded.DistributedOptimizer` for the arguments).  The r
     replicas of a part must compute the same bits: a loss with randomness (dropout in a
@@ -35,21 +35,12 @@ class CodedGradients:
         if not self.variables:
             raise ValueError("variables is empty: nothing to train")
         numel = sum(int(np.prod(v.shape)) for v in self.variables)
-        self.exchange = CodedExchange(hvd.size(), hvd.rank(), redundancy, numel,
-                                      value_range, exchange, verify)
-        self.placement = self.exchange.placement
-        self.placement.part_slices(batch_size)                          # checks batch_size
-        self.batch_size = int(batch_size)
-        self._positions, self._lengths = self.placement.worker_indices(hvd.rank(), self.batch_size)
-        self._comm = HorovodComm(hvd, tf_ops, tf.constant)
-        self._prepared = False
-        self.compute_s = 0.0
+        self._setup(hvd, tf_ops, tf.constant, numel, batch_size, redundancy, value_range,
+                    exchange, verify)
 
     def part_gradients(self, loss_fn, *tensors):
         """``({part: flat float32 gradient}, mean loss over this worker's samples)``."""
-        if not self._prepared:   # first step: ranks compare configurations before any check
-            self.exchange.prepare(self._comm, self.batch_size)
-            self._prepared = True
+        self._prepare()          # first step: ranks compare configurations before any check
         start = time.perf_counter()
         if self.exchange.is_global_batch([int(t.shape[0]) for t in tensors], self.batch_size):
             tensors = [tf.gather(t, self._positions) for t in tensors]
@@ -77,7 +68,3 @@ class CodedGradients:
             out.append(tf.cast(tf.reshape(flat[at:at + n], v.shape), v.dtype))
             at += n
         return loss, out
-
-    @property
-    def stats(self):
-        return self.exchange.stats(self.compute_s, self._comm.sent_bytes)

@@ -18,11 +18,11 @@ import time
 import horovod.torch as hvd
 import torch
 
-from ..coded.exchange import DEFAULT_RANGE, CodedExchange
-from ..coded.collectives import HorovodComm
+from ..coded.collectives import CodedWorker
+from ..coded.exchange import DEFAULT_RANGE
 from ..ops import torch_ops
 
-class DistributedOptimizer:
+class DistributedOptimizer(CodedWorker):
     """Wraps ``optimizer``: :meth:`backward` computes this worker's part gradients,
     :meth:`step` exchanges them (``exchange=`` ``multicast``, ``multicast_alltoall``,
     ``reduce_scatter`` or ``allreduce``; see :mod:`hvd_compress.coded.exchange`), writes
@@ -49,18 +49,11 @@ class DistributedOptimizer:
         if not self._params:
             raise ValueError("named_parameters has no parameter that requires a gradient")
         numel = sum(p.numel() for p in self._params)
-        self.exchange = CodedExchange(hvd.size(), hvd.rank(), redundancy, numel,
-                                      value_range, exchange, verify)
-        self.placement = self.exchange.placement
-        self.placement.part_slices(batch_size)                      # checks batch_size
-        self.batch_size = int(batch_size)
-        self._positions, self._lengths = self.placement.worker_indices(hvd.rank(), self.batch_size)
+        self._setup(hvd, torch_ops, torch.from_numpy, numel, batch_size, redundancy,
+                    value_range, exchange, verify)
         self.seed, self._steps, self._synchronized = int(seed), 0, False
         self._devices = sorted({p.device.index for p in self._params if p.is_cuda})
-        self._comm = HorovodComm(hvd, torch_ops, torch.from_numpy)
-        self._prepared = False
         self._part_grads = {}
-        self.compute_s = 0.0
 
     # the wrapped optimizer's interface
     @property
@@ -80,11 +73,6 @@ class DistributedOptimizer:
     def _flat_grad(self):
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
                           .reshape(-1).float() for p in self._params])
-
-    def _prepare(self):
-        if not self._prepared:
-            self.exchange.prepare(self._comm, self.batch_size)
-            self._prepared = True
 
     def backward(self, loss_fn, *tensors):
         """Forward/backward of each of this worker's parts; ``tensors`` are either the
@@ -131,7 +119,3 @@ class DistributedOptimizer:
             self.synchronize()
         self._synchronized = False
         return self.optimizer.step()
-
-    @property
-    def stats(self):
-        return self.exchange.stats(self.compute_s, self._comm.sent_bytes)
