@@ -104,6 +104,9 @@ class CodedExchange:
         #: replicas of the parts; compare a checksum of it between ranks every step
         self.verify = bool(verify)
         self.segment = ceil(self.length / self.r)           # multicast: r segments
+        #: a multicast packet: the coded segment, the sender's NaN/Inf count, and the
+        #: checksums of the sender's copies of the r parts it coded
+        self.packet = self.segment + 1 + self.r
         self.slice = ceil(self.length / self.n)             # reduce_scatter: n slices
         self.padded = max(self.segment * self.r, self.slice * self.n)
         self.my_parts = self.placement.worker_parts(self.rank)
@@ -163,37 +166,56 @@ class CodedExchange:
         return o.cast(coded[self.placement.part_of(part)][pos * self.segment:
                                                           (pos + 1) * self.segment], o.int64)
 
+    def checksum(self, o, vec):
+        """int32 hash of an encoded part (``Σ v_i·(2i+1)`` mod 2³²): replicas of a part
+        must agree, or decoding mixes them (see :meth:`decode`)."""
+        weights = o.cast(o.arange(self.padded, like=vec), o.int64) * 2 + 1
+        return o.wrap_int32(o.reshape(o.reduce_sum_int(o.cast(vec, o.int64) * weights), [1]))
+
     def packets(self, o, coded, flag):
         """``[(group, packet)]``: this worker's packet for each of its groups, in the
-        groups' order (algorithm 3): :attr:`segment` coded int32 entries, then ``flag``
-        (this worker's own count of NaN/Inf entries, plain)."""
-        me, tail = self.rank, o.reshape(o.cast(flag, o.int32), [1])
-        return [(g, o.concat([o.wrap_int32(_sum([self._segment(o, coded, g, k, me)
-                                                 for k in g if k != me])), tail]))
-                for g in self.my_groups]
+        groups' order (algorithm 3): :attr:`segment` coded int32 entries, ``flag`` (this
+        worker's own count of NaN/Inf entries), then the checksums of its copies of the r
+        parts ``group∖{k}`` it coded (k in ``group∖{me}``, in order)."""
+        me, flag = self.rank, o.reshape(o.cast(flag, o.int32), [1])
+        out = []
+        for g in self.my_groups:
+            others = [k for k in g if k != me]
+            value = o.wrap_int32(_sum([self._segment(o, coded, g, k, me) for k in others]))
+            sums = [self.checksum(o, coded[self.placement.part_of([w for w in g if w != k])])
+                    for k in others]
+            out.append((g, o.concat([value, flag] + sums)))
+        return out
 
     def decode(self, o, coded, gathered):
         """All parts from ``coded`` (this worker's) and ``gathered`` (per group, the
         members' packets in group order, concatenated): algorithm 4.  Also returns
-        ``{sender: flag}`` for every worker this one shares a group with (all others)."""
-        me, parts, flags, w = self.rank, dict(coded), {}, self.segment + 1
+        ``{sender: flag}`` for every worker this one shares a group with (all others), and
+        whether any two copies of a part disagree.  Every worker sees every disagreement:
+        the r holders of a part it lacks each send their copy's checksum, and a holder
+        gets the checksums of every other holder's copy, so all ranks decide alike."""
+        me, parts, flags, w, seg = self.rank, dict(coded), {}, self.packet, self.segment
+        seen = {q: [int(self.checksum(o, coded[q])[0])] for q in coded}
         for g, flat in zip(self.my_groups, gathered):
             lacking = tuple(j for j in g if j != me)             # the part this worker lacks
             segments = []
             for j in lacking:                                    # its r holders, in order
                 at = g.index(j) * w
-                packet = o.cast(flat[at:at + self.segment], o.int64)
-                flags[j] = flat[at + self.segment]
+                packet = o.cast(flat[at:at + seg], o.int64)
+                flags[j] = flat[at + seg]
+                for i, k in enumerate(k for k in g if k != j):
+                    q = self.placement.part_of([m for m in g if m != k])
+                    seen.setdefault(q, []).append(int(flat[at + seg + 1 + i]))
                 known = [self._segment(o, coded, g, k, j) for k in g if k not in (j, me)]
                 segments.append(o.wrap_int32(packet - _sum(known)) if known
                                 else o.wrap_int32(packet))
             parts[self.placement.part_of(lacking)] = o.pad_to(o.concat(segments), self.padded)
-        return parts, flags
+        return parts, flags, any(len(set(v)) > 1 for v in seen.values())
 
     def alltoall_chunks(self, packets):
         """``multicast_alltoall``: per receiver ``k`` (rank order), this worker's packets of
         the groups it shares with ``k`` in group order, and the alltoall splits."""
-        chunks, splits, w = [], [0] * self.n, self.segment + 1
+        chunks, splits, w = [], [0] * self.n, self.packet
         for k in range(self.n):
             mine = [p for g, p in packets if k in g and k != self.rank]
             if mine:
@@ -204,7 +226,7 @@ class CodedExchange:
     def regroup(self, o, packets, received):
         """``multicast_alltoall``: the received packets laid out as :meth:`decode` takes
         them (per group, the members' packets in group order, this worker's own included)."""
-        got, at, w = {}, 0, self.segment + 1
+        got, at, w = {}, 0, self.packet
         for j in range(self.n):
             for g in self.my_groups:
                 if j != self.rank and j in g:
@@ -294,12 +316,13 @@ class CodedExchange:
                     chunks, splits = self.alltoall_chunks(packets)
                     gathered = self.regroup(o, packets, comm.alltoall(chunks, splits))
                 t2 = time.perf_counter()
-                parts, flags = self.decode(o, coded, gathered)
+                parts, flags, differ = self.decode(o, coded, gathered)
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])
                 nonfinite = int(own_flag) + sum(int(f) for f in flags.values())
-                total, nonfinite = self._verified(o, comm, total, nonfinite)
-                sent = len(packets) * (self.segment + 1) * 4
-                received = len(packets) * self.r * (self.segment + 1) * 4
+                if differ and not nonfinite and self.verify:
+                    raise self._replicas_differ()
+                sent = len(packets) * self.packet * 4
+                received = len(packets) * self.r * self.packet * 4
             else:
                 chunks, splits = self.scatter_buffer(o, coded)
                 received_buf = comm.alltoall(chunks, splits)
@@ -337,13 +360,19 @@ class CodedExchange:
                           RuntimeWarning, stacklevel=2)
         return result
 
+    @staticmethod
+    def _replicas_differ(detail=""):
+        return RuntimeError(
+            "coded SGD: the r copies of a part were not computed alike" + detail + ", so "
+            "ranks would decode different gradients. Seed any randomness of the loss per "
+            "part (the PyTorch optimizer does, for torch's RNG) and use deterministic "
+            "kernels; the step is not applied on any rank")
+
     def _verified(self, o, comm, total, nonfinite):
-        """Where every rank decodes the total from its own replicas (multicast, r = n),
-        compare an int64 checksum of it, and the NaN/Inf count, between ranks (one tiny
-        allgather).  The r replicas of a part must be computed bit for bit alike; if they
-        are not (dropout or other randomness in the loss, non-deterministic kernels), the
-        ranks' totals differ: RuntimeError on every rank, the step not applied.  Returns
-        the total and the NaN/Inf count summed over ranks (r = n) or agreed (multicast)."""
+        """r = n: every rank computed every part itself; compare an int64 checksum of the
+        total, and the NaN/Inf counts, between ranks (one tiny allgather; the multicast
+        exchanges compare the parts' checksums inside their packets instead).  Returns
+        the total and the NaN/Inf count summed over ranks."""
         if not self.verify:
             return total, nonfinite
         start = time.perf_counter()
@@ -352,14 +381,9 @@ class CodedExchange:
         rows = np.asarray(comm.allgather_ints(np.array([check, nonfinite], np.int64),
                                               "check")).reshape(-1, 2)
         self._verify_s = time.perf_counter() - start
-        if self.r == self.n:
-            nonfinite = int(rows[:, 1].sum())          # every rank computed every part
-        if (rows[:, 0] != rows[0, 0]).any() and not rows[:, 1].any():
-            raise RuntimeError(
-                "coded SGD: ranks decoded different gradients this step (checksums "
-                f"{rows[:, 0].tolist()}): the r copies of a part were not computed alike. "
-                "Seed any randomness of the loss per part (the PyTorch optimizer does, for "
-                "torch's RNG) and use deterministic kernels; the step is not applied")
+        nonfinite = int(rows[:, 1].sum())
+        if (rows[:, 0] != rows[0, 0]).any() and not nonfinite:
+            raise self._replicas_differ(f" (checksums of the total {rows[:, 0].tolist()})")
         return total, nonfinite
 
     # -- accounting -----------------------------------------------------------------------
@@ -437,7 +461,7 @@ def in_process(n, r, grads, exchange="multicast", value_range=DEFAULT_RANGE, fla
                     at = sum(splits[:w])
                     recv.append(o.concat(chunks)[at:at + splits[w]])
             gathered = e.regroup(o, packets[w], o.concat(recv))
-        parts, fl = e.decode(o, coded[w], gathered)
+        parts, fl, _ = e.decode(o, coded[w], gathered)
         out.append((_sum([o.cast(parts[q], o.int64) for q in range(P)]),
                     flags[w] + sum(int(f) for f in fl.values())))
     return out
