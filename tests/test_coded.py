@@ -159,12 +159,13 @@ def test_every_worker_sees_that_two_copies_of_a_part_differ(n, r, exchange):
         if r > 1:                               # holders[-1] computed part q differently
             coded[holders[-1]][q] = coded[holders[-1]][q].clone()
             coded[holders[-1]][q][HEADER + 3] += 1
-        pk = [e.packets(o, coded[w], torch.tensor(0)) for w, e in enumerate(ex)]
+        sums = [e.checksums(o, coded[w]) for w, e in enumerate(ex)]
+        pk = [e.packets(o, coded[w], torch.tensor(0), sums[w]) for w, e in enumerate(ex)]
         by = [dict(p) for p in pk]
         for w, e in enumerate(ex):
             assert pk[w][0][1].numel() == e.packet == e.segment + 1 + r
             _, _, differ = e.decode(o, coded[w], [torch.cat([by[m][g] for m in g])
-                                                  for g in e.my_groups])
+                                                  for g in e.my_groups], sums[w])
             assert differ == (r > 1), (q, w)
         break
 

@@ -172,30 +172,34 @@ class CodedExchange:
         weights = o.cast(o.arange(self.padded, like=vec), o.int64) * 2 + 1
         return o.wrap_int32(o.reshape(o.reduce_sum_int(o.cast(vec, o.int64) * weights), [1]))
 
-    def packets(self, o, coded, flag):
+    def checksums(self, o, coded):
+        """``{part: int32[1] checksum}`` of this worker's encoded parts (once per step)."""
+        return {q: self.checksum(o, v) for q, v in coded.items()}
+
+    def packets(self, o, coded, flag, sums):
         """``[(group, packet)]``: this worker's packet for each of its groups, in the
         groups' order (algorithm 3): :attr:`segment` coded int32 entries, ``flag`` (this
-        worker's own count of NaN/Inf entries), then the checksums of its copies of the r
-        parts ``group∖{k}`` it coded (k in ``group∖{me}``, in order)."""
+        worker's own count of NaN/Inf entries), then ``sums`` (:meth:`checksums`) of its
+        copies of the r parts ``group∖{k}`` it coded (k in ``group∖{me}``, in order)."""
         me, flag = self.rank, o.reshape(o.cast(flag, o.int32), [1])
         out = []
         for g in self.my_groups:
             others = [k for k in g if k != me]
             value = o.wrap_int32(_sum([self._segment(o, coded, g, k, me) for k in others]))
-            sums = [self.checksum(o, coded[self.placement.part_of([w for w in g if w != k])])
-                    for k in others]
-            out.append((g, o.concat([value, flag] + sums)))
+            mine = [sums[self.placement.part_of([w for w in g if w != k])] for k in others]
+            out.append((g, o.concat([value, flag] + mine)))
         return out
 
-    def decode(self, o, coded, gathered):
+    def decode(self, o, coded, gathered, sums):
         """All parts from ``coded`` (this worker's) and ``gathered`` (per group, the
-        members' packets in group order, concatenated): algorithm 4.  Also returns
+        members' packets in group order, concatenated; ``sums``: :meth:`checksums` of
+        ``coded``): algorithm 4.  Also returns
         ``{sender: flag}`` for every worker this one shares a group with (all others), and
         whether any two copies of a part disagree.  Every worker sees every disagreement:
         the r holders of a part it lacks each send their copy's checksum, and a holder
         gets the checksums of every other holder's copy, so all ranks decide alike."""
         me, parts, flags, w, seg = self.rank, dict(coded), {}, self.packet, self.segment
-        seen = {q: [int(self.checksum(o, coded[q])[0])] for q in coded}
+        seen = {q: [int(v[0])] for q, v in sums.items()}
         for g, flat in zip(self.my_groups, gathered):
             lacking = tuple(j for j in g if j != me)             # the part this worker lacks
             segments = []
@@ -309,14 +313,15 @@ class CodedExchange:
                 nonfinite = int(own_flag)
                 total, nonfinite = self._verified(o, comm, total, nonfinite)
             elif self.exchange in ("multicast", "multicast_alltoall"):
-                packets = self.packets(o, coded, own_flag)
+                sums = self.checksums(o, coded)
+                packets = self.packets(o, coded, own_flag, sums)
                 if self.exchange == "multicast":
                     gathered = comm.group_allgather(packets)
                 else:
                     chunks, splits = self.alltoall_chunks(packets)
                     gathered = self.regroup(o, packets, comm.alltoall(chunks, splits))
                 t2 = time.perf_counter()
-                parts, flags, differ = self.decode(o, coded, gathered)
+                parts, flags, differ = self.decode(o, coded, gathered, sums)
                 total = _sum([o.cast(parts[q], o.int64) for q in range(self.placement.num_parts)])
                 nonfinite = int(own_flag) + sum(int(f) for f in flags.values())
                 if differ and not nonfinite and self.verify:
@@ -447,7 +452,8 @@ def in_process(n, r, grads, exchange="multicast", value_range=DEFAULT_RANGE, fla
         total = o.cast(o.concat([x[:s] for x in slices]), o.int64)
         nonfinite = sum(int(x[s + 1]) for x in slices)
         return [(total, nonfinite)] * n
-    packets = [e.packets(o, coded[w], own[w]) for w, e in enumerate(ex)]
+    sums = [e.checksums(o, coded[w]) for w, e in enumerate(ex)]
+    packets = [e.packets(o, coded[w], own[w], sums[w]) for w, e in enumerate(ex)]
     out = []
     for w, e in enumerate(ex):
         if exchange == "multicast":          # what each group's allgather delivers
@@ -461,7 +467,7 @@ def in_process(n, r, grads, exchange="multicast", value_range=DEFAULT_RANGE, fla
                     at = sum(splits[:w])
                     recv.append(o.concat(chunks)[at:at + splits[w]])
             gathered = e.regroup(o, packets[w], o.concat(recv))
-        parts, fl, _ = e.decode(o, coded[w], gathered)
+        parts, fl, _ = e.decode(o, coded[w], gathered, sums[w])
         out.append((_sum([o.cast(parts[q], o.int64) for q in range(P)]),
                     flags[w] + sum(int(f) for f in fl.values())))
     return out
