@@ -40,7 +40,7 @@ def test_spec_round_trip_and_default_unchanged():
     assert hvd_compress.from_spec("topk:density=0.01").spec == "topk:density=0.01,ef=1"
     c = hvd_compress.from_spec("laplace_topk:density=0.01,agg=hint,beta=2,hint=union")
     assert hvd_compress.from_spec(c.spec).spec == c.spec
-    assert "agg=hint" in c.spec and "beta=2.0" in c.spec and c.collective == "union"
+    assert "agg=hint" in c.spec and "beta=2.0" in c.spec and c.collective == "two_round"
     assert hvd_compress.from_spec("randomk:density=0.1,agg=leader,seed=3").seed == 3
     assert hvd_compress.from_spec("topk:density=0.01,agg=local").collective == "allgather"
 

@@ -8,3 +8,6 @@ from .quantize import TwoBit  # noqa: F401
 from .kernel_select import KernelSelect  # noqa: F401
 from .rangefloat import RangeFloat  # noqa: F401
 from .dct import DCTSparse  # noqa: F401
+from .stochastic import QSGD, TernGrad  # noqa: F401
+from .sign import OneBit, SignSGD  # noqa: F401
+from .lowrank import PowerSGD  # noqa: F401

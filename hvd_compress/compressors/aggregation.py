@@ -177,6 +177,17 @@ def finish(sp, summed, rnd):
     return sp.from_domain(coefs, rnd.ctx, ops)
 
 
+def traffic(sp, proposal, gathered, values, rnd, size):
+    """``(sent, received, received_local, union, k)`` bytes and counts of one exchange:
+    the int32 indices proposed and gathered, then a ring allreduce of the values at U."""
+    from ..stats import local_received, union_received
+    ops = rnd.ops
+    own, union = ops.count64(proposal), ops.count64(values)
+    w, w_local = ops.dtype_size(values.dtype), ops.dtype_size(rnd.ctx.dtype)
+    return (own * 4 + union * w, union_received(ops.count64(gathered), own, union, w, size),
+            local_received(rnd.k, w_local, size), union, rnd.k)
+
+
 # -- hint state: per tensor (of its selection domain) the boost 1 + beta [i in H] --------
 
 def _domain_parts(sp, parts, dctx):
@@ -218,7 +229,8 @@ def _record_hint(sp, rnd, mags):
 def in_process(compressors, tensors, name):
     """One exchange of ``P`` ranks simulated in one process (no Horovod): rank ``r`` is
     ``compressors[r]`` with gradient ``tensors[r]``; the allgather is the concatenation
-    in rank order and the allreduce a sum over ranks.  ``agg=local`` compressors
+    in rank order and the allreduce a sum over ranks (any two-round exchange, PowerSGD's
+    too).  ``agg=local`` compressors
     exchange their pairs as the glue does.  Returns ``(outputs per rank, info)`` with
     ``info = {"union", "k", "proposed"}`` (``union``: distinct indices in the aggregate).
     Used by benchmarks/aggregation.py and the tests; the glue layers run the same calls
@@ -227,7 +239,7 @@ def in_process(compressors, tensors, name):
     ops = ops_for(tensors[0])
     size = len(compressors)
     c0 = compressors[0]
-    if getattr(c0, "agg", None) is None:
+    if c0.collective != "two_round":
         payloads = [c.compress(t, name) for c, t in zip(compressors, tensors)]
         parts = len(payloads[0][0])
         gathered = tuple(ops.concat([p[i] for p, _ in payloads]) for i in range(parts))
@@ -237,11 +249,21 @@ def in_process(compressors, tensors, name):
         union = ops.length(ops.unique_sorted(gathered[-1]))
         return outs, {"union": union, "k": k, "proposed": proposed}
     rounds = [c.propose(t, name, r, size) for r, (c, t) in enumerate(zip(compressors, tensors))]
-    gathered = ops.concat([idx for idx, _ in rounds])
+    if c0.rounds[0][0] == "allgather":
+        gathered = ops.concat([idx for idx, _ in rounds])
+    else:
+        gathered = _sum([msg for msg, _ in rounds])
     agreed = [c.agree(gathered, rnd) for c, (_, rnd) in zip(compressors, rounds)]
-    summed = agreed[0][0]
-    for values, _ in agreed[1:]:
-        summed = summed + values
-    outs = [c.finish(summed, rnd) for c, (_, rnd) in zip(compressors, agreed)]
-    return outs, {"union": ops.length(agreed[0][1].union), "k": rounds[0][1].k,
-                  "proposed": [ops.length(idx) for idx, _ in rounds]}
+    outs = [c.finish(_sum([values for values, _ in agreed]), rnd)
+            for c, (_, rnd) in zip(compressors, agreed)]
+    union = getattr(agreed[0][1], "union", None)
+    return outs, {"union": None if union is None else ops.length(union),
+                  "k": getattr(rounds[0][1], "k", None),
+                  "proposed": [ops.length(msg) for msg, _ in rounds]}
+
+
+def _sum(tensors):
+    out = tensors[0]
+    for t in tensors[1:]:
+        out = out + t
+    return out

@@ -12,6 +12,20 @@ ranks can be summed element-wise (none, fp16).  ``collective == "allgather"``: t
 payload is a tuple of tensors; each is gathered separately (first dimensions may
 differ between ranks) and ``decompress`` receives their concatenations in rank order.
 
+``collective == "two_round"``: two collectives in sequence, the second an allreduce (Sum)
+that depends on the first's result; ``rounds`` names them, e.g.
+``(("allgather", "idx"), ("allreduce", "val"))``.  The glue runs::
+
+    msg1, rnd = c.propose(tensor, name, rank, size)    # or propose_bucket(flat, layout, ...)
+    agg1      = <rounds[0][0]>(msg1)                   # named <name>.<rounds[0][1]>
+    msg2, rnd = c.agree(agg1, rnd)
+    agg2      = allreduce_sum(msg2)                    # named <name>.<rounds[1][1]>
+    total     = c.finish(agg2, rnd)                    # shaped like the tensor (bucket: flat)
+    sent, received, received_local, union, k = c.traffic(msg1, agg1, msg2, rnd, size)
+
+Aggregation-aware selection (``agg=union|leader|hint``, :mod:`.aggregation`) and
+PowerSGD (:mod:`.lowrank`) are two-round exchanges.
+
 Subclasses implement :meth:`encode` and :meth:`decode` on flat tensors through the
 framework primitives of :mod:`hvd_compress.ops`, so each algorithm is written once
 for PyTorch and TensorFlow.  Error feedback (:mod:`hvd_compress.memory`) is applied
@@ -55,6 +69,7 @@ class Compressor:
 
     name = "base"              #: spec name, e.g. ``"topk"``
     collective = "allreduce"   #: which collective the payload needs
+    rounds = ()                #: two_round: ((collective, name suffix), ("allreduce", suffix))
     biased = False             #: biased compressors default to error feedback
     uses_step = False          #: needs a per-tensor step counter (e.g. random-k)
     payload_is_copy = True     #: the payload never aliases encode's input (so error

@@ -16,14 +16,78 @@ layer's own magnitude, so layers of very different scales each send a useful fra
 from .base import Compressor, register
 
 
+class CodesAndScales(Compressor):
+    """Base of the quantizers whose payload is per tensor a fixed number of code words
+    and of float32 scales: ``(codes, scales)``, allgathered, decoded rank by rank.
+
+    Subclasses give :meth:`sizes` (code words and scales for ``n`` values),
+    :meth:`encode_one` and :meth:`decode_one`.  A bucket's payload is every tensor's
+    codes end to end, then every tensor's scales (one allgather per bucket), decoded
+    tensor by tensor with the same arithmetic as alone, so the same bits.  A tensor
+    with NaN/Inf sends NaN scales: the aggregate is not finite where uncompressed
+    Horovod's would not be, and error feedback keeps the residual it had.
+    """
+
+    collective = "allgather"
+    segmented = True
+
+    def sizes(self, n):
+        """``(code words, scales)`` in the payload of a tensor of ``n`` values."""
+        raise NotImplementedError
+
+    def encode_one(self, flat, n, ops, step, name):
+        """``(codes, float32 scales)`` of one tensor (flat, ``n`` values)."""
+        raise NotImplementedError
+
+    def decode_one(self, codes, scales, n, ops):
+        """Flat float32 sum over ranks: ``codes`` (ranks, words), ``scales`` (ranks, s)."""
+        raise NotImplementedError
+
+    def encode(self, flat, ctx, ops, step):
+        # one finiteness check for the whole input (error feedback has made it already);
+        # tensor by tensor only where it fails (or inside TensorFlow, where it is free)
+        finite = ctx.finite if ctx.finite is not None else ops.all_finite(flat)
+        lay = ctx.bucket
+        if lay is None:
+            codes, scales = self.encode_one(flat, ctx.numel, ops, step, ctx.name)
+            return codes, _nan_unless(finite, scales, ops)
+        codes, scales = [], []
+        for i, (name, off, n) in enumerate(zip(lay.names, lay.offsets, lay.numels)):
+            seg = flat[off:off + n]
+            c, s = self.encode_one(seg, n, ops, step[i] if isinstance(step, list) else step,
+                                   name)
+            codes.append(c)
+            scales.append(s if finite is True else _nan_unless(ops.all_finite(seg), s, ops))
+        return ops.concat(codes), ops.concat(scales)
+
+    def decode(self, payload, ctx, ops):
+        if not isinstance(payload, (tuple, list)) or len(payload) != 2:
+            raise ValueError(f"{self.name}: a payload is (codes, scales)")
+        codes, scales = payload
+        lay = ctx.bucket
+        names = lay.names if lay is not None else (ctx.name,)
+        numels = lay.numels if lay is not None else (ctx.numel,)
+        widths = [self.sizes(n) for n in numels]
+        wc, ws = sum(w for w, _ in widths), sum(s for _, s in widths)
+        nc, ns = ops.length(codes), ops.length(scales)
+        if isinstance(nc, int) and isinstance(ns, int) and (ns % ws or nc != ns // ws * wc):
+            raise ValueError(f"{self.name} ({ctx.name or 'tensor'}): {nc} code words and {ns} "
+                             f"scales are not whole ranks of {wc} words and {ws} scales; the "
+                             "payload is malformed")
+        codes, scales = ops.reshape(codes, [-1, wc]), ops.reshape(scales, [-1, ws])
+        out, at_c, at_s = [], 0, 0
+        for name, n, (w, s) in zip(names, numels, widths):
+            out.append(self.decode_one(codes[:, at_c:at_c + w], scales[:, at_s:at_s + s], n, ops))
+            at_c, at_s = at_c + w, at_s + s
+        return out[0] if len(out) == 1 else ops.concat(out)
+
+
 @register
-class TwoBit(Compressor):
+class TwoBit(CodesAndScales):
     """2-bit quantization with a fixed or adaptive threshold; payload (words, t)."""
 
     name = "twobit"
-    collective = "allgather"
     biased = True
-    segmented = True      #: a bucket: a threshold and whole words per tensor
 
     def __init__(self, ef=None, threshold=None, scale=1.0):
         super().__init__(ef=ef)
@@ -34,17 +98,10 @@ class TwoBit(Compressor):
         self.threshold = None if threshold is None else float(threshold)
         self.scale = float(scale)
 
-    def encode(self, flat, ctx, ops, step):
-        lay = ctx.bucket
-        if lay is not None:
-            # each tensor packed on its own (its threshold, its words): the payload of a
-            # bucket is the tensors' payloads end to end, (words..., thresholds...)
-            parts = [self._encode_one(flat[off:off + n], n, ops)
-                     for off, n in zip(lay.offsets, lay.numels)]
-            return ops.concat([w for w, _ in parts]), ops.concat([t for _, t in parts])
-        return self._encode_one(flat, ctx.numel, ops)
+    def sizes(self, n):
+        return -(-n // 16), 1
 
-    def _encode_one(self, flat, n, ops):
+    def encode_one(self, flat, n, ops, step, name):
         if self.threshold is not None:
             t = ops.to_float32(ops.scalar(self.threshold, flat))
         else:
@@ -53,39 +110,21 @@ class TwoBit(Compressor):
         t = ops.where(t > 0, t, 0 * t + 1.0)       # all-zero tensor: every code is 0
         return ops.twobit_pack(flat, t), ops.reshape(ops.cast(t, ops.float32), [1])
 
-    def decode(self, payload, ctx, ops):
-        if len(payload) != 2:
-            raise ValueError("twobit: a payload is (words, thresholds)")
-        lay = ctx.bucket
-        if lay is not None:
-            return self._decode_bucket(payload, ctx, lay, ops)
-        words, thresholds = payload
-        n, per_rank = ctx.numel, -(-ctx.numel // 16)
-        nw, nt = ops.length(words), ops.length(thresholds)
-        if isinstance(nw, int) and isinstance(nt, int) and nw != nt * per_rank:
-            raise ValueError(f"twobit: {nw} words for {nt} ranks of {per_rank} words each; "
-                             "the payload is malformed")
-        fast = ops.twobit_decode_sum(words, thresholds, n)
-        if fast is not None:                           # the CPU path: table lookups
-            return fast
-        signs = ops.reshape(ops.twobit_unpack(words), [-1, per_rank * 16])[:, :n]
-        return ops.sum_rows(ops.reshape(signs * thresholds[:, None], [-1]), n)
+    def decode_one(self, codes, scales, n, ops):
+        return decode_twobit(codes, scales, n, ops)
 
-    def _decode_bucket(self, payload, ctx, lay, ops):
-        """Each tensor's words and thresholds of every rank, decoded as tensor by tensor
-        (the same arithmetic, so the same bits)."""
-        words, thresholds = payload
-        per_tensor = [-(-n // 16) for n in lay.numels]
-        width, T = sum(per_tensor), len(lay.numels)
-        nw, nt = ops.length(words), ops.length(thresholds)
-        if isinstance(nw, int) and isinstance(nt, int) and (nt % T or nw != nt // T * width):
-            raise ValueError(f"twobit: {nw} words and {nt} thresholds are not whole ranks of "
-                             f"{T} tensors ({width} words each); the payload is malformed")
-        words, thresholds = ops.reshape(words, [-1, width]), ops.reshape(thresholds, [-1, T])
-        out, at = [], 0
-        for s, (name, n, w) in enumerate(zip(lay.names, lay.numels, per_tensor)):
-            one = (ops.reshape(words[:, at:at + w], [-1]), thresholds[:, s])
-            out.append(self.decode(one, ctx._replace(shape=(n,), numel=n, name=name,
-                                                     segments=None), ops))
-            at += w
-        return ops.concat(out)
+
+def _nan_unless(finite, scales, ops):
+    """``scales``, or NaN in their place where the tensor they scale is not finite."""
+    return ops.select(finite, scales, scales * float("nan"))
+
+
+def decode_twobit(words, scales, n, ops):
+    """``sum_r scales[r] * codes_r``: 2-bit codes (+1, -1, 0) of every rank, (ranks, words)
+    and (ranks, 1)."""
+    words, scales = ops.reshape(words, [-1]), ops.reshape(scales, [-1])
+    fast = ops.twobit_decode_sum(words, scales, n)
+    if fast is not None:                           # the CPU path: table lookups
+        return fast
+    signs = ops.reshape(ops.twobit_unpack(words), [-1, -(-n // 16) * 16])[:, :n]
+    return ops.sum_rows(ops.reshape(signs * scales[:, None], [-1]), n)

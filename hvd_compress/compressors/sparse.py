@@ -110,7 +110,8 @@ class DensitySparsifier(Sparsifier):
         agg, self.beta, self.hint = aggregation.check_agg(agg, beta, hint, self.values)
         self.agg = None if agg == "local" else agg
         if self.agg is not None:
-            self.collective = "union"
+            self.collective = "two_round"
+            self.rounds = (("allgather", "idx"), ("allreduce", "val"))
 
     def k(self, n):
         return max(1, min(n, math.ceil(self.density * n)))
@@ -170,6 +171,10 @@ class DensitySparsifier(Sparsifier):
         ops = rnd.ops
         out = ops.cast(aggregation.finish(self, summed, rnd), rnd.ctx.dtype)
         return out if rnd.ctx.segments is not None else ops.reshape(out, rnd.ctx.shape)
+
+    def traffic(self, proposal, gathered, values, rnd, size):
+        """Bytes sent and received, and the union and k, of one exchange."""
+        return aggregation.traffic(self, proposal, gathered, values, rnd, size)
 
     def subtract_union(self, compensated, union, values, rnd, inplace):
         """The residual after sending this rank's ``values`` at ``union``."""

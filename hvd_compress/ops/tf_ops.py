@@ -9,6 +9,8 @@ float32 = _tf.float32
 float16 = _tf.float16
 bfloat16 = _tf.bfloat16
 int16 = _tf.int16
+int8 = _tf.int8
+uint8 = _tf.uint8
 int32 = _tf.int32
 int64 = _tf.int64
 
@@ -104,6 +106,16 @@ def select(pred, a, b):
 
 def size_bytes(t):
     return _tf.cast(_tf.size(t), _tf.int64) * t.dtype.size
+
+
+def count64(t):
+    """Number of elements as an int64 tensor (a python int in PyTorch)."""
+    return _tf.size(t, out_type=_tf.int64)
+
+
+def dtype_size(dtype):
+    """Bytes per element of ``dtype``."""
+    return _tf.as_dtype(dtype).size
 
 
 def zeros(n, dtype, like=None):
@@ -498,3 +510,45 @@ def saturate_int32(x):
 def pad_to(t, n):
     m = int(t.shape[0])
     return t if m == n else _tf.concat([t, _tf.zeros([n - m], t.dtype)], 0)
+
+
+# -- peer baselines: random draws, 1-bit codes, low-rank products -----------------------
+
+def uniform(n, seed, step, like):
+    """``n`` float32 draws from U[0, 1), a pure function of ``(seed, step)``."""
+    seed_t = _tf.stack([_tf.cast(seed % 2**63, _tf.int64), _tf.cast(step, _tf.int64)])
+    return _tf.random.stateless_uniform([n], seed=seed_t, dtype=_tf.float32)
+
+
+def onebit_pack(bits):
+    """uint8 words, 8 booleans each (the first in the high bit); padded with 0."""
+    n = numel(bits)
+    padded = pad_to(_tf.cast(_tf.reshape(bits, [-1]), _tf.int32), -(-n // 8) * 8)
+    weights = _tf.constant([128, 64, 32, 16, 8, 4, 2, 1], dtype=_tf.int32)
+    return _tf.cast(_tf.reduce_sum(_tf.reshape(padded, [-1, 8]) * weights, 1), _tf.uint8)
+
+
+def onebit_unpack(words, n):
+    """The first ``n`` booleans of ``words`` (:func:`onebit_pack`), per row of ``words``
+    viewed as (ranks, len // ranks): a (ranks, n) bool tensor."""
+    rows = words if len(words.shape) > 1 else _tf.reshape(words, [1, -1])
+    shifts = _tf.constant([7, 6, 5, 4, 3, 2, 1, 0], dtype=_tf.int32)
+    bits = _tf.bitwise.bitwise_and(
+        _tf.bitwise.right_shift(_tf.cast(rows, _tf.int32)[:, :, None], shifts), 1)
+    return _tf.cast(_tf.reshape(bits, [_tf.shape(rows)[0], -1])[:, :n], _tf.bool)
+
+
+def matmul(a, b, transpose_a=False, transpose_b=False):
+    """``a @ b`` with either operand transposed (float32 matrices)."""
+    return _tf.linalg.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+def orthonormal_columns(m):
+    """An orthonormal basis of ``m``'s columns (reduced QR's Q; float32, same shape)."""
+    q, _ = _tf.linalg.qr(_tf.cast(m, _tf.float32), full_matrices=False)
+    return q
+
+
+def constant(array, like):
+    """A float32 tensor from a numpy array."""
+    return _tf.constant(array, dtype=_tf.float32)

@@ -9,6 +9,8 @@ float32 = _torch.float32
 float16 = _torch.float16
 bfloat16 = _torch.bfloat16
 int16 = _torch.int16
+int8 = _torch.int8
+uint8 = _torch.uint8
 int32 = _torch.int32
 int64 = _torch.int64
 
@@ -109,6 +111,16 @@ def select(pred, a, b):
 
 def size_bytes(t):
     return int(t.numel()) * t.element_size()
+
+
+def count64(t):
+    """Number of elements (a python int; an int64 tensor in TensorFlow)."""
+    return int(t.numel())
+
+
+def dtype_size(dtype):
+    """Bytes per element of ``dtype``."""
+    return _torch.empty((), dtype=dtype).element_size()
 
 
 def zeros(n, dtype, like=None):
@@ -518,3 +530,52 @@ def saturate_int32(x):
 def pad_to(t, n):
     """1-D ``t`` followed by zeros up to length ``n``."""
     return t if t.numel() == n else _torch.cat([t, t.new_zeros(n - t.numel())])
+
+
+# -- peer baselines: random draws, 1-bit codes, low-rank products -----------------------
+
+def uniform(n, seed, step, like):
+    """``n`` float32 draws from U[0, 1), a pure function of ``(seed, step)`` (on
+    ``like``'s device, whose generator makes them: CPU and CUDA draws differ)."""
+    gen = _torch.Generator(device=like.device)
+    gen.manual_seed(_mix(seed, int(step)))
+    return _torch.rand(n, generator=gen, device=like.device, dtype=_torch.float32)
+
+
+_BIT_WEIGHTS = {}
+
+
+def onebit_pack(bits):
+    """uint8 words, 8 booleans each (the first in the high bit); padded with 0."""
+    n = bits.numel()
+    padded = _torch.zeros(-(-n // 8) * 8, dtype=_torch.uint8, device=bits.device)
+    padded[:n] = bits.to(_torch.uint8)
+    key = bits.device
+    if key not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[key] = _torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=_torch.uint8,
+                                          device=bits.device)
+    return (padded.reshape(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=_torch.uint8)
+
+
+def onebit_unpack(words, n):
+    """The first ``n`` booleans of ``words`` (:func:`onebit_pack`), per row of ``words``
+    viewed as (ranks, len // ranks): a (ranks, n) bool tensor."""
+    rows = words.reshape(-1, words.shape[-1]) if words.dim() > 1 else words.reshape(1, -1)
+    shifts = _torch.arange(7, -1, -1, dtype=_torch.uint8, device=words.device)
+    bits = (rows[:, :, None] >> shifts) & 1
+    return bits.reshape(rows.shape[0], -1)[:, :n].bool()
+
+
+def matmul(a, b, transpose_a=False, transpose_b=False):
+    """``a @ b`` with either operand transposed (float32 matrices)."""
+    return (a.t() if transpose_a else a) @ (b.t() if transpose_b else b)
+
+
+def orthonormal_columns(m):
+    """An orthonormal basis of ``m``'s columns (reduced QR's Q; float32, same shape)."""
+    return _torch.linalg.qr(m.float(), mode="reduced").Q
+
+
+def constant(array, like):
+    """A float32 tensor on ``like``'s device from a numpy array."""
+    return _torch.as_tensor(array, dtype=_torch.float32).to(like.device)

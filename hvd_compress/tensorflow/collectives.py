@@ -12,7 +12,7 @@ import tensorflow as tf
 from ..compressors import payload_bytes
 from ..ops import tf_ops
 from ..spec import from_spec, resolve
-from ..stats import local_received, ring_received, union_received
+from ..stats import ring_received
 
 PREFIX = "hvd_compress."
 _CACHE = {}
@@ -74,21 +74,20 @@ def _payload_traffic(compressor, payload, aggregate, process_set):
     return _traffic(sent, payload_bytes(aggregate, tf_ops) - sent)
 
 
-def _union(compressor, proposal, rnd, wire, process_set):
-    """The two rounds of agg=union/leader/hint: allgather the proposed indices
-    (``<wire>.idx``), agree on the union, allreduce (Sum) the values there
-    (``<wire>.val``).  Returns ``(flat or shaped sum, traffic)``."""
-    gathered = hvd.allgather(proposal, name=wire + ".idx", process_set=process_set)
+def _two_rounds(compressor, proposal, rnd, wire, process_set):
+    """A two-round exchange (agg=union/leader/hint, PowerSGD): round 1's collective of
+    ``compressor.rounds`` (``<wire>.<suffix>``), ``agree``, an allreduce (Sum) of what it
+    returns (``<wire>.<suffix>``), ``finish``.  Returns ``(flat or shaped sum, traffic)``."""
+    (kind, suffix1), (_, suffix2) = compressor.rounds
+    if kind == "allgather":
+        gathered = hvd.allgather(proposal, name=f"{wire}.{suffix1}", process_set=process_set)
+    else:
+        gathered = hvd.allreduce(proposal, op=hvd.Sum, name=f"{wire}.{suffix1}",
+                                 process_set=process_set)
     values, rnd = compressor.agree(gathered, rnd)
-    summed = hvd.allreduce(values, op=hvd.Sum, name=wire + ".val", process_set=process_set)
+    summed = hvd.allreduce(values, op=hvd.Sum, name=f"{wire}.{suffix2}", process_set=process_set)
     out = compressor.finish(summed, rnd)
-    size = process_set.size()
-    w, w_local = values.dtype.size, tf.as_dtype(rnd.ctx.dtype).size
-    union = tf.size(values, out_type=tf.int64)
-    own = tf.size(proposal, out_type=tf.int64)
-    received = union_received(tf.size(gathered, out_type=tf.int64), own, union, w, size)
-    return out, _traffic(own * 4 + union * w, received, local_received(rnd.k, w_local, size),
-                         union, rnd.k)
+    return out, _traffic(*compressor.traffic(proposal, gathered, values, rnd, process_set.size()))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -109,9 +108,9 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
         return tf.identity(tensor), _traffic(0, 0)
     compressor = compressor.for_tensor(name, tensor)
     wire = PREFIX + _safe(name)
-    if compressor.collective == "union":
+    if compressor.collective == "two_round":
         proposal, rnd = compressor.propose(tensor, name, process_set.rank(), process_set.size())
-        out, traffic = _union(compressor, proposal, rnd, wire, process_set)
+        out, traffic = _two_rounds(compressor, proposal, rnd, wire, process_set)
         return _average(out, op, process_set), traffic
     payload, ctx = compressor.compress(tensor, name)
     if compressor.collective == "allreduce":
@@ -134,10 +133,10 @@ def bucket_allreduce(flat, layout, compressor, op=hvd.Average,
     Returns ``(flat result, traffic)`` as :func:`allreduce`."""
     check_op(op)
     wire = PREFIX + _safe(layout.key)
-    if compressor.collective == "union":
+    if compressor.collective == "two_round":
         proposal, rnd = compressor.propose_bucket(flat, layout, process_set.rank(),
                                                   process_set.size())
-        out, traffic = _union(compressor, proposal, rnd, wire, process_set)
+        out, traffic = _two_rounds(compressor, proposal, rnd, wire, process_set)
         return _average(out, op, process_set), traffic
     payload, ctx = compressor.compress_bucket(flat, layout)
     if compressor.collective == "allreduce":

@@ -11,7 +11,7 @@ import torch
 from ..compressors import payload_bytes
 from ..ops import torch_ops
 from ..spec import resolve
-from ..stats import local_received, ring_received, union_received
+from ..stats import ring_received
 
 PREFIX = "hvd_compress."
 
@@ -44,8 +44,9 @@ class Handle:
         #: :func:`synchronize`) and decompressing; filled in by :func:`synchronize`
         self.compress_s, self.wait_s, self.decompress_s = compress_s, 0.0, 0.0
         self.bucket = None     #: the Layout of a bucket (bucket_allreduce_async), else None
-        #: agg=union/leader/hint: the Round between the two rounds (see :func:`advance`)
-        self.round = None
+        #: two-round exchanges (agg=union/leader/hint, PowerSGD): the compressor's state
+        #: between the rounds, and round 1's message until round 2 starts (:func:`advance`)
+        self.round = self.proposal = None
         #: bytes this rank received, what agg=local would have received (every rank
         #: sending k pairs), and the union size and k of the selection (0 where none)
         self.received_bytes = self.received_local_bytes = 0
@@ -71,12 +72,12 @@ def allreduce_async(tensor, name, compression=None, op=hvd.Average,
     if tensor.numel() == 0:
         return Handle(compressor, None, [], [], op, process_set, 0, 0, result=tensor.clone())
     compressor = compressor.for_tensor(name, tensor)
-    if compressor.collective == "union":
+    if compressor.collective == "two_round":
         start = time.perf_counter()
         proposal, rnd = compressor.propose(tensor.detach(), name, process_set.rank(),
                                            process_set.size())
-        return _start_union(compressor, rnd, proposal, PREFIX + name, op, process_set,
-                            tensor.numel() * 4, time.perf_counter() - start)
+        return _start_rounds(compressor, rnd, proposal, PREFIX + name, op, process_set,
+                             tensor.numel() * 4, time.perf_counter() - start)
     start = time.perf_counter()
     payload, ctx = compressor.compress(tensor.detach(), name)
     compress_s = time.perf_counter() - start
@@ -103,11 +104,11 @@ def bucket_allreduce_async(flat, layout, compressor, op=hvd.Average,
     tensor.  :func:`synchronize` returns the flat sum (or average) over the ranks."""
     check_op(op)
     start = time.perf_counter()
-    if compressor.collective == "union":
+    if compressor.collective == "two_round":
         proposal, rnd = compressor.propose_bucket(flat, layout, process_set.rank(),
                                                   process_set.size())
-        handle = _start_union(compressor, rnd, proposal, PREFIX + layout.key, op, process_set,
-                              layout.total * 4, time.perf_counter() - start)
+        handle = _start_rounds(compressor, rnd, proposal, PREFIX + layout.key, op, process_set,
+                               layout.total * 4, time.perf_counter() - start)
         handle.bucket = layout
         return handle
     payload, ctx = compressor.compress_bucket(flat, layout)
@@ -126,37 +127,39 @@ def bucket_allreduce_async(flat, layout, compressor, op=hvd.Average,
     return handle
 
 
-def _start_union(compressor, rnd, proposal, name, op, process_set, dense, compress_s):
-    """Round 1 of an aggregation-aware exchange: allgather this rank's proposed indices
-    (``<name>.idx``); :func:`advance` starts round 2."""
-    handle = Handle(compressor, None, [hvd.allgather_async(proposal, name=name + ".idx",
-                                                           process_set=process_set)],
-                    [proposal.dtype], op, process_set, proposal.numel() * 4, dense,
-                    compress_s=compress_s)
-    handle.round, handle.name = rnd, name
+def _start_rounds(compressor, rnd, proposal, name, op, process_set, dense, compress_s):
+    """Round 1 of a two-round exchange (agg=union/leader/hint, PowerSGD): start the
+    first collective of ``compressor.rounds`` (``<name>.<suffix>``); :func:`advance`
+    starts round 2."""
+    (kind, suffix), _ = compressor.rounds
+    if kind == "allgather":
+        first = hvd.allgather_async(proposal, name=f"{name}.{suffix}", process_set=process_set)
+    else:
+        first = hvd.allreduce_async(proposal, name=f"{name}.{suffix}", op=hvd.Sum,
+                                    process_set=process_set)
+    handle = Handle(compressor, None, [first], [proposal.dtype], op, process_set,
+                    proposal.numel() * proposal.element_size(), dense, compress_s=compress_s)
+    handle.round, handle.name, handle.proposal = rnd, name, proposal
     return handle
 
 
 def advance(handle):
-    """Aggregation-aware exchange: wait for round 1 (the indices), agree on the union
-    and start round 2, one allreduce (Sum) of this rank's values there (``<name>.val``).
-    Does nothing for other handles, or when round 2 runs already.  The optimizer
-    advances every handle before waiting for any, so round-2 allreduces overlap."""
-    if handle.round is None or handle.round.union is not None:
+    """Two-round exchange: wait for round 1, let the compressor ``agree`` and start round
+    2, one allreduce (Sum) of what it returns (``<name>.<suffix>``).  Does nothing for
+    other handles, or when round 2 runs already.  The optimizer advances every handle
+    before waiting for any, so round-2 allreduces overlap."""
+    if handle.round is None or handle.proposal is None:
         return
     start = time.perf_counter()
     gathered = hvd.synchronize(handle.handles[0])
     waited = time.perf_counter()
     values, handle.round = handle.compressor.agree(gathered, handle.round)
-    handle.handles = [hvd.allreduce_async(values, name=handle.name + ".val", op=hvd.Sum,
-                                          process_set=handle.process_set)]
-    size, w = handle.process_set.size(), values.element_size()
-    w_local = torch.empty((), dtype=handle.round.ctx.dtype).element_size()
-    own = int(handle.round.proposed)
-    handle.union, handle.k = int(values.numel()), handle.round.k
-    handle.sent_bytes += values.numel() * w
-    handle.received_bytes = union_received(gathered.numel(), own, values.numel(), w, size)
-    handle.received_local_bytes = local_received(handle.k, w_local, size)
+    handle.handles = [hvd.allreduce_async(values, name=f"{handle.name}.{handle.compressor.rounds[1][1]}",
+                                          op=hvd.Sum, process_set=handle.process_set)]
+    (handle.sent_bytes, handle.received_bytes, handle.received_local_bytes, handle.union,
+     handle.k) = handle.compressor.traffic(handle.proposal, gathered, values, handle.round,
+                                           handle.process_set.size())
+    handle.proposal = None
     handle.wait_s += waited - start
     handle.compress_s += time.perf_counter() - waited
 

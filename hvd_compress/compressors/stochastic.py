@@ -1,0 +1,132 @@
+"""Stochastic, unbiased quantizers: QSGD and TernGrad (peer baselines).
+
+Both round every value at random to one of a few levels, with probabilities chosen so
+that the expected value is the value itself: ``E[Q(g)] = g``.  Unbiased, so they need
+no error feedback (``ef=1`` turns it on anyway).
+
+**QSGD** (Alistarh, Grubic, Li, Tomioka & Vojnovic, "QSGD: Communication-Efficient SGD
+via Gradient Quantization and Encoding", NeurIPS 2017), with ``s`` levels and the
+paper's bucketing (a norm per ``block`` consecutive values; the paper used 512)::
+
+    Q_s(v_i) = ||v|| * sign(v_i) * xi_i / s,   l = floor(|v_i| s / ||v||),
+    xi_i = l + 1 with probability |v_i| s / ||v|| - l, else l
+
+The payload is one signed int8 level per value (``levels`` <= 127: 4x fewer bytes than
+float32; the paper's Elias coding of the levels is not done) and a float32 norm per
+block; the variance is at most ``min(block / s^2, sqrt(block) / s) ||v||^2``.
+
+**TernGrad** (Wen, Xu, Yan, Wu, Wang, Chen & Li, "TernGrad: Ternary Gradients to
+Reduce Communication in Distributed Deep Learning", NeurIPS 2017), per layer::
+
+    s = max |g|,   Q(g_i) = s * sign(g_i) * b_i,   b_i ~ Bernoulli(|g_i| / s)
+
+sent as 2-bit codes, 16 per 32-bit word (the ``twobit`` kernel), and ``s``: 16x fewer
+bytes than float32.  The paper's gradient clipping (to 2.5 standard deviations) is not
+done.
+
+Random draws are a pure function of ``(seed, rank, tensor name, step)``: runs repeat
+exactly, and ranks draw independently (``rank``: default this process's rank, from
+``HOROVOD_RANK``, torchrun's ``RANK``, ``OMPI_COMM_WORLD_RANK`` or ``PMI_RANK``; 0
+alone).  The step is counted per tensor and saved in ``state_dict()``.
+"""
+import os
+import zlib
+
+from .base import register
+from .quantize import CodesAndScales, decode_twobit
+
+RANK_VARIABLES = ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def process_rank():
+    """This process's rank as the launcher tells it (0 when none does)."""
+    for var in RANK_VARIABLES:
+        if os.environ.get(var, "").strip().isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class Stochastic(CodesAndScales):
+    """A quantizer with per-rank random draws (see the module docstring)."""
+
+    uses_step = True
+
+    def __init__(self, ef=None, seed=0, rank=None):
+        super().__init__(ef=ef)
+        self.seed = int(seed)
+        if rank is not None and int(rank) < 0:
+            raise ValueError(f"rank must be >= 0, got {rank!r}")
+        self.rank = None if rank is None else int(rank)
+
+    def draws(self, n, ops, step, name, like):
+        """``n`` uniform draws for tensor ``name`` at ``step`` on this rank."""
+        rank = process_rank() if self.rank is None else self.rank
+        key = zlib.crc32(f"{self.seed}/{rank}/{name}".encode())
+        return ops.uniform(n, key, step, like)
+
+
+@register
+class QSGD(Stochastic):
+    """QSGD with ``levels`` levels and a norm per ``block`` values; payload (int8 levels,
+    float32 norms)."""
+
+    name = "qsgd"
+
+    def __init__(self, levels=127, block=512, ef=None, seed=0, rank=None):
+        super().__init__(ef=ef, seed=seed, rank=rank)
+        if not 1 <= int(levels) <= 127 or int(levels) != float(levels):
+            raise ValueError(f"levels must be an integer in [1, 127] (one int8 per value), "
+                             f"got {levels!r}")
+        if int(block) < 1 or int(block) != float(block):
+            raise ValueError(f"block must be an integer >= 1, got {block!r}")
+        self.levels, self.block = int(levels), int(block)
+
+    def _blocks(self, n):
+        width = min(self.block, max(n, 1))
+        return -(-n // width), width
+
+    def sizes(self, n):
+        return n, self._blocks(n)[0]
+
+    def encode_one(self, flat, n, ops, step, name):
+        blocks, width = self._blocks(n)
+        rows = ops.reshape(ops.pad_to(ops.to_float32(flat), blocks * width), [blocks, width])
+        norms = ops.row_norms(rows)
+        safe = ops.where(norms > 0, norms, norms * 0 + 1.0)
+        u = ops.abs(rows) / safe[:, None] * float(self.levels)        # in [0, s]
+        frac = u % 1.0
+        rnd = ops.reshape(self.draws(blocks * width, ops, step, name, rows), [blocks, width])
+        level = (u - frac) + ops.cast(rnd < frac, ops.float32)
+        signed = ops.where(rows < 0, -level, level)
+        codes = ops.cast(ops.reshape(signed, [-1])[:n], ops.int8)
+        return codes, norms
+
+    def decode_one(self, codes, scales, n, ops):
+        blocks, width = self._blocks(n)
+        per_value = ops.reshape(scales[:, :, None] + ops.zeros(width, ops.float32, scales),
+                                [-1, blocks * width])[:, :n]
+        values = ops.to_float32(codes) * per_value / float(self.levels)
+        return ops.sum_rows(ops.reshape(values, [-1]), n)
+
+
+@register
+class TernGrad(Stochastic):
+    """TernGrad: ternary levels {-s, 0, s} per layer, ``s = max|g|``; payload (2-bit
+    words, float32 s)."""
+
+    name = "terngrad"
+
+    def sizes(self, n):
+        return -(-n // 16), 1
+
+    def encode_one(self, flat, n, ops, step, name):
+        x = ops.to_float32(flat)
+        _, s = ops.abs_sum_max(x)
+        s = ops.where(s > 0, s, 0 * s + 1.0)           # all zero: every code is 0
+        keep = self.draws(n, ops, step, name, x) < ops.abs(x) / s
+        ternary = ops.where(keep, ops.where(x < 0, x * 0 - 1.0, x * 0 + 1.0), x * 0)
+        one = ops.to_float32(ops.scalar(1.0, x))
+        return ops.twobit_pack(ternary, one), ops.reshape(s, [1])
+
+    def decode_one(self, codes, scales, n, ops):
+        return decode_twobit(codes, scales, n, ops)
