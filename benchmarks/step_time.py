@@ -39,7 +39,9 @@ from hvd_compress.shaped_link import shaped_link  # noqa: E402
 
 SPECS = ["horovod", "none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
          "laplace_topk:density=0.01,values=rangefloat8", "dct:density=0.01,block=64",
-         "twobit", "hylo", "rangefloat:bits=8"]
+         "twobit", "hylo", "rangefloat:bits=8",
+         # peer baselines (hvd_compress.compressors.lowrank / stochastic / sign)
+         "powersgd:rank=4", "qsgd", "terngrad", "signsgd", "onebit"]
 MODELS = ["mnist_cnn", "vgg_small", "resnet_small", "cnn_mlp_large"]
 LINKS = {"plain": None, "1gbit": "1gbit", "100mbit": "100mbit"}
 # (measured steps, warm-up steps) per link and model: more steps where steps are short,

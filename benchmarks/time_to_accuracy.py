@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from hvd_compress.shaped_link import shaped_link  # noqa: E402
 
 SPECS = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
-         "laplace_topk:density=0.01,values=rangefloat8", "hylo"]
+         "laplace_topk:density=0.01,values=rangefloat8", "hylo",
+         "powersgd:rank=4", "qsgd", "terngrad", "signsgd", "onebit"]     # peer baselines
 LINKS = {"plain": None, "100mbit": "100mbit"}
 EXAMPLES = {"pytorch": "examples/pytorch_mnist.py", "tensorflow": "examples/tensorflow2_mnist.py"}
 

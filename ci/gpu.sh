@@ -7,7 +7,8 @@
 #                 is a GPU)
 #   3. benchmarks select.py on CUDA (1M-100M, laplace_topk vs torch.topk), codecs and DCT,
 #                 compress+decompress per step of examples/models.py; where each
-#                 compressor's time and host synchronisations go (profile)
+#                 compressor's time and host synchronisations go (profile); one exchange
+#                 of every compressor, peer baselines included (codec_time.py)
 #   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
 #
 # Needs python with torch (and triton for the kernels); installs nothing and uses no
@@ -157,11 +158,13 @@ if [ "$HAVE_CUDA" = 1 ]; then
   run_step "select 1M,4M + real" 60 "${SELECT[@]}" --sizes 1M,4M --inputs laplace,gaussian,student_t2,real \
     --out "$RESULTS/.select_1_small.json"
   run_step profile 60 "${BENCH[@]}" profile --sizes 1M,25M --repeat 5 --out "$RESULTS/profile.json"
+  run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device cuda --sizes 1M,25M \
+    --repeat 10 --out "$RESULTS"                # the peer baselines beside ours
   run_step "select 100M" 90 "${SELECT[@]}" --sizes 100M --inputs laplace,gaussian \
     --methods topk,laplace_topk,laplace_topk_exact,gaussian_k,sidco_exp \
     --out "$RESULTS/.select_3_100M.json"    # no dgc: its sample is drawn on the CPU
 else
-  for s in "select 25M" codecs models "select 1M,4M + real" profile "select 100M"; do
+  for s in "select 25M" codecs models "select 1M,4M + real" profile "codec time" "select 100M"; do
     skip_step "$s" "no CUDA device"
   done
 fi

@@ -3,7 +3,9 @@
 #: compressors every worker runs through real Horovod
 SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05",
          "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1", "rangefloat:bits=8",
-         "topk:density=0.05,values=rangefloat8"]
+         "topk:density=0.05,values=rangefloat8",
+         # peer baselines (deterministic: a reference in numpy; qsgd/terngrad in BUCKET_SPECS)
+         "signsgd", "onebit", "powersgd:rank=2"]
 #: the parameters of the workers' toy models
 SHAPES = {"w": (12, 10), "b": (7,)}
 #: the policy scenario: parameter -> (torch shape, keras shape, compressor)
@@ -16,7 +18,8 @@ POLICY = {"conv": ((8, 4, 3, 3), (3, 3, 4, 8), "kernel_select:fraction=0.25"),
 BUCKET_SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05,seed=4",
                 "threshold:threshold=1.0", "laplace_topk:density=0.05,exact=1",
                 "topk:density=0.05,values=rangefloat8", "twobit", "rangefloat:bits=8",
-                "dct:density=0.05,block=32"]   # (kernel_select: in the policy, on "conv")
+                "dct:density=0.05,block=32",   # (kernel_select: in the policy, on "conv")
+                "qsgd", "terngrad", "signsgd", "onebit", "powersgd:rank=2"]
 BUCKET_TOL_SPECS = ["laplace_topk:density=0.05"]
 BUCKET_SHAPES = {"conv": (6, 4, 3, 3), "big": (40, 30), "w": (12, 10), "b": (7,), "s": (),
                  "late": (5, 3)}

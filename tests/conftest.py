@@ -110,6 +110,24 @@ def rangefloat_reference(x, bits, e=None):
     return (np.sign(x) * value).astype(np.float32)
 
 
+def powersgd_reference(grads, rank, name, seed=0, min_compression_rate=2):
+    """The sum over ranks after PowerSGD's first step, from scratch in numpy:
+    ``P^ = orth(sum_w M_w Q0)``, ``out = P^ P^T sum_w M_w`` (vectors and matrices too
+    small to shrink: the plain sum)."""
+    import zlib
+    total = sum(g.astype(np.float64) for g in grads)
+    if grads[0].ndim < 2:
+        return total
+    rows, cols = grads[0].shape[0], grads[0].size // grads[0].shape[0]
+    r = min(rank, rows, cols)
+    if not (rows + cols) * r * min_compression_rate < rows * cols:
+        return total
+    q0 = np.random.RandomState(zlib.crc32(f"{seed}/{name}".encode())).standard_normal(
+        (cols, r)).astype(np.float32)
+    p, _ = np.linalg.qr(sum(g.reshape(rows, cols).astype(np.float64) @ q0 for g in grads))
+    return (p @ p.T @ total.reshape(rows, cols)).reshape(grads[0].shape)
+
+
 def reference_contribution(spec, g):
     """What one rank's gradient ``g`` contributes to the sum, computed without hvd_compress."""
     name, _, params = spec.partition(":")
@@ -144,6 +162,13 @@ def reference_contribution(spec, g):
         out = np.zeros_like(rows)
         out[keep] = rows[keep]
         return (out.T.reshape(g.shape) if keras else out.reshape(g.shape))
+    if name == "signsgd":                  # first step: (||g||_1 / d) sign(g)
+        a = np.abs(g.astype(np.float64)).sum() / g.size
+        return np.where(g >= 0, a, -a).astype(np.float32)
+    if name == "onebit":                   # first step: each side's mean
+        pos, neg = g[g >= 0].astype(np.float64), g[g < 0].astype(np.float64)
+        return np.where(g >= 0, pos.mean() if pos.size else 0.0,
+                        neg.mean() if neg.size else 0.0).astype(np.float32)
     if name == "topk":
         return np.where(topk_mask(g, float(kv["density"])), g, 0)
     if name == "threshold":

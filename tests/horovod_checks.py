@@ -7,7 +7,7 @@ import numpy as np
 from cases import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP,  # noqa: F401
                    BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS,
                    POLICY, SHAPES, SPECS)                      # (re-exported for the tests)
-from conftest import ROOT, horovodrun, reference_contribution, topk_mask
+from conftest import ROOT, horovodrun, powersgd_reference, reference_contribution, topk_mask
 TOL = {"fp16": 2e-3, "bf16": 1e-6}
 
 
@@ -24,6 +24,11 @@ def check_aggregate(ranks, key, spec, op, passes=1):
             assert support.sum() == math.ceil(0.05 * inputs[0].size)
             np.testing.assert_allclose(outs[0][support], ((inputs[0] + inputs[1]) / div)[support],
                                        rtol=1e-6)
+            continue
+        if spec.startswith("powersgd"):     # not a sum of per-rank contributions
+            rank = int(dict(p.split("=") for p in spec.split(":")[1].split(","))["rank"])
+            expected = powersgd_reference(inputs, rank, n) / div
+            np.testing.assert_allclose(outs[0], expected, rtol=1e-4, atol=1e-5)
             continue
         expected = sum(reference_contribution(spec, g) for g in inputs) / div
         np.testing.assert_allclose(outs[0], expected, rtol=TOL.get(spec, 1e-6), atol=1e-6)
@@ -132,7 +137,10 @@ def check_bucket_plan(ranks, spec, segmented):
     small, default = ranks[0][f"{spec}|{BUCKET_MBS[1]}|1|buckets"], ranks[0][f"{spec}|25|1|buckets"]
     assert small.sum() == default.sum() == n
     if segmented:
-        assert 1 < len(small) < n and list(default) == [n]
+        # powersgd: the matrices it compresses in one bucket, what it sends as is (the
+        # vector, the 0-d and the 5x3 parameter, too small to shrink) in another
+        whole = [3, 3] if spec.startswith("powersgd") else [n]
+        assert 1 < len(small) < n and sorted(default) == whole
     else:
         assert list(small) == list(default) == [1] * n
 

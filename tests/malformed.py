@@ -12,7 +12,7 @@ SPECS = ["none", "fp16", "bf16", "topk:density=0.1", "randomk:density=0.1",
          "threshold:threshold=0.5", "laplace_topk:density=0.1", "dgc:density=0.1",
          "gaussian_k:density=0.1", "sidco_exp:density=0.1", "twobit", "rangefloat:bits=8",
          "dct:density=0.1,block=32", "topk:density=0.1,values=rangefloat8",
-         "kernel_select:fraction=0.5"]
+         "kernel_select:fraction=0.5", "qsgd", "terngrad", "signsgd", "onebit"]
 MUTATIONS = ["drop", "extra", "truncate", "extend", "empty", "dtype", "index"]
 DTYPES = ["float64", "int64", "uint8", "float16", "int32"]
 
@@ -119,7 +119,7 @@ def check(fw, spec, how, which, amount, dtype, seed=0):
 #: compressors whose payload holds free bit patterns (codes, headers) that a change may
 #: leave well formed, e.g. an extra empty [E, 0] rangefloat header, shifted 2-bit codes
 FREE_BITS = {"twobit", "rangefloat:bits=8", "dct:density=0.1,block=32",
-             "topk:density=0.1,values=rangefloat8"}
+             "topk:density=0.1,values=rangefloat8", "qsgd", "terngrad", "signsgd", "onebit"}
 
 
 def fuzz(fw, cases, seed=0):
