@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test demo demo-tf demo-cssgd bench clean gpu-test
+.PHONY: setup test demo demo-tf demo-keras demo-cssgd bench clean gpu-test
 
 setup:
 	@bash ci/setup.sh
@@ -23,6 +23,9 @@ demo-cssgd: setup
 
 demo-tf: setup
 	$(HVDRUN) $(PY) examples/tensorflow2_mnist.py --compression topk:density=0.01
+
+demo-keras: setup
+	$(HVDRUN) $(PY) examples/keras_mnist.py --compression topk:density=0.01
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,8 +4,8 @@
         --compression topk:density=0.01
 
 The training step is a ``tf.function`` around ``hvd_compress.tensorflow.
-DistributedGradientTape``; the optimizer is plain momentum SGD written out (Keras 3
-optimizers are not supported by Horovod 0.28.1's Keras wrapper; the tape works).
+DistributedGradientTape``; the optimizer is plain momentum SGD written out (for Keras 3
+``model.fit`` see examples/keras_mnist.py and hvd_compress.keras).
 """
 import os
 

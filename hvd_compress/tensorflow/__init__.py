@@ -1,8 +1,8 @@
 """TensorFlow glue: DistributedGradientTape and allreduce with hvd_compress compressors.
 
-Needs Horovod built with TensorFlow.  Keras 3 optimizers (``model.fit`` with
-Horovod's ``DistributedOptimizer``) are not supported on Horovod 0.28.1: use
-``DistributedGradientTape`` in a custom training loop.
+Needs Horovod built with TensorFlow.  For Keras 3 ``model.fit`` (Horovod 0.28.1's own
+Keras ``DistributedOptimizer`` predates Keras 3) use :mod:`hvd_compress.keras`, which
+runs the same code as the tape.
 """
 from .collectives import allreduce, check_same_config  # noqa: F401
 from . import elastic  # noqa: F401

@@ -2,7 +2,9 @@
 that may need an allgather.  Works eagerly and inside ``tf.function``.
 
 Error-feedback state and byte counts live in ``tf.Variable``s held by the compressor
-(one object per spec string), so a tape created anew each step keeps them.
+(one object per spec string), so a tape created anew each step keeps them.  The work is
+done by :func:`reduce_gradients`, which ``hvd_compress.keras.DistributedOptimizer``
+shares.
 """
 import weakref
 
@@ -110,44 +112,62 @@ class DistributedGradientTape:
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         flat_sources = tf.nest.flatten(sources)
         grads = tf.nest.flatten(self._tape.gradient(target, sources, output_gradients, **kwargs))
-        names = variable_names(flat_sources)
-        if not self.process_set.included():
-            return tf.nest.pack_sequence_as(sources, grads)
-        # which compressor: asked of the gradient (a Keras 3 variable's dtype is a string)
-        likes = [tf.zeros(tuple(v.shape), tf.as_dtype(v.dtype)) if g is None
-                 else g.values if isinstance(g, tf.IndexedSlices) else g
-                 for v, g in zip(flat_sources, grads)]
-        entries = [(n, tuple(v.shape), self.compression.for_tensor(n, like), tf.as_dtype(v.dtype).name,
-                    tf.as_dtype(v.dtype).size) for n, v, like in zip(names, flat_sources, likes)]
-        plan = buckets.plan(entries, self.bucket_mb)
-        checked = _CHECKED.setdefault(self.compression, set())
-        if self.bucket_mb not in checked:
-            layout = ";".join(f"{n}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}"
-                              for n, v in zip(names, flat_sources))
-            collectives.check_same_config(
-                f"{self.compression.spec} op={self.op} {buckets.describe(self.bucket_mb, plan)} "
-                f"| {layout}", self.process_set)
-            checked.add(self.bucket_mb)
-        out, dense = list(grads), 0
-        traffic = dict.fromkeys(("sent",) + EXCHANGE, tf.constant(0, tf.int64))
-        for bucket in plan:
-            present = [i for i in bucket if grads[i] is not None]
-            if not present:
-                continue
-            # a variable without a gradient (None, as Horovod returns it) is left out of
-            # its bucket for this step: its residual waits, as tensor by tensor
-            if len(present) == 1:
-                i = present[0]
-                out[i], one = collectives.allreduce(grads[i], names[i], self.compression,
-                                                       self.op, self.process_set)
-            else:
-                parts = [tf.convert_to_tensor(grads[i]) for i in present]
-                lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
-                reduced, one = collectives.bucket_allreduce(
-                    tf_ops.concat(parts), lay, entries[present[0]][2], self.op, self.process_set)
-                for i, r in zip(present, lay.split(reduced, tf_ops)):
-                    out[i] = r
-            traffic = {k: v + one[k] for k, v in traffic.items()}
-            dense += 4 * sum(int(tf.TensorShape(entries[i][1]).num_elements()) for i in present)
-        self.stats.record_step(traffic, dense)
+        out = reduce_gradients(grads, flat_sources, self.compression, self.op,
+                               self.process_set, self.bucket_mb)
         return tf.nest.pack_sequence_as(sources, out)
+
+
+@tf.autograph.experimental.do_not_convert
+def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
+    """Compressed, aggregated ``grads`` (a list, one per variable of the list ``sources``;
+    None stays None): what :class:`DistributedGradientTape` and
+    :func:`hvd_compress.keras.DistributedOptimizer` both do with local gradients.
+
+    ``compression`` is a compressor object (its error feedback and :func:`stats` are
+    updated), ``bucket_mb`` a number (:func:`hvd_compress.buckets.bucket_mb`).  Names
+    of the collectives come from :func:`variable_names`.  The first call per compressor
+    and bucket size checks that every rank has the same configuration (ValueError on
+    every rank otherwise).  Eager or inside ``tf.function``.
+    """
+    grads = list(grads)
+    names = variable_names(sources)
+    if not process_set.included():
+        return grads
+    # which compressor: asked of the gradient (a Keras 3 variable's dtype is a string)
+    likes = [tf.zeros(tuple(v.shape), tf.as_dtype(v.dtype)) if g is None
+             else g.values if isinstance(g, tf.IndexedSlices) else g
+             for v, g in zip(sources, grads)]
+    entries = [(n, tuple(v.shape), compression.for_tensor(n, like), tf.as_dtype(v.dtype).name,
+                tf.as_dtype(v.dtype).size) for n, v, like in zip(names, sources, likes)]
+    plan = buckets.plan(entries, bucket_mb)
+    checked = _CHECKED.setdefault(compression, set())
+    if bucket_mb not in checked:
+        layout = ";".join(f"{n}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}"
+                          for n, v in zip(names, sources))
+        collectives.check_same_config(
+            f"{compression.spec} op={op} {buckets.describe(bucket_mb, plan)} "
+            f"| {layout}", process_set)
+        checked.add(bucket_mb)
+    out, dense = list(grads), 0
+    traffic = dict.fromkeys(("sent",) + EXCHANGE, tf.constant(0, tf.int64))
+    for bucket in plan:
+        present = [i for i in bucket if grads[i] is not None]
+        if not present:
+            continue
+        # a variable without a gradient (None, as Horovod returns it) is left out of
+        # its bucket for this step: its residual waits, as tensor by tensor
+        if len(present) == 1:
+            i = present[0]
+            out[i], one = collectives.allreduce(grads[i], names[i], compression,
+                                                op, process_set)
+        else:
+            parts = [tf.convert_to_tensor(grads[i]) for i in present]
+            lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
+            reduced, one = collectives.bucket_allreduce(
+                tf_ops.concat(parts), lay, entries[present[0]][2], op, process_set)
+            for i, r in zip(present, lay.split(reduced, tf_ops)):
+                out[i] = r
+        traffic = {k: v + one[k] for k, v in traffic.items()}
+        dense += 4 * sum(int(tf.TensorShape(entries[i][1]).num_elements()) for i in present)
+    stats(compression).record_step(traffic, dense)
+    return out
