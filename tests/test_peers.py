@@ -307,3 +307,13 @@ def test_tensorflow_eager_and_function(spec):
     else:
         np.testing.assert_allclose(eager, want, rtol=1e-5, atol=2e-6)
         np.testing.assert_allclose(graph, want, rtol=1e-5, atol=2e-6)
+
+
+def test_powersgd_malformed_aggregates_raise():
+    c = hvd_compress.from_spec("powersgd:rank=2")
+    p, rnd = c.propose(torch.ones(12, 10), "w", 0, 2)
+    with pytest.raises(ValueError, match="powersgd.*P"):
+        c.agree(p[:-1], rnd)
+    q, rnd = c.agree(p, rnd)
+    with pytest.raises(ValueError, match="powersgd.*Q"):
+        c.finish(torch.cat([q, q[:1]]), rnd)

@@ -160,11 +160,7 @@ class PowerSGD(Compressor):
         """``(Q_w of every tensor end to end, Round)`` from the summed P; error feedback
         keeps ``M_w - P^ Q_w^T``."""
         ops = rnd.ops
-        expected = sum(rows * r for _, _, rows, _, r in rnd.mats)
-        n = ops.length(p_sum)
-        if isinstance(n, int) and n != expected:
-            raise ValueError(f"powersgd ({rnd.ctx.name or 'tensor'}): {n} summed values of P, "
-                             f"expected {expected}; the payload is malformed")
+        _check_length(p_sum, sum(rows * r for _, _, rows, _, r in rnd.mats), "P", rnd)
         phats, qs, sent, at = [], [], [], 0
         for m, _, rows, cols, r in rnd.mats:
             phat = ops.orthonormal_columns(ops.reshape(p_sum[at:at + rows * r], [rows, r]))
@@ -185,11 +181,7 @@ class PowerSGD(Compressor):
         """The sum over ranks ``P^ Q^T`` (shaped like the tensor; a bucket: flat), in the
         gradient's dtype; keeps the averaged Q for the next step's warm start."""
         ops = rnd.ops
-        expected = sum(cols * r for _, _, _, cols, r in rnd.mats)
-        n = ops.length(q_sum)
-        if isinstance(n, int) and n != expected:
-            raise ValueError(f"powersgd ({rnd.ctx.name or 'tensor'}): {n} summed values of Q, "
-                             f"expected {expected}; the payload is malformed")
+        _check_length(q_sum, sum(cols * r for _, _, _, cols, r in rnd.mats), "Q", rnd)
         finite = ops.all_finite(q_sum)
         state = self._state(ops)
         out, at = [], 0
@@ -207,3 +199,11 @@ class PowerSGD(Compressor):
         p, q = ops.size_bytes(proposal), ops.size_bytes(values)
         received = ring_received(p, size) + ring_received(q, size)
         return p + q, received, received, 0, 0
+
+
+def _check_length(summed, expected, what, rnd):
+    """ValueError unless the aggregate of ``what`` (P or Q) has ``expected`` values."""
+    n = rnd.ops.length(summed)
+    if isinstance(n, int) and n != expected:
+        raise ValueError(f"powersgd ({rnd.ctx.name or 'tensor'}): {n} summed values of {what}, "
+                         f"expected {expected}; the payload is malformed")
