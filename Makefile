@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test demo demo-tf demo-keras demo-cssgd bench clean gpu-test
+.PHONY: setup test demo demo-tf demo-keras demo-ddp demo-cssgd bench clean gpu-test
 
 setup:
 	@bash ci/setup.sh
@@ -26,6 +26,10 @@ demo-tf: setup
 
 demo-keras: setup
 	$(HVDRUN) $(PY) examples/keras_mnist.py --compression topk:density=0.01
+
+# PyTorch DDP without Horovod: hvd_compress as a DDP communication hook (torchrun, Gloo, CPU)
+demo-ddp: setup
+	$(VENV)/bin/torchrun --nproc_per_node 2 --standalone examples/ddp_mnist.py --compression topk:density=0.01
 
 clean:
 	rm -rf $(VENV) build *.egg-info
