@@ -74,6 +74,7 @@ def main():
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="time_to_accuracy", help="results file stem (before the date)")
     args = p.parse_args()
     frameworks, links, specs = args.frameworks.split(","), args.links.split(","), args.specs.split(";")
     if any(LINKS.get(link) for link in links) and os.geteuid() != 0:
@@ -105,7 +106,7 @@ def main():
     info = dict(date=datetime.date.today().isoformat(), target=args.target, epochs=args.epochs,
                 links=links, frameworks=frameworks, runs=runs)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"time_to_accuracy_{info['date']}")
+    stem = os.path.join(args.out, f"{args.name}_{info['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(info, f, indent=1)
     import matplotlib

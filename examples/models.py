@@ -1,8 +1,25 @@
 """Small CIFAR-sized (3x32x32) models for benchmarks: a VGG-like and a ResNet-like net, and
-a 6.4M-parameter CNN+MLP whose size is one large fully-connected layer."""
+a 6.4M-parameter CNN+MLP whose size is one large fully-connected layer; and the MNIST
+examples' small CNN (MnistNet)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+class MnistNet(nn.Module):
+    """The MNIST examples' CNN (1x28x28 -> 10): two 5x5 convolutions, two linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 5)
+        self.conv2 = nn.Conv2d(16, 32, 5)
+        self.fc1 = nn.Linear(32 * 4 * 4, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
 def vgg_small(num_classes=10):

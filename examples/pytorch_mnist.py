@@ -12,21 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import hvd_compress.torch as hct
+from models import MnistNet as Net  # noqa: F401 (benchmarks import Net from here)
 from mnist_common import Report, batches, build_compression, load_mnist, parse_args, progress
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 16, 5)
-        self.conv2 = torch.nn.Conv2d(16, 32, 5)
-        self.fc1 = torch.nn.Linear(32 * 4 * 4, 128)
-        self.fc2 = torch.nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
 def main():
