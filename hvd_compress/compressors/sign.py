@@ -52,10 +52,7 @@ class OneBit(CodesAndScales):
         return ops.onebit_pack(positive), self.levels(x, positive, n, ops)
 
     def decode_one(self, codes, scales, n, ops):
-        bits = ops.onebit_unpack(codes, n)                      # (ranks, n)
-        values = ops.where(bits, scales[:, 0:1] + ops.zeros(n, ops.float32, scales),
-                           scales[:, 1:2] + ops.zeros(n, ops.float32, scales))
-        return ops.sum_rows(ops.reshape(values, [-1]), n)
+        return ops.onebit_decode_sum(codes, scales, n)
 
 
 @register

@@ -528,14 +528,17 @@ def onebit_pack(bits):
     return _tf.cast(_tf.reduce_sum(_tf.reshape(padded, [-1, 8]) * weights, 1), _tf.uint8)
 
 
-def onebit_unpack(words, n):
-    """The first ``n`` booleans of ``words`` (:func:`onebit_pack`), per row of ``words``
-    viewed as (ranks, len // ranks): a (ranks, n) bool tensor."""
+def onebit_decode_sum(words, scales, n):
+    """``sum_r (scales[r, 0] where bit else scales[r, 1])`` over the first ``n`` bits of
+    each rank's row of ``words`` (ranks, w) uint8: a table of 256 x 8 values per rank,
+    gathered by byte."""
     rows = words if len(words.shape) > 1 else _tf.reshape(words, [1, -1])
-    shifts = _tf.constant([7, 6, 5, 4, 3, 2, 1, 0], dtype=_tf.int32)
+    byte = _tf.range(256, dtype=_tf.int32)[:, None]
     bits = _tf.bitwise.bitwise_and(
-        _tf.bitwise.right_shift(_tf.cast(rows, _tf.int32)[:, :, None], shifts), 1)
-    return _tf.cast(_tf.reshape(bits, [_tf.shape(rows)[0], -1])[:, :n], _tf.bool)
+        _tf.bitwise.right_shift(byte, _tf.constant([7, 6, 5, 4, 3, 2, 1, 0])), 1) > 0
+    tables = _tf.where(bits[None], scales[:, 0, None, None], scales[:, 1, None, None])
+    values = _tf.gather(tables, _tf.cast(rows, _tf.int32), batch_dims=1)  # (ranks, w, 8)
+    return _tf.reduce_sum(_tf.reshape(values, [_tf.shape(rows)[0], -1])[:, :n], 0)
 
 
 def matmul(a, b, transpose_a=False, transpose_b=False):

@@ -542,28 +542,40 @@ def uniform(n, seed, step, like):
     return _torch.rand(n, generator=gen, device=like.device, dtype=_torch.float32)
 
 
-_BIT_WEIGHTS = {}
+_MAGIC_PACK = 0x8040201008040201 - 2**64   # gathers 8 bytes' low bits into the top byte
+_BIT_TABLES = {}
 
 
 def onebit_pack(bits):
-    """uint8 words, 8 booleans each (the first in the high bit); padded with 0."""
+    """uint8 words, 8 booleans each (the first in the high bit); padded with 0.  One
+    multiply per 8 values: the 8 bytes (0 or 1) read as one int64, times a constant that
+    moves byte i's bit to bit 63 - i without carries."""
     n = bits.numel()
     padded = _torch.zeros(-(-n // 8) * 8, dtype=_torch.uint8, device=bits.device)
-    padded[:n] = bits.to(_torch.uint8)
-    key = bits.device
-    if key not in _BIT_WEIGHTS:
-        _BIT_WEIGHTS[key] = _torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=_torch.uint8,
-                                          device=bits.device)
-    return (padded.reshape(-1, 8) * _BIT_WEIGHTS[key]).sum(1, dtype=_torch.uint8)
+    padded[:n] = bits.reshape(-1).to(_torch.uint8)
+    return ((padded.view(_torch.int64) * _MAGIC_PACK) >> 56).to(_torch.uint8)
 
 
-def onebit_unpack(words, n):
-    """The first ``n`` booleans of ``words`` (:func:`onebit_pack`), per row of ``words``
-    viewed as (ranks, len // ranks): a (ranks, n) bool tensor."""
-    rows = words.reshape(-1, words.shape[-1]) if words.dim() > 1 else words.reshape(1, -1)
-    shifts = _torch.arange(7, -1, -1, dtype=_torch.uint8, device=words.device)
-    bits = (rows[:, :, None] >> shifts) & 1
-    return bits.reshape(rows.shape[0], -1)[:, :n].bool()
+def _bit_table(device):
+    """(256, 8) bool: the 8 bits of every byte value, high bit first."""
+    if device not in _BIT_TABLES:
+        byte = _torch.arange(256, device=device)[:, None]
+        shifts = _torch.arange(7, -1, -1, device=device)
+        _BIT_TABLES[device] = ((byte >> shifts) & 1).bool()
+    return _BIT_TABLES[device]
+
+
+def onebit_decode_sum(words, scales, n):
+    """``sum_r (scales[r, 0] where bit else scales[r, 1])`` over the first ``n`` bits of
+    each rank's row of ``words`` (ranks, w) uint8: a table of 256 x 8 values per rank,
+    gathered by byte (no per-bit shifts)."""
+    words = words.reshape(words.shape[0], -1) if words.dim() > 1 else words.reshape(1, -1)
+    ranks = words.shape[0]
+    tables = _torch.where(_bit_table(words.device)[None], scales[:, 0, None, None],
+                          scales[:, 1, None, None])                      # (ranks, 256, 8)
+    rows = _torch.arange(ranks, device=words.device)[:, None]
+    values = tables[rows, words.long()].reshape(ranks, -1)[:, :n]         # (ranks, n)
+    return values.sum(0)
 
 
 def matmul(a, b, transpose_a=False, transpose_b=False):
