@@ -105,7 +105,6 @@ class Round(NamedTuple):
     finite: Any
     memory: Any         #: ResidualMemory, or None without error feedback
     k: int              #: target count: sum of k(n) over the tensors
-    proposed: Any       #: this rank's proposal length (int, or a TF scalar)
     union: Any = None   #: the agreed sorted indices U (after ``agree``)
 
 
@@ -145,8 +144,7 @@ def propose(sp, flat, ctx, ops, step, parts, own, rank, size):
 
     idx = ops.cond(finite, chosen, lambda: ops.arange(dctx.numel, domain))
     k = sum(sp.k(n) for _, n in _domain_parts(sp, parts, dctx))
-    return idx, Round(ctx, dctx, ops, domain, compensated, parts, finite, memory, k,
-                      ops.length(idx))
+    return idx, Round(ctx, dctx, ops, domain, compensated, parts, finite, memory, k)
 
 
 def agree(sp, gathered, rnd):

@@ -65,7 +65,6 @@ class CodesAndScales(Compressor):
             raise ValueError(f"{self.name}: a payload is (codes, scales)")
         codes, scales = payload
         lay = ctx.bucket
-        names = lay.names if lay is not None else (ctx.name,)
         numels = lay.numels if lay is not None else (ctx.numel,)
         widths = [self.sizes(n) for n in numels]
         wc, ws = sum(w for w, _ in widths), sum(s for _, s in widths)
@@ -76,7 +75,7 @@ class CodesAndScales(Compressor):
                              "payload is malformed")
         codes, scales = ops.reshape(codes, [-1, wc]), ops.reshape(scales, [-1, ws])
         out, at_c, at_s = [], 0, 0
-        for name, n, (w, s) in zip(names, numels, widths):
+        for n, (w, s) in zip(numels, widths):
             out.append(self.decode_one(codes[:, at_c:at_c + w], scales[:, at_s:at_s + s], n, ops))
             at_c, at_s = at_c + w, at_s + s
         return out[0] if len(out) == 1 else ops.concat(out)
