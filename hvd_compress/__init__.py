@@ -13,8 +13,9 @@ from .compressors import (BF16, DGC, FP16, REGISTRY, Compressor, Ctx, GaussianK,
                           LaplaceTopK, NoneCompressor, RandomK, SIDCoExp, Threshold, TopK)
 from .compressors import DCTSparse, KernelSelect, RangeFloat, TwoBit  # noqa: F401
 from .policy import Hylo, Policy  # noqa: F401
+from .auto import Auto  # noqa: F401
 from .spec import ENV_VAR, from_env, from_spec  # noqa: F401
 
 __all__ = ["Compressor", "Ctx", "NoneCompressor", "FP16", "BF16", "TopK", "RandomK",
            "Threshold", "LaplaceTopK", "DGC", "GaussianK", "SIDCoExp", "TwoBit", "KernelSelect",
-           "RangeFloat", "DCTSparse", "Policy", "Hylo", "REGISTRY", "from_spec", "from_env", "ENV_VAR", "__version__"]
+           "RangeFloat", "DCTSparse", "Policy", "Hylo", "Auto", "REGISTRY", "from_spec", "from_env", "ENV_VAR", "__version__"]

@@ -41,6 +41,10 @@ class TorchStore:
     def set(self, key, value):
         self._tensors[key] = value
 
+    def pop(self, key):
+        """Remove ``key``; its value (None if absent)."""
+        return self._tensors.pop(key, None)
+
     def keys(self):
         return list(self._tensors)
 
@@ -92,6 +96,13 @@ class TFStore:
 
     def set(self, key, value):
         self._vars[key].assign(value)
+
+    def pop(self, key):
+        """Remove ``key`` (eager only: a graph that captured it keeps the variable);
+        its value (None if absent)."""
+        self._inits.pop(key, None)
+        var = self._vars.pop(key, None)
+        return None if var is None else var.read_value()
 
     def keys(self):
         return list(self._vars)

@@ -34,6 +34,8 @@ class Stats:
         self._times = [0.0, 0.0, 0.0]
         self.last_times = dict.fromkeys(self.TIMES, 0.0)
         self.total_times = dict.fromkeys(self.TIMES, 0.0)
+        #: ``auto``: bucket key -> the spec of the candidate that sends it now
+        self.choices = {}
 
     def add(self, sent, dense, received=0, received_local=0, union=0, k=0):
         """Count one tensor's (or bucket's) exchange in the current step."""
@@ -75,6 +77,8 @@ class Stats:
             out["last_" + k] = self.last_times[k]
             out["total_" + k] = self.total_times[k]
         out["lost_residual_norm"] = self.lost_residual_norm
+        if self.choices:
+            out["choices"] = dict(self.choices)
         return out
 
     def __repr__(self):

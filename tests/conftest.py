@@ -47,7 +47,8 @@ def torch_job(tmp_path_factory):
     """One horovodrun job running every PyTorch scenario but the failing one."""
     out = tmp_path_factory.mktemp("torch_job")
     rc, log = horovodrun([ROOT / "tests/workers/torch_worker.py", "aggregate", "functional",
-                          "empty_rank", "nonfinite", "checkpoint", "stock", "policy", "buckets", "agg"], out)
+                          "empty_rank", "nonfinite", "checkpoint", "stock", "policy", "buckets", "agg",
+                          "auto"], out)
     assert rc == 0, log[-6000:]
     return out
 

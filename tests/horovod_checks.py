@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from cases import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP,  # noqa: F401
+from cases import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, AUTO_STEPS,  # noqa: F401
                    BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS,
                    POLICY, SHAPES, SPECS)                      # (re-exported for the tests)
 from conftest import ROOT, horovodrun, powersgd_reference, reference_contribution, topk_mask
@@ -308,3 +308,77 @@ def check_agg_average_and_process_set(ranks, specs, shapes):
                 for n in shapes:
                     np.testing.assert_allclose(r[f"pset|{s}|{n}"], outs[s][n], rtol=1e-5, atol=1e-6)
         assert not any(k.startswith("pset|") for k in ranks[1])
+
+
+# -- auto: a compressor chosen per bucket ----------------------------------------------------
+
+def _auto_reference(ranks, candidates, steps, choice_of):
+    """Each rank's contribution per step and final residuals in numpy: a residual per
+    tensor goes on across switches; none/fp16 send it with the gradient."""
+    import json
+    buckets = json.loads(str(ranks[0]["buckets"]))
+    totals, residuals = [], []
+    for r in ranks:
+        res = {n: np.zeros(s, np.float32) for n, s in BUCKET_SHAPES.items()}
+        sent_steps = []
+        for step in range(steps):
+            sent = {}
+            for b, names in enumerate(buckets):
+                spec = candidates[choice_of(step)[b]]
+                for n in names:
+                    comp = r[f"in|{step}|{n}"] + res[n]
+                    if spec.startswith("topk"):
+                        sent[n] = np.where(topk_mask(comp, 0.1), comp, 0).astype(np.float32)
+                        res[n] = comp - sent[n]
+                    else:
+                        sent[n] = comp.astype(np.float16) if spec == "fp16" else comp
+                        res[n] = np.zeros_like(comp)
+            sent_steps.append(sent)
+        totals.append(sent_steps)
+        residuals.append(res)
+    expected = []
+    for step in range(steps):
+        expected.append({n: (totals[0][step][n] + totals[1][step][n]).astype(np.float32)
+                         for n in BUCKET_SHAPES})
+    return expected, residuals
+
+
+def check_auto(ranks):
+    """Every rank sends each bucket with the same candidate at every step; the aggregate
+    is that of the chosen fixed compressor; residuals go on across switches."""
+    candidates = ["none", "topk", "fp16"]
+    for step in range(AUTO_STEPS):
+        np.testing.assert_array_equal(ranks[0][f"choice|{step}"], ranks[1][f"choice|{step}"])
+    for step in range(3):            # calibration: every bucket with candidate step % 3
+        assert set(ranks[0][f"choice|{step}"].tolist()) == {step}
+    assert int(ranks[0]["decisions"]) >= 2      # the calibration's and a check step's
+    expected, residuals = _auto_reference(ranks, candidates, AUTO_STEPS,
+                                          lambda step: ranks[0][f"choice|{step}"])
+    for step in range(AUTO_STEPS):
+        for n in BUCKET_SHAPES:
+            np.testing.assert_allclose(ranks[0][f"out|{step}|{n}"], expected[step][n],
+                                       rtol=1e-6, atol=1e-6, err_msg=f"step {step} {n}")
+            np.testing.assert_array_equal(ranks[0][f"out|{step}|{n}"], ranks[1][f"out|{step}|{n}"])
+    for r, res in zip(ranks, residuals):
+        for n in BUCKET_SHAPES:
+            got = r[f"residual|{n}"]
+            want = res[n].reshape(-1)
+            if got.size == 0:        # no residual held: nothing may be owed
+                assert not want.any(), n
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=n)
+    # checkpoint: the resumed run makes the same choices and the same aggregates, bit for bit
+    for r in ranks:
+        for step in range(3, 6):
+            np.testing.assert_array_equal(r[f"ckpt|choice|resumed|{step}"],
+                                          r[f"ckpt|choice|straight|{step}"])
+            for n in BUCKET_SHAPES:
+                np.testing.assert_array_equal(_bits(r[f"ckpt|resumed|{step}|{n}"]),
+                                              _bits(r[f"ckpt|straight|{step}|{n}"]), err_msg=n)
+
+
+def check_auto_mismatch_fails_clearly(worker, tmp_path):
+    rc, log = horovodrun([ROOT / "tests/workers" / worker, "auto_mismatch"], tmp_path, timeout=180)
+    assert rc != 0
+    assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
+    assert "candidates=none:ef=0|topk" in log

@@ -14,7 +14,7 @@ from horovod_checks import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, che
                             check_bucket_plan, check_bucket_policy_and_checkpoint,
                             check_bucket_tolerance, check_checkpoint, check_empty_rank,
                             check_functional, check_mismatch_fails_clearly, check_nonfinite,
-                            check_policy)
+                            check_policy, check_auto, check_auto_mismatch_fails_clearly)
 import hvd_compress
 
 DTYPES = {"int": "torch.int32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
@@ -106,3 +106,11 @@ def test_aggregation_aware_selection(request, spec, np_):
 def test_aggregation_average_and_process_set(request, np_):
     out = request.getfixturevalue("torch_job" if np_ == 2 else "agg3_jobs")
     check_agg_average_and_process_set(load_ranks(out, "torch_agg", np_), AGG_SPECS, AGG_SHAPES)
+
+
+def test_auto_same_choice_on_every_rank_and_aggregate_of_the_choice(torch_job):
+    check_auto(load_ranks(torch_job, "torch_auto"))
+
+
+def test_auto_ranks_with_different_candidates_fail_clearly(tmp_path):
+    check_auto_mismatch_fails_clearly("torch_worker.py", tmp_path)

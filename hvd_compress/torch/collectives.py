@@ -51,6 +51,8 @@ class Handle:
         #: sending k pairs), and the union size and k of the selection (0 where none)
         self.received_bytes = self.received_local_bytes = 0
         self.union = self.k = 0
+        #: ``auto``: (the Auto, candidate index) that chose this exchange's compressor
+        self.auto = None
 
 
 def allreduce_async(tensor, name, compression=None, op=hvd.Average,
@@ -205,6 +207,19 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
               process_set=hvd.global_process_set):
     """Blocking :func:`allreduce_async` + :func:`synchronize`."""
     return synchronize(allreduce_async(tensor, name, compression, op, process_set))
+
+
+class AutoComm:
+    """What :meth:`hvd_compress.auto.Auto.end_step` needs: the rank, and a named
+    broadcast of a few floats from rank 0 of ``process_set``."""
+
+    def __init__(self, process_set=hvd.global_process_set):
+        self.process_set, self.rank = process_set, process_set.rank()
+
+    def broadcast(self, values, name):
+        t = torch.tensor(values, dtype=torch.float64)
+        return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
+                             process_set=self.process_set).tolist()
 
 
 def _allgather_strings(text, name, process_set):

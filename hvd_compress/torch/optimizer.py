@@ -72,6 +72,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._layouts = [buckets.layout([self._names[p] for p in b], [p.shape for p in b])
                          for b in self._buckets]
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
+        self._auto = _adaptive([entries[i][2] for i in range(len(entries))])
+        self._recorded = set()               # auto: buckets already reported this step
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         if process_set.included():
             for p in self._params:
@@ -105,19 +107,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, b):
         self._check_config()
-        params = self._buckets[b]
+        params, layout = self._buckets[b], self._layouts[b]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        compressor = self.compression.for_tensor(self._names[params[0]], params[0])
+        auto = compressor if getattr(compressor, "adaptive", False) else None
+        if auto is not None:                 # auto: this step's candidate for the bucket
+            auto.launched(layout.key)
+            index, compressor = auto.choose(layout.key)
         if len(params) == 1:                 # a bucket of one: the tensor's own path
             p = params[0]
-            return collectives.allreduce_async(p.grad, self._names[p], self.compression,
-                                               self.op, self.process_set, inplace=True)
-        flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
-                          for p in params])
-        compressor = self.compression.for_tensor(self._names[params[0]], params[0])
-        return collectives.bucket_allreduce_async(flat, self._layouts[b], compressor,
-                                                  self.op, self.process_set)
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            if auto is not None:
+                grad = auto.carry(layout, grad.reshape(-1), compressor, torch_ops).view(grad.shape)
+            handle = collectives.allreduce_async(grad, self._names[p], compressor,
+                                                 self.op, self.process_set, inplace=True)
+        else:
+            flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
+                              for p in params])
+            if auto is not None:
+                flat = auto.carry(layout, flat, compressor, torch_ops)
+            handle = collectives.bucket_allreduce_async(flat, layout, compressor,
+                                                        self.op, self.process_set)
+        if auto is not None:
+            handle.auto = (auto, index)
+            if auto.blocking:                # calibration: time this exchange alone
+                handle.result = collectives.synchronize(handle)
+                self._record(b, handle)
+        return handle
+
+    def _record(self, b, handle):
+        auto, index = handle.auto
+        auto.record(self._layouts[b].key, index, handle.compress_s, handle.wait_s,
+                    handle.decompress_s, handle.sent_bytes + handle.received_bytes)
+        self._recorded.add(b)
 
     def drop_in_flight(self):
         """Forget the collectives of a step that will not finish (Elastic Horovod's reset
@@ -130,6 +154,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._waiting = [len(b) for b in self._buckets]
         self._synchronized = False
         self._checked = False
+        self._recorded.clear()
+        if self._auto is not None:
+            self._auto._step = None          # the step's timeline is void
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
@@ -137,6 +164,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
+        if self._auto is not None:
+            self._auto.backward_done()
         for b in range(len(self._buckets)):  # buckets with a gradient that did not arrive
             if b not in self._handles:
                 self._handles[b] = self._launch(b)
@@ -154,10 +183,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.stats.add(handle.sent_bytes, handle.dense_bytes, handle.received_bytes,
                            handle.received_local_bytes, handle.union, handle.k)
             self.stats.add_time(handle.compress_s, handle.wait_s, handle.decompress_s)
+            if getattr(handle, "auto", None) and b not in self._recorded:
+                self._record(b, handle)
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
         self._waiting = [len(b) for b in self._buckets]
         self._handles.clear()
+        self._recorded.clear()
+        if self._auto is not None:
+            self._auto.end_step(collectives.AutoComm(self.process_set))
+            self.stats.choices = self._auto.choices()
         self.stats.end_step()
         self._synchronized = True
 
@@ -172,6 +207,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize().")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def _adaptive(compressors):
+    """The one :class:`~hvd_compress.auto.Auto` among ``compressors`` (None if none)."""
+    autos = {id(c): c for c in compressors if getattr(c, "adaptive", False)}
+    if len(autos) > 1:
+        raise ValueError("compression holds several auto compressors; use one Auto "
+                         "instance for every parameter that it should choose for")
+    return next(iter(autos.values()), None)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,

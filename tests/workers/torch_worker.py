@@ -14,8 +14,9 @@ import hvd_compress.torch as hct
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import agg_scenario  # noqa: E402
+import auto_scenario  # noqa: E402
 from agg_scenario import agg_grads  # noqa: E402
-from cases import (AGG_SHAPES, BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS,  # noqa: E402
+from cases import (AGG_SHAPES, AUTO_MB, BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS,  # noqa: E402
                    BUCKET_TOL_SPECS, POLICY, SHAPES, SPECS)
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
@@ -319,9 +320,43 @@ def agg(out):
     agg_scenario.agg(out, hvd, _agg_run, "torch")
 
 
+def _auto_run(comp, steps, start=0):
+    """``auto``: (outputs per step, candidate index per bucket per step, bucket names)."""
+    model = BucketParams()
+    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   model.named_parameters(), compression=comp, op=hvd.Sum,
+                                   bucket_mb=AUTO_MB)
+    keys = [lay.key for lay in opt._layouts]
+    outs, chosen = [], []
+    for step in range(start, start + steps):
+        chosen.append([comp.choose(k)[0] for k in keys])
+        opt.zero_grad()
+        g = auto_scenario.auto_grads(hvd, step)
+        backward_with(model, {n: torch.from_numpy(v) for n, v in g.items()})
+        opt.step()
+        outs.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})
+    return outs, chosen, [list(lay.names) for lay in opt._layouts]
+
+
+_auto_run.framework = "torch"
+
+
+def auto(out):
+    auto_scenario.auto(out, hvd, _auto_run)
+
+
+def auto_mismatch(out):
+    spec = "auto:candidates=none|topk:density=0.1" if hvd.rank() == 0 else "auto"
+    try:
+        _auto_run(hvd_compress.from_spec(spec), 1)
+    except ValueError as e:
+        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
+        sys.exit(3)
+
+
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
                                      checkpoint, stock, policy, mismatch, buckets,
-                                     bucket_mismatch, agg)}
+                                     bucket_mismatch, agg, auto, auto_mismatch)}
 
 if __name__ == "__main__":
     hvd.init()

@@ -1,0 +1,419 @@
+"""``auto``: the compressor of each bucket chosen from measured compute, codec and link
+speed, so that turning compression on never makes a step slower than not compressing.
+
+Whether compression pays depends on the link, the model and the device: on a fast link
+the codec costs more than the bytes it saves, on a slow one it saves seconds.  ``auto``
+measures instead of guessing, and only ever chooses among the ``candidates`` the user
+accepts (the accuracy trade-off stays theirs)::
+
+    opt = hvd_compress.torch.DistributedOptimizer(opt, model.named_parameters(),
+                                                  compression="auto")
+    # or HVD_COMPRESS=auto with no code change; or
+    hvd_compress.Auto(candidates=["none", "topk:density=0.01"], calibrate=20, every=100)
+
+**Calibration** (the first ``calibrate`` steps, default 20).  Step ``s`` sends every
+bucket with candidate ``s mod n``, and the glue completes each bucket's exchange as soon
+as it is launched (inside backward), so that each part is timed alone on the real
+gradients, device and link:
+
+- ``ready_b``: when bucket ``b``'s last gradient is ready, relative to the end of
+  backward, counting compute only (our own time inside backward is subtracted);
+- ``C_bc``, ``D_bc``: compress and decompress seconds of candidate ``c`` on bucket ``b``;
+- ``T_bc``: its collective's seconds, and the bytes it moved; the link is fitted as
+  ``T = alpha + bytes / beta`` over every (bucket, candidate) point (shown in the table);
+- ``compute``: the rest of the step (forward, backward, optimizer, data).
+
+Medians are taken, the first sample of each candidate dropped where there are several.
+
+**The step model** (what overlaps what).  Backward runs on one thread (CPU) or stream
+(GPU) and compressing bucket ``b`` runs on it too, so it delays the rest of backward by
+``C_bc``; collectives run one at a time in launch order (Horovod's background thread),
+each as soon as its bucket is compressed and the link is free; after backward,
+``synchronize()`` waits for the buckets in order and decompresses each::
+
+    shift_b  = sum_{b' <= b} C_b'c'                    (backward pushed back by compressing)
+    finish_b = max(ready_b + shift_b, finish_{b-1}) + s * T_bc
+    tail     = fold over b:  t = max(t, finish_b) + D_bc,   from t = shift_last
+    step     = compute + tail
+
+so the communication and compression of early buckets hide behind the rest of backward
+and the last buckets are exposed.  ``s`` scales the measured link times (1 after a
+calibration; see below).
+
+**Decision**: the best single candidate for every bucket, then coordinate descent over
+buckets (each bucket tries every candidate with the others fixed) until nothing
+improves; ties keep the earlier candidate.  Rank 0 decides on its own measurements and
+broadcasts the choice (one named collective), so every rank uses the same compressor
+per bucket, and prints the decision table.
+
+**Re-decision**: every ``every`` steps (0: never) one *check step* times the chosen
+candidates' collectives alone again.  Rank 0 compares them with the prediction: their
+ratio ``m`` scales the link (``s <- s m``) and the choice is made again; when the link
+moved by more than ``drift`` (``m > 1 + drift`` or ``m < 1 / (1 + drift)``: a congested
+link, a changed placement) everything is calibrated again.
+
+**Switching keeps nothing behind**: all candidates share one error-feedback store, so a
+tensor's residual goes on with the next candidate; a candidate without error feedback
+(none, fp16) adds the residual to the next gradient it sends.  ``state_dict()`` holds
+the residuals, the decision and the calibration: a restored run resumes with the same
+choices.
+"""
+import math
+import statistics
+import sys
+import time
+from typing import NamedTuple, Tuple
+
+from .compressors.base import Compressor, register
+from .memory import ResidualMemory
+
+DEFAULT_CANDIDATES = ("none", "fp16", "laplace_topk:density=0.01",
+                      "laplace_topk:density=0.01,values=rangefloat8")
+
+
+# -- the step model and the decision (pure functions, unit-tested on synthetic timings) --
+
+class BucketCost(NamedTuple):
+    """What the model knows about one bucket (seconds; one entry per candidate)."""
+    key: str
+    ready: float                 #: when its gradients are ready, relative to backward's end
+    compress: Tuple[float, ...]
+    comm: Tuple[float, ...]
+    decompress: Tuple[float, ...]
+    nbytes: Tuple[float, ...] = ()   #: bytes its collective moved (sent + received)
+    numel: int = 0
+
+
+def predict(costs, choice, compute=0.0, scale=1.0):
+    """Predicted step seconds of sending ``costs[i]`` with candidate ``choice[i]`` (see
+    the module docstring); ``costs`` in launch order."""
+    shift, link, finishes = 0.0, -math.inf, []
+    for b, c in zip(costs, choice):
+        shift += b.compress[c]
+        link = max(b.ready + shift, link) + scale * b.comm[c]
+        finishes.append(link)
+    t = shift
+    for b, c, finish in zip(costs, choice, finishes):
+        t = max(t, finish) + b.decompress[c]
+    return compute + t
+
+
+def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9):
+    """The choice (a candidate index per bucket) that minimises :func:`predict`: the best
+    single candidate for every bucket, then coordinate descent; a change must gain more
+    than ``eps`` seconds, so ties keep the earlier candidate (the same on every rank)."""
+    if not costs:
+        return []
+    best, choice = math.inf, None
+    for c in range(n):
+        p = predict(costs, [c] * len(costs), compute, scale)
+        if p < best - eps:
+            best, choice = p, [c] * len(costs)
+    for _ in range(10):
+        changed = False
+        for i in range(len(costs)):
+            for c in range(n):
+                if c == choice[i]:
+                    continue
+                trial = choice[:i] + [c] + choice[i + 1:]
+                p = predict(costs, trial, compute, scale)
+                if p < best - eps:
+                    best, choice, changed = p, trial, True
+        if not changed:
+            break
+    return choice
+
+
+def fit_link(points):
+    """Least-squares ``T = alpha + bytes / beta`` over ``points`` = [(bytes, seconds)]:
+    ``(alpha s, beta bytes/s)``; beta is inf when the times do not grow with size."""
+    if len(points) < 2:
+        return (points[0][1], math.inf) if points else (0.0, math.inf)
+    xs, ys = [float(b) for b, _ in points], [float(t) for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if slope <= 0:
+        return my, math.inf
+    return my - slope * mx, 1.0 / slope
+
+
+def _median(samples):
+    samples = list(samples)
+    if len(samples) > 1:
+        samples = samples[1:]          # the first of a candidate warms caches and kernels
+    return statistics.median(samples) if samples else 0.0
+
+
+def _split(text):
+    """``"none|laplace_topk:density=0.01+values=rangefloat8"`` -> specs."""
+    return [c.strip().replace("+", ",") for c in text.split("|") if c.strip()]
+
+
+@register
+class Auto(Compressor):
+    """Per-bucket choice among ``candidates`` from measured step parts (module docstring).
+
+    ``candidates``: compressors or specs the user accepts (a spec string separates them
+    with ``|`` and a candidate's parameters with ``+``:
+    ``auto:candidates=none|topk:density=0.01+ef=1``); default none, fp16,
+    laplace_topk:density=0.01 and laplace_topk:density=0.01,values=rangefloat8.  Each must
+    take buckets (``segmented``) and need one collective (no two-round exchange).
+    ``calibrate``: calibration steps (at least one per candidate); ``every``: steps
+    between check steps (0: decide once); ``drift``: the fraction by which the link may
+    move before everything is calibrated again; ``verbose``: rank 0 prints each decision.
+    """
+
+    name = "auto"
+    segmented = True
+    adaptive = True             #: the glue asks :meth:`choose` per bucket and step
+
+    def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, verbose=True):
+        super().__init__(ef=False)
+        from .spec import from_spec
+        if candidates is None:
+            candidates = DEFAULT_CANDIDATES
+        if isinstance(candidates, str):
+            candidates = _split(candidates)
+        members, names = [], []
+        for c in candidates:
+            try:
+                m = from_spec(c)
+            except ValueError as e:
+                raise ValueError(f"auto: bad candidate {c!r}: {e}") from None
+            if getattr(m, "adaptive", False) or m.name in ("policy", "hylo"):
+                raise ValueError(f"auto: candidate {m.spec!r} is not a single compressor")
+            if not m.segmented or m.collective not in ("allreduce", "allgather"):
+                raise ValueError(f"auto: candidate {m.spec!r} cannot be chosen per bucket: "
+                                 "candidates must take buckets of several tensors "
+                                 "(segmented) and need one collective (no agg=union/"
+                                 "leader/hint, no powersgd)")
+            members.append(m)
+            names.append(c if isinstance(c, str) else m.spec)
+        specs = [m.spec for m in members]
+        if not members or len(set(specs)) != len(specs):
+            raise ValueError(f"auto: candidates must be a non-empty list of distinct "
+                             f"compressors, got {specs}")
+        for key, value, low in (("calibrate", calibrate, len(members)), ("every", every, 0)):
+            if int(value) != value or int(value) < low:
+                raise ValueError(f"auto: {key} must be an integer >= {low}, got {value!r}")
+        if not drift > 0:
+            raise ValueError(f"auto: drift must be > 0, got {drift!r}")
+        self.members, self.names = members, names   # names: as the user wrote them
+        default = [from_spec(c).spec for c in DEFAULT_CANDIDATES]
+        self.candidates = None if specs == default else "|".join(
+            s.replace(",", "+") for s in specs)
+        self.calibrate, self.every = int(calibrate), int(every)
+        self.drift, self.verbose = float(drift), bool(verbose)
+        self.reset()
+
+    # -- schedule ---------------------------------------------------------------------
+    def reset(self):
+        """Forget every measurement and decision: calibrate from the next step."""
+        self.steps = 0                 #: steps completed
+        self.phase = "calibrate"       #: "calibrate", "run" or "check"
+        self.phase_step = 0            #: steps done in the current phase
+        self.choice = {}               #: bucket key -> candidate index (after a decision)
+        self.scale = 1.0               #: link time scale since the last calibration
+        self.samples = {}              #: calibration: key -> {"ready": [], "c<i>": [[C, T, D, bytes]]}
+        self.compute = []              #: calibration: compute seconds per step
+        self.costs = []                #: the BucketCosts of the last decision
+        self.decisions = []            #: one summary per decision (what was printed)
+        self._step = None
+
+    @property
+    def blocking(self):
+        """True in calibration and check steps: the glue must complete each bucket's
+        exchange right after launching it (so each part is timed alone)."""
+        return self.phase != "run"
+
+    def choose(self, key):
+        """``(index, compressor)`` that sends bucket ``key`` this step."""
+        if self.phase == "calibrate":
+            i = self.phase_step % len(self.members)
+        else:
+            i = self.choice.get(key, 0)
+        return i, self.members[i]
+
+    def for_bucket(self, key):
+        return self.choose(key)[1]
+
+    # -- what the glue reports ----------------------------------------------------------
+    def _timeline(self):
+        if self._step is None:
+            self._step = dict(ours=0.0, ready={}, parts={}, backward_end=None)
+        return self._step
+
+    def launched(self, key):
+        """The glue is about to compress bucket ``key`` (its last gradient is ready)."""
+        tl = self._timeline()
+        tl["ready"][key] = time.perf_counter() - tl["ours"]
+
+    def record(self, key, index, compress_s, wait_s, decompress_s, nbytes):
+        """Bucket ``key`` was sent with candidate ``index``: its seconds and bytes."""
+        tl = self._timeline()
+        tl["ours"] += compress_s + wait_s + decompress_s
+        tl["parts"][key] = (index, compress_s, wait_s, decompress_s, nbytes)
+
+    def backward_done(self):
+        """``synchronize()`` was entered: backward is over."""
+        tl = self._timeline()
+        tl["backward_end"] = time.perf_counter() - tl["ours"]
+
+    def end_step(self, comm):
+        """Close the step; decides (collectives through ``comm``) at phase ends.
+
+        ``comm.rank``; ``comm.broadcast(list of floats, name) -> list``: rank 0's values
+        (one named collective)."""
+        tl, self._step = self._timeline(), None
+        now = time.perf_counter()
+        end = tl["backward_end"] if tl["backward_end"] is not None else now - tl["ours"]
+        last = getattr(self, "_last_end", None)
+        self._last_end = now
+        if self.phase == "calibrate":
+            if last is not None:
+                self.compute.append(now - last - tl["ours"])
+            for key, (i, c, t, d, nbytes) in tl["parts"].items():
+                s = self.samples.setdefault(key, {"ready": []})
+                if key in tl["ready"]:
+                    s["ready"].append(tl["ready"][key] - end)
+                s.setdefault(f"c{i}", []).append([c, t, d, nbytes])
+        self.steps += 1
+        self.phase_step += 1
+        if self.phase == "calibrate" and self.phase_step >= self.calibrate:
+            self._decide(comm, "calibration")
+        elif self.phase == "check":
+            self._check(comm, tl["parts"])
+        elif self.phase == "run" and self.every and self.phase_step >= self.every:
+            self.phase, self.phase_step = "check", 0
+
+    # -- decisions ----------------------------------------------------------------------
+    def bucket_costs(self):
+        """The :class:`BucketCost` of every calibrated bucket, in launch order."""
+        n, out = len(self.members), []
+        for key, s in self.samples.items():
+            parts = [[_median(x[j] for x in s.get(f"c{i}", [[0.0] * 4])) for j in range(4)]
+                     for i in range(n)]
+            out.append(BucketCost(key, _median(s["ready"]) if s["ready"] else 0.0,
+                                  tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+                                  tuple(p[2] for p in parts), tuple(p[3] for p in parts)))
+        return sorted(out, key=lambda b: (b.ready, b.key))
+
+    def _decide(self, comm, why):
+        self.costs = costs = self.bucket_costs()
+        compute = _median(self.compute) if self.compute else 0.0
+        keys = sorted(b.key for b in costs)
+        mine = decide(costs, len(self.members), compute, self.scale)
+        by_key = {b.key: c for b, c in zip(costs, mine)}
+        got = comm.broadcast([float(by_key[k]) for k in keys], "auto.decision")
+        self.choice = {k: int(round(c)) for k, c in zip(keys, got)}
+        self.phase, self.phase_step = "run", 0
+        summary = self.summary(compute, why)
+        self.decisions.append({k: v for k, v in summary.items() if k != "table"})
+        if self.verbose and comm.rank == 0:
+            print(summary["table"], file=sys.stdout, flush=True)
+
+    def _check(self, comm, parts):
+        """A check step: scale the link by measured / predicted collective time."""
+        by_key = {b.key: b for b in self.costs}
+        measured = sum(t for key, (i, c, t, d, nb) in parts.items() if key in by_key)
+        predicted = sum(self.scale * by_key[key].comm[i]
+                        for key, (i, c, t, d, nb) in parts.items() if key in by_key)
+        m = measured / predicted if predicted > 0 else 1.0
+        recalibrate = not (1 / (1 + self.drift) <= m <= 1 + self.drift)
+        flag, m = comm.broadcast([float(recalibrate), float(m)], "auto.check")
+        if flag:
+            if self.verbose and comm.rank == 0:
+                print(f"hvd_compress auto: collectives took {m:.2f}x the predicted time: "
+                      "calibrating again", flush=True)
+            keep = self.steps, list(self.decisions)
+            self.reset()
+            self.steps, self.decisions = keep
+            return
+        self.scale *= m
+        self._decide(comm, f"check (link x{m:.2f})")
+
+    def summary(self, compute=None, why=""):
+        """The current decision: predicted step seconds of auto's choice and of each
+        candidate alone, the link fit, and a printable ``table``."""
+        costs = self.costs
+        if compute is None:
+            compute = _median(self.compute) if self.compute else 0.0
+        n = len(self.members)
+        choice = [self.choice.get(b.key, 0) for b in costs]
+        alone = [predict(costs, [c] * len(costs), compute, self.scale) for c in range(n)]
+        mixed = predict(costs, choice, compute, self.scale)
+        alpha, beta = fit_link([(b.nbytes[c], b.comm[c]) for b in costs for c in range(n)
+                                if b.nbytes[c] > 0])
+        names = self.names
+        lines = [f"hvd_compress auto at step {self.steps} ({why}): link alpha "
+                 f"{1e3 * alpha:.2f} ms, beta {beta / 1e6:.1f} MB/s, scale {self.scale:.2f}; "
+                 "per bucket: compress+communicate+decompress ms of each candidate",
+                 "  " + " | ".join(["bucket", "ready ms"] + [f"[{i}] {s}" for i, s in enumerate(names)]
+                                   + ["chosen"])]
+        for b, c in zip(costs, choice):
+            cells = [f"{1e3 * b.compress[i]:.1f}+{1e3 * b.comm[i]:.1f}+{1e3 * b.decompress[i]:.1f}"
+                     for i in range(n)]
+            key = b.key if len(b.key) <= 32 else b.key[:29] + "..."
+            lines.append("  " + " | ".join([key, f"{1e3 * b.ready:.1f}"] + cells + [f"[{c}]"]))
+        lines.append("  predicted step ms: auto " + f"{1e3 * mixed:.1f}; "
+                     + "; ".join(f"[{i}] alone {1e3 * p:.1f}" for i, p in enumerate(alone)))
+        return {"step": self.steps, "why": why, "choice": {b.key: names[c] for b, c in zip(costs, choice)},
+                "predicted_s": mixed, "alone_s": dict(zip(names, alone)),
+                "alpha_s": alpha, "beta_Bps": beta, "scale": self.scale, "table": "\n".join(lines)}
+
+    def choices(self):
+        """Bucket key -> spec of the candidate sending it now (``opt.stats``)."""
+        return {key: self.members[self.choose(key)[0]].spec for key in self.samples}
+
+    # -- residuals across switches ------------------------------------------------------
+    def _state(self, ops):
+        store = super()._state(ops)
+        for m in self.members:              # one store: a residual goes on with the next
+            m._store, m._ops = store, ops
+        return store
+
+    def carry(self, layout, flat, compressor, ops):
+        """Before ``compressor`` sends ``flat`` (the tensors of ``layout`` end to end): one
+        without error feedback sends the residuals the others left with this gradient."""
+        if compressor.ef:
+            return flat
+        store = self._state(ops)
+        have = set(store.keys())
+        keys = [ResidualMemory.PREFIX + n for n in layout.names]
+        if not have.intersection(keys):
+            return flat
+        parts = [store.pop(k) if k in have else ops.zeros(n, flat.dtype, flat)
+                 for k, n in zip(keys, layout.numels)]
+        r = ops.cast(parts[0] if len(parts) == 1 else ops.concat(parts), flat.dtype)
+        if ops.supports_inplace():
+            return ops.add_into(flat, r, flat)
+        return flat + r
+
+    # -- not a codec itself -------------------------------------------------------------
+    def compress(self, tensor, name=None):
+        raise TypeError("auto chooses a compressor per bucket and step inside hvd_compress's "
+                        "glue: use hvd_compress.torch.DistributedOptimizer, hvd_compress."
+                        "tensorflow.DistributedGradientTape, hvd_compress.keras or "
+                        "hvd_compress.ddp")
+
+    compress_bucket = decompress = compress
+
+    # -- checkpoints --------------------------------------------------------------------
+    _FIELDS = ("steps", "phase", "phase_step", "choice", "scale", "samples", "compute",
+               "decisions")
+
+    def state_dict(self):
+        import copy
+        out = super().state_dict()
+        out["auto"] = copy.deepcopy({k: getattr(self, k) for k in self._FIELDS})
+        return out
+
+    def load_state_dict(self, state_dict, framework="torch", strict=True):
+        import copy
+        super().load_state_dict(state_dict, framework, strict=False)  # none drops residuals
+        self.reset()
+        for k, v in copy.deepcopy(state_dict.get("auto", {})).items():
+            setattr(self, k, v)
+        self.costs = self.bucket_costs() if self.phase != "calibrate" else []
+        self._last_end = None
