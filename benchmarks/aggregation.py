@@ -88,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 import hvd_compress  # noqa: E402
 from hvd_compress.compressors.aggregation import in_process  # noqa: E402
-from mnist_common import batches, load_mnist  # noqa: E402
+from mnist_common import batches, load_mnist, show_progress  # noqa: E402
 from pytorch_mnist import Net  # noqa: E402
 
 STRATEGIES = {"local": "", "union": ",agg=union", "leader": ",agg=leader", "hint": ",agg=hint"}
@@ -358,7 +358,7 @@ def main():
         specs.setdefault((f"{args.compressor}:density={d}{suffix}", P), (s, d))
     from tqdm import tqdm
     bar = tqdm(total=args.steps * sum(P for _, P in specs), desc="aggregation",
-               unit="grad", disable=args.no_progress, dynamic_ncols=True)
+               unit="grad", disable=not show_progress(not args.no_progress), dynamic_ncols=True)
     runs = []
     for spec, P in specs:
         bar.set_postfix_str(f"P={P} {spec}")

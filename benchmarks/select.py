@@ -29,8 +29,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 import hvd_compress  # noqa: E402
+from mnist_common import show_progress  # noqa: E402  (no bar off a terminal)
 
 METHODS = {
     "topk": "topk:density={d},ef=0",
@@ -168,7 +169,8 @@ def main():
 
     from tqdm import tqdm
     results = []
-    bar = tqdm(total=len(cases) * len(densities), disable=args.no_progress, desc="select")
+    bar = tqdm(total=len(cases) * len(densities), disable=not show_progress(not args.no_progress),
+               desc="select")
     for kind, make in cases:
         x = make()
         for density in densities:

