@@ -40,9 +40,9 @@ so the communication and compression of early buckets hide behind the rest of ba
 and the last buckets are exposed.  ``s`` scales the measured link times (1 after a
 calibration; see below).
 
-**Decision**: the best single candidate for every bucket, then coordinate descent over
-buckets (each bucket tries every candidate with the others fixed) until nothing
-improves; ties keep the earlier candidate.  Rank 0 decides on its own measurements and
+**Decision**: the combination of candidates over buckets with the least predicted step
+(every combination while there are at most 20000, else coordinate descent from each
+single candidate); ties keep the earlier candidate.  Rank 0 decides on its own measurements and
 broadcasts the choice (one named collective), so every rank uses the same compressor
 per bucket, and prints the decision table.
 
@@ -98,29 +98,40 @@ def predict(costs, choice, compute=0.0, scale=1.0):
     return compute + t
 
 
-def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9):
-    """The choice (a candidate index per bucket) that minimises :func:`predict`: the best
-    single candidate for every bucket, then coordinate descent; a change must gain more
-    than ``eps`` seconds, so ties keep the earlier candidate (the same on every rank)."""
+def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9, exhaustive=20000):
+    """The choice (a candidate index per bucket) that minimises :func:`predict`.
+
+    Every combination when there are at most ``exhaustive`` (in lexicographic order);
+    else coordinate descent (each bucket tries every candidate with the others fixed,
+    until nothing improves) from each single candidate everywhere, keeping the best.  A
+    change must gain more than ``eps`` seconds, so ties keep the earlier candidate and the
+    result does not depend on rounding noise (the same on every rank)."""
+    import itertools
     if not costs:
         return []
+    if n ** len(costs) <= exhaustive:
+        best, choice = math.inf, None
+        for trial in itertools.product(range(n), repeat=len(costs)):
+            p = predict(costs, trial, compute, scale)
+            if p < best - eps:
+                best, choice = p, list(trial)
+        return choice
     best, choice = math.inf, None
-    for c in range(n):
-        p = predict(costs, [c] * len(costs), compute, scale)
-        if p < best - eps:
-            best, choice = p, [c] * len(costs)
-    for _ in range(10):
-        changed = False
-        for i in range(len(costs)):
-            for c in range(n):
-                if c == choice[i]:
-                    continue
-                trial = choice[:i] + [c] + choice[i + 1:]
-                p = predict(costs, trial, compute, scale)
-                if p < best - eps:
-                    best, choice, changed = p, trial, True
-        if not changed:
-            break
+    for start in range(n):
+        cur = [start] * len(costs)
+        cur_p = predict(costs, cur, compute, scale)
+        for _ in range(10):
+            changed = False
+            for i in range(len(costs)):
+                for c in range(n):
+                    trial = cur[:i] + [c] + cur[i + 1:]
+                    p = predict(costs, trial, compute, scale)
+                    if p < cur_p - eps:
+                        cur, cur_p, changed = trial, p, True
+            if not changed:
+                break
+        if cur_p < best - eps:
+            best, choice = cur_p, cur
     return choice
 
 
@@ -375,10 +386,12 @@ class Auto(Compressor):
 
     def carry(self, layout, flat, compressor, ops):
         """Before ``compressor`` sends ``flat`` (the tensors of ``layout`` end to end): one
-        without error feedback sends the residuals the others left with this gradient."""
+        without error feedback sends the residuals the others left with this gradient.
+        The glue calls it before every compress (it also makes the candidates share one
+        store)."""
+        store = self._state(ops)
         if compressor.ef:
             return flat
-        store = self._state(ops)
         have = set(store.keys())
         keys = [ResidualMemory.PREFIX + n for n in layout.names]
         if not have.intersection(keys):
