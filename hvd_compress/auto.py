@@ -149,6 +149,15 @@ def fit_link(points):
     return my - slope * mx, 1.0 / slope
 
 
+def find_auto(compressors):
+    """The one :class:`Auto` among the compressors the glue planned (None if none)."""
+    autos = {id(c): c for c in compressors if getattr(c, "adaptive", False)}
+    if len(autos) > 1:
+        raise ValueError("compression holds several auto compressors; use one Auto "
+                         "instance for every tensor that it should choose for")
+    return next(iter(autos.values()), None)
+
+
 def _median(samples):
     samples = list(samples)
     if len(samples) > 1:

@@ -58,7 +58,8 @@ def tf_job(tmp_path_factory):
     """One horovodrun job running every TensorFlow scenario but the failing one."""
     out = tmp_path_factory.mktemp("tf_job")
     rc, log = horovodrun([ROOT / "tests/workers/tf_worker.py", "aggregate", "functional",
-                          "empty_rank", "nonfinite", "checkpoint", "policy", "buckets", "agg"], out)
+                          "empty_rank", "nonfinite", "checkpoint", "policy", "buckets", "agg",
+                          "auto"], out)
     assert rc == 0, log[-6000:]
     return out
 

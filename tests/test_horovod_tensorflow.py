@@ -11,7 +11,8 @@ from horovod_checks import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, che
                             check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,
                             check_bucket_tolerance,
                             check_checkpoint, check_empty_rank, check_functional,
-                            check_mismatch_fails_clearly, check_nonfinite, check_policy)
+                            check_mismatch_fails_clearly, check_nonfinite, check_policy, check_auto,
+                            check_auto_mismatch_fails_clearly)
 
 DTYPES = {"int": "int32", "fp16": "float16", "bf16": "bfloat16"}
 CASES = [(s, op, m) for s in SPECS for op in ("average", "sum") for m in ("eager", "function")]
@@ -83,3 +84,16 @@ def test_aggregation_aware_selection(request, spec, np_):
 def test_aggregation_average_and_process_set(request, np_):
     out = request.getfixturevalue("tf_job" if np_ == 2 else "agg3_jobs")
     check_agg_average_and_process_set(load_ranks(out, "tf_agg", np_), AGG_SPECS, AGG_SHAPES)
+
+
+def test_auto_same_choice_on_every_rank_and_aggregate_of_the_choice(tf_job):
+    check_auto(load_ranks(tf_job, "tf_auto"))
+
+
+def test_auto_inside_tf_function_is_a_clear_error(tf_job):
+    message = str(load_ranks(tf_job, "tf_auto")[0]["graph_error"])
+    assert "needs eager execution" in message and "run_eagerly=True" in message
+
+
+def test_auto_ranks_with_different_candidates_fail_clearly(tmp_path):
+    check_auto_mismatch_fails_clearly("tf_worker.py", tmp_path)

@@ -5,6 +5,7 @@ tensor, the compressor decides allreduce or allgather, its ``decompress`` turns 
 aggregate into the sum over ranks.
 """
 import hashlib
+import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -126,11 +127,12 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
 
 @tf.autograph.experimental.do_not_convert
 def bucket_allreduce(flat, layout, compressor, op=hvd.Average,
-                     process_set=hvd.global_process_set):
+                     process_set=hvd.global_process_set, times=None):
     """Compressed sum/average of a bucket (``flat``: the tensors of ``layout`` end to end)
     with one compress call and one collective (an allreduce, or one grouped allgather of
     every payload tensor; two rounds for agg=union/leader/hint), named after the bucket.
-    Returns ``(flat result, traffic)`` as :func:`allreduce`."""
+    Returns ``(flat result, traffic)`` as :func:`allreduce`.  ``times`` (eager only, a
+    dict): gets ``compress_s``, ``wait_s`` and ``decompress_s`` of a one-round exchange."""
     check_op(op)
     wire = PREFIX + _safe(layout.key)
     if compressor.collective == "two_round":
@@ -138,13 +140,20 @@ def bucket_allreduce(flat, layout, compressor, op=hvd.Average,
                                                   process_set.size())
         out, traffic = _two_rounds(compressor, proposal, rnd, wire, process_set)
         return _average(out, op, process_set), traffic
+    start = time.perf_counter()
     payload, ctx = compressor.compress_bucket(flat, layout)
+    compressed = time.perf_counter()
     if compressor.collective == "allreduce":
         aggregate = hvd.allreduce(payload, op=hvd.Sum, name=wire, process_set=process_set)
     else:
         aggregate = _grouped_allgather(payload, wire, process_set)
+    waited = time.perf_counter()
     traffic = _payload_traffic(compressor, payload, aggregate, process_set)
-    return _average(compressor.decompress_bucket(aggregate, ctx), op, process_set), traffic
+    out = _average(compressor.decompress_bucket(aggregate, ctx), op, process_set)
+    if times is not None:
+        times.update(compress_s=compressed - start, wait_s=waited - compressed,
+                     decompress_s=time.perf_counter() - waited)
+    return out, traffic
 
 
 _SAME_WIDTH = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
@@ -170,6 +179,19 @@ def _grouped_allgather(payload, name, process_set):
             dtype = payload[i].dtype
             out[i] = g if dtype == wire_dtype else tf.bitcast(g, dtype)
     return tuple(out)
+
+
+class AutoComm:
+    """What :meth:`hvd_compress.auto.Auto.end_step` needs (eager): the rank, and a named
+    broadcast of a few floats from rank 0 of ``process_set``."""
+
+    def __init__(self, process_set=hvd.global_process_set):
+        self.process_set, self.rank = process_set, process_set.rank()
+
+    def broadcast(self, values, name):
+        t = tf.constant(values, tf.float64)
+        return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
+                             process_set=self.process_set).numpy().tolist()
 
 
 def check_same_config(description, process_set=hvd.global_process_set):

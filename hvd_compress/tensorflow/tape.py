@@ -12,6 +12,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .. import buckets
+from ..auto import find_auto
 from ..ops import tf_ops
 from ..stats import EXCHANGE, summarize
 from . import collectives
@@ -41,11 +42,17 @@ class TFStats:
             self._v["total_" + k].assign_add(v)
         self._v["steps"].assign_add(1)
 
+    #: ``auto``: bucket key -> the spec of the candidate that sends it now
+    choices = {}
+
     def as_dict(self):
         v = {k: int(x.numpy()) for k, x in self._v.items()}
-        return summarize(v["steps"], v["last_sent"], v["last_dense"], v["total_sent"],
-                         v["total_dense"], {k: v["last_" + k] for k in EXCHANGE},
-                         {k: v["total_" + k] for k in EXCHANGE})
+        out = summarize(v["steps"], v["last_sent"], v["last_dense"], v["total_sent"],
+                        v["total_dense"], {k: v["last_" + k] for k in EXCHANGE},
+                        {k: v["total_" + k] for k in EXCHANGE})
+        if self.choices:
+            out["choices"] = dict(self.choices)
+        return out
 
     def __repr__(self):
         d = self.as_dict()
@@ -148,6 +155,15 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
             f"{compression.spec} op={op} {buckets.describe(bucket_mb, plan)} "
             f"| {layout}", process_set)
         checked.add(bucket_mb)
+    auto = find_auto(e[2] for e in entries)
+    if auto is not None:
+        if not tf.executing_eagerly():
+            raise ValueError(
+                f"compression={auto.spec!r} chooses a compressor per bucket between steps, "
+                "in Python: it needs eager execution. A tf.function (and Keras' compiled "
+                "train step) would fix the choice when traced; run eagerly (Keras: "
+                "model.compile(..., run_eagerly=True)) or choose a fixed compressor.")
+        auto.backward_done()
     out, dense = list(grads), 0
     traffic = dict.fromkeys(("sent",) + EXCHANGE, tf.constant(0, tf.int64))
     for bucket in plan:
@@ -156,18 +172,37 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
             continue
         # a variable without a gradient (None, as Horovod returns it) is left out of
         # its bucket for this step: its residual waits, as tensor by tensor
-        if len(present) == 1:
+        parts = [tf.convert_to_tensor(grads[i]) for i in present]
+        lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
+        compressor = entries[present[0]][2]
+        if auto is not None:     # this step's candidate for the (planned) bucket
+            key = buckets.layout([names[i] for i in bucket], [entries[i][1] for i in bucket]).key
+            auto.launched(key)
+            index, compressor = auto.choose(key)
+            flat = auto.carry(lay, tf_ops.concat([tf.reshape(p, [-1]) for p in parts]),
+                              compressor, tf_ops)
+            times = {}
+            reduced, one = collectives.bucket_allreduce(flat, lay, compressor, op,
+                                                        process_set, times)
+            auto.record(key, index, times["compress_s"], times["wait_s"],
+                        times["decompress_s"], int(one["sent"]) + int(one["received"]))
+            for i, r in zip(present, lay.split(reduced, tf_ops)):
+                out[i] = r
+        elif len(present) == 1:
             i = present[0]
             out[i], one = collectives.allreduce(grads[i], names[i], compression,
                                                 op, process_set)
         else:
-            parts = [tf.convert_to_tensor(grads[i]) for i in present]
-            lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
             reduced, one = collectives.bucket_allreduce(
-                tf_ops.concat(parts), lay, entries[present[0]][2], op, process_set)
+                tf_ops.concat(parts), lay, compressor, op, process_set)
             for i, r in zip(present, lay.split(reduced, tf_ops)):
                 out[i] = r
         traffic = {k: v + one[k] for k, v in traffic.items()}
         dense += 4 * sum(int(tf.TensorShape(entries[i][1]).num_elements()) for i in present)
     stats(compression).record_step(traffic, dense)
+    if auto is not None:
+        auto.end_step(collectives.AutoComm(process_set))
+        stats(compression).choices = auto.choices()
     return out
+
+

@@ -11,6 +11,7 @@ import horovod.torch as hvd
 import torch
 
 from .. import buckets
+from ..auto import find_auto
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
@@ -72,7 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._layouts = [buckets.layout([self._names[p] for p in b], [p.shape for p in b])
                          for b in self._buckets]
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
-        self._auto = _adaptive([entries[i][2] for i in range(len(entries))])
+        self._auto = find_auto([entries[i][2] for i in range(len(entries))])
         self._recorded = set()               # auto: buckets already reported this step
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         if process_set.included():
@@ -207,15 +208,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize().")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
-
-
-def _adaptive(compressors):
-    """The one :class:`~hvd_compress.auto.Auto` among ``compressors`` (None if none)."""
-    autos = {id(c): c for c in compressors if getattr(c, "adaptive", False)}
-    if len(autos) > 1:
-        raise ValueError("compression holds several auto compressors; use one Auto "
-                         "instance for every parameter that it should choose for")
-    return next(iter(autos.values()), None)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,

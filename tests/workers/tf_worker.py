@@ -15,8 +15,9 @@ import hvd_compress.tensorflow as hctf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import agg_scenario  # noqa: E402
+import auto_scenario  # noqa: E402
 from agg_scenario import agg_grads  # noqa: E402
-from cases import (AGG_SHAPES, BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS,  # noqa: E402
+from cases import (AGG_SHAPES, AUTO_MB, BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS,  # noqa: E402
                    BUCKET_TOL_SPECS, POLICY, SHAPES, SPECS)
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
@@ -229,9 +230,59 @@ def agg(out):
     agg_scenario.agg(out, hvd, _agg_run, "tensorflow")
 
 
+def _auto_run(comp, steps, start=0):
+    """``auto``, eagerly: (outputs per step, candidate index per bucket per step, bucket
+    names in launch order)."""
+    from hvd_compress import buckets as plan_buckets
+    variables = [tf.Variable(tf.zeros(s), name=n) for n, s in BUCKET_SHAPES.items()]
+    entries = [(n, s, comp.for_tensor(n, tf.zeros(s)), "float32", 4) for n, s in BUCKET_SHAPES.items()]
+    plan = [[entries[i][0] for i in b] for b in plan_buckets.plan(entries, AUTO_MB)]
+    keys = [plan_buckets.layout(b, [BUCKET_SHAPES[n] for n in b]).key for b in plan]
+    outs, chosen = [], []
+    for step in range(start, start + steps):
+        chosen.append([comp.choose(k)[0] for k in keys])
+        gs = [tf.constant(g) for g in auto_scenario.auto_grads(hvd, step).values()]
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, gs)])
+        tape = hctf.DistributedGradientTape(tape, compression=comp, op=hvd.Sum, bucket_mb=AUTO_MB)
+        grads = tape.gradient(loss, variables)
+        outs.append({n: g.numpy() for n, g in zip(BUCKET_SHAPES, grads)})
+    return outs, chosen, plan
+
+
+_auto_run.framework = "tensorflow"
+
+
+def auto(out):
+    auto_scenario.auto(out, hvd, _auto_run)
+    # inside tf.function the choice would be fixed at trace time: a clear error instead
+    v = tf.Variable(tf.zeros(3), name="v")
+    comp = hvd_compress.from_spec("auto:candidates=none|fp16,calibrate=2,verbose=0")
+
+    @tf.function
+    def traced():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * 2.0)
+        return hctf.DistributedGradientTape(tape, compression=comp).gradient(loss, [v])
+    try:
+        traced()
+        out["graph_error"] = np.array("")
+    except ValueError as e:
+        out["graph_error"] = np.array(str(e))
+
+
+def auto_mismatch(out):
+    spec = "auto:candidates=none|topk:density=0.1" if hvd.rank() == 0 else "auto"
+    try:
+        _auto_run(hvd_compress.from_spec(spec), 1)
+    except ValueError as e:
+        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
+        sys.exit(3)
+
+
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
                                      checkpoint, policy, mismatch, buckets, bucket_mismatch,
-                                     agg)}
+                                     agg, auto, auto_mismatch)}
 
 if __name__ == "__main__":
     hvd.init()
