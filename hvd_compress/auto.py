@@ -181,14 +181,20 @@ class Auto(Compressor):
     take buckets (``segmented``) and need one collective (no two-round exchange).
     ``calibrate``: calibration steps (at least one per candidate); ``every``: steps
     between check steps (0: decide once); ``drift``: the fraction by which the link may
-    move before everything is calibrated again; ``verbose``: rank 0 prints each decision.
+    move before everything is calibrated again; ``bucket_mb``: the bucket size the
+    Horovod glue uses with auto unless ``bucket_mb=`` or ``$HVD_COMPRESS_BUCKET_MB`` is
+    given (default 1 MB, DDP's first bucket: small enough that most models have several
+    buckets to choose for, and that early buckets travel while backward goes on; the
+    DDP hook gets DDP's own buckets, ``bucket_cap_mb``); ``verbose``: rank 0 prints each
+    decision.
     """
 
     name = "auto"
     segmented = True
     adaptive = True             #: the glue asks :meth:`choose` per bucket and step
 
-    def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, verbose=True):
+    def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, bucket_mb=1.0,
+                 verbose=True):
         super().__init__(ef=False)
         from .spec import from_spec
         if candidates is None:
@@ -225,6 +231,8 @@ class Auto(Compressor):
             s.replace(",", "+") for s in specs)
         self.calibrate, self.every = int(calibrate), int(every)
         self.drift, self.verbose = float(drift), bool(verbose)
+        from .buckets import bucket_mb as check_mb
+        self.bucket_mb = check_mb(bucket_mb)
         self.reset()
 
     # -- schedule ---------------------------------------------------------------------

@@ -55,10 +55,12 @@ def layout(names, shapes):
     return Layout(names, shapes, numels, tuple(offsets), at, key)
 
 
-def bucket_mb(value=None):
-    """The bucket size in MB: ``value``, else ``$HVD_COMPRESS_BUCKET_MB``, else 25."""
+def bucket_mb(value=None, compression=None):
+    """The bucket size in MB: ``value``, else ``$HVD_COMPRESS_BUCKET_MB``, else the
+    compression's own preference (``auto`` cuts smaller buckets, so that it can choose
+    per bucket and overlap more), else 25."""
     if value is None:
-        value = os.environ.get(ENV_VAR) or DEFAULT_MB
+        value = os.environ.get(ENV_VAR) or getattr(compression, "bucket_mb", None) or DEFAULT_MB
     try:
         mb = float(value)
     except (TypeError, ValueError):

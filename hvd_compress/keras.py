@@ -95,7 +95,7 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     wrapped.compression = resolve(compression)
     wrapped.op = collectives.check_op(op)
     wrapped.process_set = process_set
-    wrapped.bucket_mb = buckets.bucket_mb(bucket_mb)
+    wrapped.bucket_mb = buckets.bucket_mb(bucket_mb, wrapped.compression)
     return wrapped
 
 

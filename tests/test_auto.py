@@ -253,3 +253,16 @@ def test_state_dict_restores_the_decision_and_the_residuals():
     assert again.members[1]._store is again._store
     with pytest.raises(ValueError, match="state_dict is for"):
         hvd_compress.from_spec("auto:calibrate=30").load_state_dict(sd)
+
+
+def test_auto_prefers_small_buckets_unless_told(monkeypatch):
+    monkeypatch.delenv(buckets.ENV_VAR, raising=False)
+    auto = hvd_compress.from_spec("auto")
+    assert buckets.bucket_mb(None, auto) == 1.0
+    assert buckets.bucket_mb(None, hvd_compress.from_spec("auto:bucket_mb=4")) == 4.0
+    assert buckets.bucket_mb(8, auto) == 8.0
+    assert buckets.bucket_mb(None, hvd_compress.from_spec("topk:density=0.1")) == 25.0
+    monkeypatch.setenv(buckets.ENV_VAR, "2")
+    assert buckets.bucket_mb(None, auto) == 2.0
+    with pytest.raises(ValueError, match="bucket_mb"):
+        hvd_compress.from_spec("auto:bucket_mb=-1")

@@ -99,7 +99,7 @@ class DistributedGradientTape:
         self.compression = collectives.resolve_cached(compression)
         self.op = collectives.check_op(op)
         self.process_set = process_set
-        self.bucket_mb = buckets.bucket_mb(bucket_mb)
+        self.bucket_mb = buckets.bucket_mb(bucket_mb, self.compression)
 
     def __getattr__(self, item):       # watch(), stop_recording(), reset(), ...
         return getattr(self._tape, item)

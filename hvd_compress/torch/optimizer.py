@@ -66,7 +66,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # it takes the wrapped optimizer's plain step, without collectives.  Ours is one
         # too: no compressed exchange, and error feedback untouched.
         self.__module__ = hvd.DistributedOptimizer.__module__
-        self.bucket_mb = buckets.bucket_mb(bucket_mb)
+        self.bucket_mb = buckets.bucket_mb(bucket_mb, self.compression)
         entries = [(self._names[p], tuple(p.shape), self.compression.for_tensor(self._names[p], p),
                     p.dtype, p.element_size()) for p in self._params]
         self._buckets = [[self._params[i] for i in b] for b in buckets.plan(entries, self.bucket_mb)]
