@@ -23,7 +23,9 @@ gradients, device and link:
   ``T = alpha + bytes / beta`` over every (bucket, candidate) point (shown in the table);
 - ``compute``: the rest of the step (forward, backward, optimizer, data).
 
-Medians are taken, the first sample of each candidate dropped where there are several.
+The first sample of each candidate is dropped where there are several; compress and
+decompress times are medians, collective times minimums (a collective timed alone also
+waits for the slowest rank to arrive: that skew is noise, not the candidate's cost).
 
 **The step model** (what overlaps what).  Backward runs on one thread (CPU) or stream
 (GPU) and compressing bucket ``b`` runs on it too, so it delays the rest of backward by
@@ -42,7 +44,10 @@ calibration; see below).
 
 **Decision**: the combination of candidates over buckets with the least predicted step
 (every combination while there are at most 20000, else coordinate descent from each
-single candidate); ties keep the earlier candidate.  Rank 0 decides on its own measurements and
+single candidate).  A combination must beat the one before it (in lexicographic order,
+starting from the first candidate everywhere) by ``Auto.margin`` = 1% of the step, so noise
+cannot move a bucket away from the first candidate (``none`` by default), and ties keep
+the earlier candidate.  Rank 0 decides on its own measurements and
 broadcasts the choice (one named collective), so every rank uses the same compressor
 per bucket, and prints the decision table.
 
@@ -158,10 +163,14 @@ def find_auto(compressors):
     return next(iter(autos.values()), None)
 
 
+def _warm(samples):
+    """The samples less the first where there are several (it warms caches, kernels)."""
+    samples = list(samples)
+    return samples[1:] if len(samples) > 1 else samples
+
+
 def _median(samples):
     samples = list(samples)
-    if len(samples) > 1:
-        samples = samples[1:]          # the first of a candidate warms caches and kernels
     return statistics.median(samples) if samples else 0.0
 
 
@@ -191,6 +200,7 @@ class Auto(Compressor):
 
     name = "auto"
     segmented = True
+    margin = 0.01               #: a choice must beat the first candidate's step by this
     adaptive = True             #: the glue asks :meth:`choose` per bucket and step
 
     def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, bucket_mb=1.0,
@@ -320,9 +330,9 @@ class Auto(Compressor):
         """The :class:`BucketCost` of every calibrated bucket, in launch order."""
         n, out = len(self.members), []
         for key, s in self.samples.items():
-            parts = [[_median(x[j] for x in s.get(f"c{i}", [[0.0] * 4])) for j in range(4)]
-                     for i in range(n)]
-            out.append(BucketCost(key, _median(s["ready"]) if s["ready"] else 0.0,
+            parts = [[(min if j == 1 else _median)(_warm(x[j] for x in s.get(f"c{i}", [[0.0] * 4])))
+                      for j in range(4)] for i in range(n)]
+            out.append(BucketCost(key, _median(_warm(s["ready"])) if s["ready"] else 0.0,
                                   tuple(p[0] for p in parts), tuple(p[1] for p in parts),
                                   tuple(p[2] for p in parts), tuple(p[3] for p in parts)))
         return sorted(out, key=lambda b: (b.ready, b.key))
@@ -331,7 +341,9 @@ class Auto(Compressor):
         self.costs = costs = self.bucket_costs()
         compute = _median(self.compute) if self.compute else 0.0
         keys = sorted(b.key for b in costs)
-        mine = decide(costs, len(self.members), compute, self.scale)
+        first = predict(costs, [0] * len(costs), compute, self.scale)
+        mine = decide(costs, len(self.members), compute, self.scale,
+                      eps=max(1e-9, self.margin * first))
         by_key = {b.key: c for b, c in zip(costs, mine)}
         got = comm.broadcast([float(by_key[k]) for k in keys], "auto.decision")
         self.choice = {k: int(round(c)) for k, c in zip(keys, got)}
