@@ -11,6 +11,15 @@ Split of a step (PyTorch glue timers, see hvd_compress.stats):
   communicate  blocked on Horovod in synchronize(): communication backward did not hide
   decompress   decoding the aggregates
   other        the rest of synchronize() (launching late collectives, copying into .grad)
+
+A link that changes mid-run (``--phase-dir DIR --phase-after N``, used by step_time.py
+``--change-link``): for each compressor k, rank 0 asks the launching process for the
+first rate by creating ``DIR/<k>.1`` before the warm-up, and for the second rate by
+creating ``DIR/<k>.2`` after N measured steps; it waits for the launcher's
+``DIR/<k>.<phase>.done`` (the rate is changed by then) and all ranks meet in an
+allreduce before the next step, so no measured step straddles the change (the waits are
+not measured).  The row then holds ``phases``: the medians of the first N steps and of
+the steps after the change less the first ``--phase-skip``, and ``step_totals``.
 """
 import sys
 from pathlib import Path
@@ -19,6 +28,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -64,7 +74,28 @@ class TokenClassifier(torch.nn.Module):
         return self.head(self.encoder(self.embed(tokens)).mean(1))
 
 
-def measure(model_name, spec, steps, warmup, batch):
+def ask_for_phase(phase_dir, index, phase, timeout=300):
+    """Rank 0: create ``<index>.<phase>`` in ``phase_dir`` and wait for the launcher's
+    ``.done``; then every rank meets the others, so all start the next step on the new
+    link."""
+    if hvd.rank() == 0:
+        path = os.path.join(phase_dir, f"{index}.{phase}")
+        open(path, "w").close()
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path + ".done"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {path}.done after {timeout} s: the launcher did "
+                                   "not change the link")
+            time.sleep(0.01)
+    hvd.allreduce(torch.zeros(1), name=f"step_time.phase.{index}.{phase}")
+
+
+def medians(rows):
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
+            phase_after=None, phase_skip=0):
     from mnist_common import build_compression
     torch.manual_seed(0)
     model, shape = make_model(model_name)
@@ -84,7 +115,11 @@ def measure(model_name, spec, steps, warmup, batch):
         x = torch.randn((batch, *shape), generator=gen)
     y = torch.randint(0, 10, (batch,), generator=gen)
     rows = []
+    if phase_dir:
+        ask_for_phase(phase_dir, index, 1)
     for step in range(warmup + steps):
+        if phase_dir and step == warmup + phase_after:
+            ask_for_phase(phase_dir, index, 2)
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -114,7 +149,12 @@ def measure(model_name, spec, steps, warmup, batch):
     for h in getattr(opt, "_hooks", []) + getattr(opt, "_grad_accs", []):
         if hasattr(h, "remove"):
             h.remove()
-    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out = medians(rows)
+    if phase_dir:
+        phases = [rows[:phase_after], rows[phase_after + phase_skip:]]
+        out["phases"] = [dict(medians(sel), steps=len(sel)) for sel in phases]
+        out["phase_skip"] = phase_skip
+        out["step_totals"] = [r["total"] for r in rows]
     out["n_params"] = sum(p.numel() for p in model.parameters())
     out["n_tensors"] = sum(1 for p in model.parameters() if p.requires_grad)
     out["steps"] = steps
@@ -129,17 +169,32 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--out", required=True)
+    p.add_argument("--phase-dir", default=None,
+                   help="ask the launcher to change the link through files here (see above)")
+    p.add_argument("--phase-after", type=int, default=None,
+                   help="measured steps on the first rate")
+    p.add_argument("--phase-skip", type=int, default=2,
+                   help="steps after the change left out of the second phase's medians")
     args = p.parse_args()
+    if (args.phase_dir is None) != (args.phase_after is None):
+        p.error("--phase-dir and --phase-after go together")
+    if args.phase_dir and args.steps <= args.phase_after + args.phase_skip:
+        p.error("--steps must exceed --phase-after + --phase-skip")
     hvd.init()
     torch.set_num_threads(1)
     results = []
-    for spec in args.specs.split(";"):
-        row = measure(args.model, spec, args.steps, args.warmup, args.batch)
+    for index, spec in enumerate(args.specs.split(";")):
+        row = measure(args.model, spec, args.steps, args.warmup, args.batch, index,
+                      args.phase_dir, args.phase_after, args.phase_skip)
         # the step is as slow as the slower rank: keep the larger median of the two
         totals = hvd.allgather_object(row["total"], name=f"step_time.{spec}")
         row.update(spec=spec, model=args.model, total_max_rank=max(totals))
         results.append(row)
-        if hvd.rank() == 0:
+        if hvd.rank() == 0 and "phases" in row:
+            print(f"  {args.model:14s} {spec:45s} "
+                  + " -> ".join(f"{1e3 * ph['total']:8.1f} ms" for ph in row["phases"]),
+                  flush=True)
+        elif hvd.rank() == 0:
             print(f"  {args.model:14s} {spec:45s} {1e3 * row['total']:8.1f} ms", flush=True)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
