@@ -47,12 +47,15 @@ calibration; see below).
 single candidate).  A combination must beat the one before it (in lexicographic order,
 starting from the first candidate everywhere) by ``Auto.margin`` = 1% of the step, so noise
 cannot move a bucket away from the first candidate (``none`` by default), and ties keep
-the earlier candidate.  Rank 0 decides on its own measurements and
-broadcasts the choice (one named collective), so every rank uses the same compressor
-per bucket, and prints the decision table.
+the earlier candidate.  First the ranks share their measurements (one named allgather):
+a collective's time is the minimum over ranks (timed alone it also waits for the last
+rank to arrive, which the last one does not), codec and compute times the maximum.  Rank
+0 decides and broadcasts the choice (one named collective), so every rank uses the same
+compressor per bucket, and prints the decision table.
 
 **Re-decision**: every ``every`` steps (0: never) one *check step* times the chosen
-candidates' collectives alone again.  Rank 0 compares them with the prediction: their
+candidates' collectives alone again (minimum over ranks), and rank 0 compares them with
+the prediction: their
 ratio ``m`` scales the link (``s <- s m``) and the choice is made again; when the link
 moved by more than ``drift`` (``m > 1 + drift`` or ``m < 1 / (1 + drift)``: a congested
 link, a changed placement) everything is calibrated again.
@@ -122,8 +125,7 @@ def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9, exhaustive=20000):
                 best, choice = p, list(trial)
         return choice
     best, choice = math.inf, None
-    for start in range(n):
-        cur = [start] * len(costs)
+    for cur in [[start] * len(costs) for start in range(n)] + [_measured(costs, n)]:
         cur_p = predict(costs, cur, compute, scale)
         for _ in range(10):
             changed = False
@@ -138,6 +140,11 @@ def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9, exhaustive=20000):
         if cur_p < best - eps:
             best, choice = cur_p, cur
     return choice
+
+
+def _measured(costs, n):
+    """Each bucket's first candidate with finite costs (one measured on it)."""
+    return [next((c for c in range(n) if math.isfinite(b.compress[c])), 0) for b in costs]
 
 
 def fit_link(points):
@@ -255,7 +262,8 @@ class Auto(Compressor):
         self.scale = 1.0               #: link time scale since the last calibration
         self.samples = {}              #: calibration: key -> {"ready": [], "c<i>": [[C, T, D, bytes]]}
         self.compute = []              #: calibration: compute seconds per step
-        self.costs = []                #: the BucketCosts of the last decision
+        self.costs = []                #: the BucketCosts of the last decision (all ranks')
+        self.compute_s = 0.0           #: and its compute seconds
         self.decisions = []            #: one summary per decision (what was printed)
         self._step = None
 
@@ -301,8 +309,9 @@ class Auto(Compressor):
     def end_step(self, comm):
         """Close the step; decides (collectives through ``comm``) at phase ends.
 
-        ``comm.rank``; ``comm.broadcast(list of floats, name) -> list``: rank 0's values
-        (one named collective)."""
+        ``comm.rank``; ``comm.broadcast(list of floats, name) -> list``: rank 0's values,
+        and ``comm.allgather(list of floats, name) -> list of lists``, one per rank (each
+        one named collective)."""
         tl, self._step = self._timeline(), None
         now = time.perf_counter()
         end = tl["backward_end"] if tl["backward_end"] is not None else now - tl["ours"]
@@ -327,21 +336,58 @@ class Auto(Compressor):
 
     # -- decisions ----------------------------------------------------------------------
     def bucket_costs(self):
-        """The :class:`BucketCost` of every calibrated bucket, in launch order."""
+        """The :class:`BucketCost` of every calibrated bucket, in launch order.  A
+        candidate never measured on a bucket (one not sent at every calibration step:
+        DDP's first step has buckets of its own) costs infinite compress seconds there,
+        so that it is not chosen for it (not free, as zero seconds would make it)."""
         n, out = len(self.members), []
         for key, s in self.samples.items():
-            parts = [[(min if j == 1 else _median)(_warm(x[j] for x in s.get(f"c{i}", [[0.0] * 4])))
-                      for j in range(4)] for i in range(n)]
+            parts = [[(min if j == 1 else _median)(_warm(x[j] for x in s[f"c{i}"]))
+                      for j in range(4)] if s.get(f"c{i}") else [math.inf, 0.0, 0.0, 0.0]
+                     for i in range(n)]
             out.append(BucketCost(key, _median(_warm(s["ready"])) if s["ready"] else 0.0,
                                   tuple(p[0] for p in parts), tuple(p[1] for p in parts),
                                   tuple(p[2] for p in parts), tuple(p[3] for p in parts)))
         return sorted(out, key=lambda b: (b.ready, b.key))
 
+    def forget(self, key):
+        """Drop bucket ``key`` (a bucket that no longer exists: DDP rebuilt its buckets)."""
+        self.samples.pop(key, None)
+        self.choice.pop(key, None)
+
+    def _combine(self, comm, costs, compute):
+        """Every rank's measurements (one named allgather): a collective's time is the
+        minimum over ranks (timed alone, it also waits for the last rank to arrive; the
+        last one waits only for the transfer), compress, decompress and compute the
+        maximum (the slowest rank sets the pace), ready times the median."""
+        n = len(self.members)
+        costs = sorted(costs, key=lambda b: b.key)
+        row = [compute]
+        for b in costs:
+            row += [b.ready, *b.compress, *b.comm, *b.decompress, *b.nbytes]
+        rows = comm.allgather(row, "auto.costs")
+        if any(len(r) != len(row) for r in rows):
+            raise RuntimeError("hvd_compress auto: ranks measured different buckets "
+                               f"({[len(r) for r in rows]} numbers)")
+        cols = list(zip(*rows))
+        out, at = [], 1
+        for b in costs:
+            ready = statistics.median(cols[at])
+            parts = [[f(cols[at + 1 + j * n + c]) for c in range(n)]
+                     for j, f in enumerate((max, min, max, max))]
+            out.append(b._replace(ready=ready, compress=tuple(parts[0]), comm=tuple(parts[1]),
+                                  decompress=tuple(parts[2]), nbytes=tuple(parts[3])))
+            at += 1 + 4 * n
+        return sorted(out, key=lambda b: (b.ready, b.key)), max(cols[0])
+
     def _decide(self, comm, why):
-        self.costs = costs = self.bucket_costs()
         compute = _median(self.compute) if self.compute else 0.0
+        self.costs, self.compute_s = self._combine(comm, self.bucket_costs(), compute)
+        costs, compute = self.costs, self.compute_s
         keys = sorted(b.key for b in costs)
         first = predict(costs, [0] * len(costs), compute, self.scale)
+        if not math.isfinite(first):       # candidate 0 not measured on some bucket
+            first = predict(costs, _measured(costs, len(self.members)), compute, self.scale)
         mine = decide(costs, len(self.members), compute, self.scale,
                       eps=max(1e-9, self.margin * first))
         by_key = {b.key: c for b, c in zip(costs, mine)}
@@ -356,12 +402,13 @@ class Auto(Compressor):
     def _check(self, comm, parts):
         """A check step: scale the link by measured / predicted collective time."""
         by_key = {b.key: b for b in self.costs}
-        measured = sum(t for key, (i, c, t, d, nb) in parts.items() if key in by_key)
-        predicted = sum(self.scale * by_key[key].comm[i]
-                        for key, (i, c, t, d, nb) in parts.items() if key in by_key)
+        keys = sorted(key for key in parts if key in by_key)
+        every = comm.allgather([parts[k][2] for k in keys], "auto.check")
+        measured = sum(min(col) for col in zip(*every))     # min over ranks, as _combine
+        predicted = sum(self.scale * by_key[k].comm[parts[k][0]] for k in keys)
         m = measured / predicted if predicted > 0 else 1.0
         recalibrate = not (1 / (1 + self.drift) <= m <= 1 + self.drift)
-        flag, m = comm.broadcast([float(recalibrate), float(m)], "auto.check")
+        flag, m = comm.broadcast([float(recalibrate), float(m)], "auto.verdict")
         if flag:
             if self.verbose and comm.rank == 0:
                 print(f"hvd_compress auto: collectives took {m:.2f}x the predicted time: "
@@ -378,7 +425,7 @@ class Auto(Compressor):
         candidate alone, the link fit, and a printable ``table``."""
         costs = self.costs
         if compute is None:
-            compute = _median(self.compute) if self.compute else 0.0
+            compute = self.compute_s
         n = len(self.members)
         choice = [self.choice.get(b.key, 0) for b in costs]
         alone = [predict(costs, [c] * len(costs), compute, self.scale) for c in range(n)]
@@ -443,12 +490,14 @@ class Auto(Compressor):
 
     # -- checkpoints --------------------------------------------------------------------
     _FIELDS = ("steps", "phase", "phase_step", "choice", "scale", "samples", "compute",
-               "decisions")
+               "decisions", "costs", "compute_s")
 
     def state_dict(self):
         import copy
         out = super().state_dict()
-        out["auto"] = copy.deepcopy({k: getattr(self, k) for k in self._FIELDS})
+        fields = {k: getattr(self, k) for k in self._FIELDS}
+        fields["costs"] = [tuple(b) for b in self.costs]     # plain types: torch.load's
+        out["auto"] = copy.deepcopy(fields)                  # weights_only accepts them
         return out
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
@@ -457,5 +506,5 @@ class Auto(Compressor):
         self.reset()
         for k, v in copy.deepcopy(state_dict.get("auto", {})).items():
             setattr(self, k, v)
-        self.costs = self.bucket_costs() if self.phase != "calibrate" else []
+        self.costs = [BucketCost(*b) for b in self.costs]
         self._last_end = None

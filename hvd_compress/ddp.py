@@ -56,9 +56,26 @@ which has usually finished during the backward computation in between), and the 
 bucket's call finishes them all.  The order is the same on every rank.
 
 At the first step every rank checks that the others have the same configuration
-(compressor spec, op, world size, parameter names, shapes and dtypes) with one
-fixed-shape all_gather of a sha256; when they differ, every rank raises ValueError
-listing each rank's, instead of hanging in mismatched collectives.
+(compressor spec, op, world size, parameter names, shapes and dtypes; with ``auto``, its
+schedule and choices too, as restored from a checkpoint) with one fixed-shape all_gather
+of a sha256; when they differ, every rank raises ValueError listing each rank's, instead
+of hanging in mismatched collectives.
+
+**auto** (:class:`~hvd_compress.auto.Auto`, alone or inside a Policy): the tensors of a
+DDP bucket that auto sends are one auto bucket, keyed by their names end to end
+(``buckets.layout(...).key``), and each step auto chooses its candidate.  DDP rebuilds
+its buckets after the first step: the tensors then form new keys, and the keys they
+left are forgotten by auto (a first step's bucket only ever had its first step's
+candidate).  Each name remembers its key, and ``state_dict()`` holds that map: a new
+DDP model restoring a checkpoint has one bucket at its first step again, which is sent
+as the auto buckets it holds (one exchange each, as many as the run that saved it), so
+the choices and the bits go on as they would have.  In calibration and check steps
+(``auto.blocking``) every exchange is completed inside the hook call that starts it,
+before the hook returns its (already completed) Future, so each is timed alone.  The
+last bucket's hook call stands for the end of backward (``backward_done``) and, once
+every bucket is finished, closes auto's step (``end_step``): its decision broadcast (a
+float64 ``dist.broadcast`` from the group's rank 0, on the bucket's device) starts from
+the hook thread, in the same place on every rank.
 
 Works on the Gloo backend (CPU) and NCCL (GPU): everything stays on the bucket's
 device except the payload byte lengths and the configuration digest, which the host
@@ -71,6 +88,7 @@ import torch
 import torch.distributed as dist
 
 from . import buckets
+from .auto import find_auto
 from .compressors import payload_bytes
 from .ops import torch_ops
 from .spec import resolve
@@ -104,21 +122,73 @@ class CompressionState:
                             ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named))
         self.checked = False
         self.in_flight = []      # _Bucket of this step, in launch order
+        #: the one :class:`~hvd_compress.auto.Auto` of the compression (None if none)
+        self.auto = find_auto(self.compression.for_tensor(n, p) for n, p in named)
+        self.auto_key = {}       # auto: tensor name -> key of the auto bucket it is sent in
+        self.auto_names = {}     # auto: key -> the names of its tensors
 
     def state_dict(self):
-        """The compressor's error-feedback residuals and counters (per parameter name)."""
-        return self.compression.state_dict()
+        """The compressor's error-feedback residuals and counters (per parameter name);
+        with ``auto``, also which tensors form each auto bucket (``"ddp_auto"``)."""
+        out = self.compression.state_dict()
+        if self.auto is not None:
+            keys = set(self.auto_key.values())
+            out = dict(out, ddp_auto={"key": dict(self.auto_key),
+                                      "names": {k: list(v) for k, v in self.auto_names.items()
+                                                if k in keys}})
+        return out
 
     def load_state_dict(self, state_dict, strict=True):
         """Restore :meth:`state_dict` (the spec must match; see ``Compressor.load_state_dict``)."""
+        state_dict = dict(state_dict)
+        mapping = state_dict.pop("ddp_auto", None)
         self.compression.load_state_dict(state_dict, "torch", strict)
+        if self.auto is not None and mapping is not None:
+            self.auto_key = dict(mapping["key"])
+            self.auto_names = {k: tuple(v) for k, v in mapping["names"].items()}
+
+    def auto_keys(self, names, shapes):
+        """``{name: key}`` for the tensors ``names`` (with ``shapes``) of one DDP bucket
+        that auto sends.  A name keeps the key it had while every tensor of that key is
+        in this bucket and still has it (so a restored model's first bucket, which holds
+        everything, is sent as the auto buckets it holds); the others form a new key of
+        their names end to end, and the keys they leave are forgotten by auto (DDP
+        rebuilt its buckets: they will not come back)."""
+        inside = set(names)
+        out, left = {}, []
+        for n, s in zip(names, shapes):
+            k = self.auto_key.get(n)
+            if k is not None and all(m in inside and self.auto_key.get(m) == k
+                                     for m in self.auto_names[k]):
+                out[n] = k
+            else:
+                left.append((n, s))
+        if left:
+            lay = buckets.layout([n for n, _ in left], [s for _, s in left])
+            gone = {self.auto_key[n] for n, _ in left if n in self.auto_key} - {lay.key}
+            self.auto_names[lay.key] = lay.names
+            for n, _ in left:
+                self.auto_key[n] = out[n] = lay.key
+            for k in gone:
+                self.auto.forget(k)
+            used = set(self.auto_key.values())
+            self.auto_names = {k: v for k, v in self.auto_names.items() if k in used}
+        return out
+
+    def _full_description(self):
+        if self.auto is None:
+            return self.description
+        a = self.auto
+        return (f"{self.description} | auto step={a.steps} phase={a.phase}:{a.phase_step} "
+                f"choice={sorted(a.choice.items())} buckets={sorted(self.auto_key.items())}")
 
     def check_config(self, device):
         """ValueError on every rank unless all ranks have the same :attr:`description`:
         one all_gather of its sha256 (fixed shape, so ranks that differ cannot hang),
         then, only if they differ, of the descriptions themselves for the message."""
         group = self.process_group
-        digest = torch.tensor(list(hashlib.sha256(self.description.encode()).digest()),
+        description = self._full_description()
+        digest = torch.tensor(list(hashlib.sha256(description.encode()).digest()),
                               dtype=torch.uint8, device=device)
         everyone = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, digest, group=group)
@@ -126,45 +196,89 @@ class CompressionState:
             self.checked = True
             return
         texts = [None] * len(everyone)
-        dist.all_gather_object(texts, self.description, group=group)
-        lines = "\n".join(f"  rank {r}: {t[:300]}" for r, t in enumerate(texts))
+        dist.all_gather_object(texts, description, group=group)
+        # the first 300 characters, or 300 around the first difference if it is further
+        at = next((i for i, cs in enumerate(zip(*texts)) if len(set(cs)) > 1),
+                  min(len(t) for t in texts))
+        lines = "\n".join(f"  rank {r}: {t[:300] if at < 250 else '...' + t[at - 100:at + 200]}"
+                          for r, t in enumerate(texts))
         raise ValueError("hvd_compress.ddp: ranks are configured differently (compressor, op, "
-                         f"parameter names, shapes and dtypes must match on every rank):\n{lines}")
+                         "parameter names, shapes and dtypes, and auto's state restored from "
+                         f"a checkpoint, must match on every rank):\n{lines}")
 
 
 def compression_hook(state, bucket):
     """DDP communication hook: compress ``bucket`` with ``state.compression``, start its
     collectives, and return a Future of its aggregated flat gradient (sum or average over
     the ranks, in the buffer's dtype).  Earlier buckets of the step are moved one
-    collective further; the step's last bucket finishes every bucket (module docstring)."""
+    collective further; the step's last bucket finishes every bucket (module docstring).
+    With ``auto`` in a calibration or check step, each bucket is finished in its own call;
+    the last bucket's call closes auto's step."""
+    device = bucket.buffer().device
     if not state.checked:
-        state.check_config(bucket.buffer().device)
+        state.check_config(device)
+    auto, last = state.auto, bucket.is_last()
     try:
-        flight = _Bucket(state, bucket)
+        blocking = auto is not None and auto.blocking
+        if auto is not None and last:
+            auto.backward_done()
+        if blocking:                        # time this bucket's exchanges alone
+            _finish(state.in_flight)
+        flight = _Bucket(state, bucket, blocking)
         state.in_flight.append(flight)
         for older in state.in_flight[:-1]:
             older.advance()
-        if bucket.is_last():
-            while any(not f.done for f in state.in_flight):
-                for f in state.in_flight:
-                    f.advance()
+        if last:
+            _finish(state.in_flight)
             state.in_flight = []
+            if auto is not None:
+                auto.end_step(_AutoComm(state.process_group, device))
+                state.stats.choices = auto.choices()
             state.stats.end_step()
     except BaseException as e:              # leave no Future unset behind a failed step
         for f in state.in_flight:
             if not f.future.done():
                 f.future.set_exception(e)
         state.in_flight = []
+        if auto is not None:
+            auto._step = None               # the step's timeline is void
         raise
     return flight.future
+
+
+def _finish(flights):
+    """Every collective of ``flights`` (in order, as on every rank)."""
+    while any(not f.done for f in flights):
+        for f in flights:
+            f.advance()
+
+
+class _AutoComm:
+    """What :meth:`hvd_compress.auto.Auto.end_step` needs: the rank in ``group``, and a
+    broadcast of a few floats from the group's rank 0 (float64, on ``device``)."""
+
+    def __init__(self, group, device):
+        self.group, self.device = group, device
+        self.rank = dist.get_rank(group)
+
+    def broadcast(self, values, name):
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return t.tolist()
+
+    def allgather(self, values, name):
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(out, t, group=self.group)
+        return [o.tolist() for o in out]
 
 
 def register(ddp_model, compression=None, process_group=None, op="average"):
     """Register :func:`compression_hook` on ``ddp_model`` (a DistributedDataParallel)
     and return its :class:`CompressionState`.
 
-    ``compression``: a compressor, a Policy, a spec string (``"topk:density=0.01"``) or
-    None for ``$HVD_COMPRESS`` (default ``none``).  ``process_group``: default the
+    ``compression``: a compressor, a Policy, a spec string (``"topk:density=0.01"``,
+    ``"auto"``) or None for ``$HVD_COMPRESS`` (default ``none``).  ``process_group``: default the
     model's.  ``op``: ``"average"`` (as DDP) or ``"sum"``.
     """
     state = CompressionState(ddp_model, compression, process_group, op)
@@ -176,7 +290,7 @@ class _Bucket:
     """One DDP bucket in flight: its compress calls (``_Exchange``), advanced one
     collective at a time by the hook; sets :attr:`future` when all are done."""
 
-    def __init__(self, state, bucket):
+    def __init__(self, state, bucket, blocking=False):
         self.state, self.buffer = state, bucket.buffer()
         self.future = torch.futures.Future(
             devices=[self.buffer.device] if self.buffer.is_cuda else None)
@@ -193,12 +307,29 @@ class _Bucket:
         if at != self.buffer.numel():
             raise ValueError(f"hvd_compress.ddp: bucket {bucket.index()} holds {at} gradient "
                              f"values but its buffer {self.buffer.numel()}")
+        autos = [e for e in entries if getattr(e[3], "adaptive", False)]
+        auto_key = state.auto_keys([e[0] for e in autos], [e[1].shape for e in autos]) \
+            if autos else {}
         groups = {}                    # tensors sharing a segmented compressor: one call
         for e in entries:
-            key = id(e[3]) if e[3].segmented else ("alone", e[0])
+            if e[0] in auto_key:       # auto: one call per auto bucket
+                key = ("auto", auto_key[e[0]])
+            else:
+                key = id(e[3]) if e[3].segmented else ("alone", e[0])
             groups.setdefault(key, []).append(e)
-        whole = len(groups) == 1
-        self.exchanges = [_Exchange(state, g, whole) for g in groups.values()]
+        for key, g in groups.items():  # an auto bucket's tensors in its key's order
+            if isinstance(key, tuple) and key[0] == "auto":
+                order = {n: i for i, n in enumerate(state.auto_names[key[1]])}
+                g.sort(key=lambda e: order[e[0]])
+        whole = len(groups) == 1 and [e[0] for g in groups.values() for e in g] == \
+            [e[0] for e in entries]
+        self.exchanges = []
+        for key, g in groups.items():
+            auto = isinstance(key, tuple) and key[0] == "auto"
+            ex = _Exchange(state, g, whole, key[1] if auto else None)
+            self.exchanges.append(ex)
+            while blocking and not ex.done:     # auto's calibration or check: alone
+                ex.advance()
         self.done = False
         self._finish_if_done()
 
@@ -235,9 +366,11 @@ class _Bucket:
 class _Exchange:
     """One compress call and its collectives.  :meth:`_steps` is a generator: it yields
     each collective it starts (an async ``Work``) and, resumed by :meth:`advance` once
-    that collective has finished, goes on; it returns the flat sum over the ranks."""
+    that collective has finished, goes on; it returns the flat sum over the ranks.
+    ``auto_key``: the auto bucket the entries form (auto chooses the compressor, and is
+    told the exchange's seconds and bytes when it is done)."""
 
-    def __init__(self, state, entries, whole):
+    def __init__(self, state, entries, whole, auto_key=None):
         self.state, self.entries = state, entries
         self.compressor = entries[0][3]
         self.whole = whole              # the tensors are the whole bucket, end to end
@@ -246,7 +379,12 @@ class _Exchange:
         self.dense = 4 * sum(g.numel() for _, g, _, _ in entries)
         self.sent = self.received = self.received_local = self.union = self.k = 0
         self.compress_s = self.wait_s = self.decompress_s = 0.0
-        if len(entries) > 1:
+        self.auto, self.auto_key = (state.auto, auto_key) if auto_key is not None else (None, None)
+        if self.auto is not None:       # this step's candidate for the auto bucket
+            self.auto.launched(auto_key)
+            self.index, self.compressor = self.auto.choose(auto_key)
+        self.bucketed = len(entries) > 1
+        if self.bucketed or self.auto is not None:
             # a copy the compressor may keep: error feedback turns the buffer it is given
             # into the residuals' storage, and DDP reuses its bucket buffer every step
             self.layout = buckets.layout([e[0] for e in entries], [e[1].shape for e in entries])
@@ -271,12 +409,15 @@ class _Exchange:
         except StopIteration as stop:
             self.result, self.work, self.done = stop.value.reshape(-1), None, True
             self.decompress_s += time.perf_counter() - start
+            if self.auto is not None:
+                self.auto.record(self.auto_key, self.index, self.compress_s, self.wait_s,
+                                 self.decompress_s, self.sent + self.received)
 
     def _steps(self):
         c, name, grad = self.compressor, self.entries[0][0], self.entries[0][1]
         if c.collective == "two_round":
             rank = dist.get_rank(self.group)
-            if self.layout is not None:
+            if self.bucketed:
                 msg1, rnd = c.propose_bucket(self.flat, self.layout, rank, self.size)
             else:
                 msg1, rnd = c.propose(grad, name, rank, self.size)
@@ -291,7 +432,11 @@ class _Exchange:
                                                                       self.size)
             self.sent, self.received = sent1 + sent2, received1 + received2
             return out
-        if self.layout is not None:
+        if self.auto is not None:       # residuals left by the other candidates
+            self.flat = self.auto.carry(self.layout, self.flat, c, torch_ops)
+            if not self.bucketed:
+                grad = self.flat.view(grad.shape)
+        if self.bucketed:
             payload, ctx = c.compress_bucket(self.flat, self.layout)
         else:
             payload, ctx = c.compress(grad, name)
@@ -300,7 +445,7 @@ class _Exchange:
         else:
             agg, self.sent, self.received = yield from _allgather(payload, self.group, self.size)
         self.received_local = self.received
-        if self.layout is not None:
+        if self.bucketed:
             return c.decompress_bucket(agg, ctx)
         return c.decompress(agg, ctx)
 

@@ -79,7 +79,8 @@ class Policy(Compressor):
             raise ValueError("state_dict is for another policy:\n"
                              f"  {state_dict.get('spec')}\nnot\n  {self.spec}")
         for c, sd in zip(self.compressors(), state_dict["state"]):
-            if sd["state"] or c._store is not None:     # (an empty one clears)
+            # (an empty one clears; auto also holds its schedule and choices)
+            if sd["state"] or c._store is not None or getattr(c, "adaptive", False):
                 c.load_state_dict(sd, framework, strict)
 
     def residual(self, name):

@@ -1,7 +1,7 @@
 """hvd_compress.ddp through real ``torchrun --nproc_per_node 2`` jobs (Gloo, CPU; no Horovod).
 
 Workers: tests/workers/ddp_worker.py (one launch: ranks configured differently, the
-aggregates, a bfloat16 model, gradient_as_bucket_view, a slow rank, checkpoints) and
+aggregates, a bfloat16 model, gradient_as_bucket_view, a slow rank, checkpoints, auto) and
 examples/ddp_mnist.py (two launches).
 A launch costs ~15 s on 2 cores before any step (torchrun, imports; DDP imports dynamo).
 Each rank saves its local gradient (from a plain, non-DDP copy of the model on the same
@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cases import AUTO_STEPS, BUCKET_SHAPES
 from conftest import ROOT, reference_contribution, topk_mask
-from horovod_checks import _bits, agg_reference
+from horovod_checks import _auto_reference, _bits, agg_reference
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 _spec = importlib.util.spec_from_file_location("ddp_worker", ROOT / "tests/workers/ddp_worker.py")
@@ -68,7 +69,7 @@ def ddp_job(tmp_path_factory):
     its ranks catch the ValueError and go on, so a hang there shows as a timeout here."""
     out = tmp_path_factory.mktemp("ddp_job")
     rc, log = torchrun([ROOT / "tests/workers/ddp_worker.py", "mismatch", "aggregate", "bf16",
-                        "views", "skew", "checkpoint"], out, timeout=240)
+                        "views", "skew", "checkpoint", "auto"], out, timeout=240)
     assert rc == 0, log[-6000:]
     return str(out), log
 
@@ -279,6 +280,19 @@ def test_mismatch_raises_on_every_rank(ddp_job):
     assert "op=average" in log and "op=sum" in log
 
 
+def test_auto_ranks_with_other_candidates_or_state_fail_clearly(ddp_job):
+    """auto with other candidates on rank 1, then auto restored from a checkpoint on rank 1
+    only: ValueError on both ranks at the first step, naming what differs (no hang)."""
+    log = ddp_job[1]
+    for what in ("auto", "auto_restored"):
+        for rank in (0, 1):
+            assert f"CONFIG_ERROR {what} rank {rank}: hvd_compress.ddp: ranks are configured " \
+                   "differently" in log, what
+        assert f"NO_ERROR {what}" not in log
+    assert "rank 0: auto:candidates=none:ef=0|topk:density=0.1+ef=1" in log
+    assert "auto step=0 phase=calibrate:0" in log and "auto step=3 phase=run:1" in log
+
+
 def test_module_does_not_import_horovod():
     code = ("import sys, hvd_compress.ddp\n"
             "assert not any(m.startswith('horovod') for m in sys.modules)")
@@ -312,3 +326,89 @@ def test_mnist_topk_within_one_point_of_uncompressed(tmp_path):
     assert dense["epochs_log"][-1]["ratio"] == pytest.approx(1.0)
     assert topk["epochs_log"][-1]["ratio"] > 45                # 1%: value + index each
     assert topk["median_step_ms"] > 0 and topk["stats"]["steps"] == topk["steps"]
+
+
+# -- (e) auto: a compressor chosen per DDP bucket --------------------------------------------
+
+AUTO_CANDIDATES = ["none", "topk:density=0.1", "fp16"]
+
+
+def test_auto_same_choice_on_every_rank_and_its_aggregate(ddp_job):
+    """auto:candidates=none|topk|fp16,calibrate=3,every=2 for AUTO_STEPS steps of DDP
+    (one bucket at the first step, three after DDP rebuilt them): (a) both ranks send the
+    same auto buckets with the same candidate at every step; calibration goes through the
+    candidates in turn; a check step decided again; (b) p.grad (op sum) is, bit for bit,
+    the numpy aggregate of the candidates used, with residuals carried across switches
+    (topk: error feedback per tensor; none, fp16: the residual sent with the gradient;
+    fp16 sums in float16), and the residuals left are the reference's."""
+    ranks = load(ddp_job[0], "auto")
+    for step in range(AUTO_STEPS):
+        np.testing.assert_array_equal(ranks[0][f"sent|{step}"], ranks[1][f"sent|{step}"])
+        np.testing.assert_array_equal(ranks[0][f"choice|{step}"], ranks[1][f"choice|{step}"])
+    assert len(ranks[0]["sent|0"]) == 1 and len(ranks[0]["sent|1"]) == 3, ranks[0]["sent|1"]
+    for step in range(3):             # calibration: every bucket with candidate step % 3
+        assert set(ranks[0][f"choice|{step}"].tolist()) == {step}
+    assert int(ranks[0]["decisions"]) >= 2         # the calibration's and a check step's
+    keys = {k.rpartition("=")[0] for k in ranks[0][f"sent|{AUTO_STEPS - 1}"]}
+    assert set(json.loads(str(ranks[0]["stats_choices"]))) == keys
+
+    expected, residuals = _auto_reference(ranks, AUTO_CANDIDATES, AUTO_STEPS,
+                                          lambda step: ranks[0][f"choice|{step}"])
+    for step in range(AUTO_STEPS):
+        for n in BUCKET_SHAPES:
+            for r in ranks:
+                np.testing.assert_array_equal(_bits(r[f"out|{step}|{n}"]),
+                                              _bits(expected[step][n].reshape(BUCKET_SHAPES[n])),
+                                              err_msg=f"step {step} {n}")
+    for r, res in zip(ranks, residuals):
+        for n in BUCKET_SHAPES:
+            got, want = r[f"residual|{n}"], res[n].reshape(-1)
+            if got.size == 0:             # no residual held: nothing may be owed
+                assert not want.any(), n
+            else:
+                np.testing.assert_array_equal(got, want, err_msg=n)
+
+
+def test_auto_checkpoint_resumes_choices_and_bits(ddp_job):
+    """auto:candidates=none|topk,calibrate=2,every=0: 6 steps straight vs 3 steps,
+    state.state_dict(), and a new process group, DDP model and state restoring it for
+    steps 3-5: the same candidate per tensor and the same bits.  The restored model's
+    first step has one DDP bucket: it is sent as the saved auto buckets.  The buckets
+    DDP made after its first step were never sent with none in calibration (step 0 was
+    DDP's one bucket): none is not chosen for them (unmeasured is not free)."""
+    for r in load(ddp_job[0], "auto"):
+        for step in range(2, 6):
+            assert set(r[f"ckpt|straight|choice|{step}"].tolist()) == {1}, step
+        for step in range(3, 6):
+            np.testing.assert_array_equal(r[f"ckpt|resumed|choice|{step}"],
+                                          r[f"ckpt|straight|choice|{step}"])
+            assert sorted(r[f"ckpt|resumed|sent|{step}"]) == sorted(r[f"ckpt|straight|sent|{step}"])
+            for n in BUCKET_SHAPES:
+                np.testing.assert_array_equal(_bits(r[f"ckpt|resumed|out|{step}|{n}"]),
+                                              _bits(r[f"ckpt|straight|out|{step}|{n}"]),
+                                              err_msg=f"step {step} {n}")
+
+
+def test_auto_inside_a_policy(ddp_job):
+    """Policy(w: topk, late: fp16, default auto:candidates=none|topk): DDP's bucket
+    [late, s, b, w] holds three exchanges; auto chooses for s, b (and big, conv) only;
+    every tensor's aggregate is, bit for bit, that of its compressor (the candidate auto
+    used, with its residuals carried; topk and fp16 fixed), the same on both ranks."""
+    ranks = load(ddp_job[0], "auto")
+    fixed = {n: AUTO_CANDIDATES.index(c) for n, c in W.AUTO_POLICY.items()}
+    names = list(BUCKET_SHAPES)
+    choices = []
+    for step in range(W.AUTO_POLICY_STEPS):
+        got = ranks[0][f"policy|choice|{step}"]
+        np.testing.assert_array_equal(got, ranks[1][f"policy|choice|{step}"])
+        assert all((got[i] == -1) == (n in fixed) for i, n in enumerate(names)), got
+        choices.append([fixed.get(n, c) for n, c in zip(names, got)])
+    assert {c for row in choices[1:] for n, c in zip(names, row) if n not in fixed} <= {0, 1}
+    expected, _ = _auto_reference(ranks, AUTO_CANDIDATES, W.AUTO_POLICY_STEPS,
+                                  lambda step: choices[step])
+    for step in range(W.AUTO_POLICY_STEPS):
+        for n in BUCKET_SHAPES:
+            for r in ranks:
+                np.testing.assert_array_equal(_bits(r[f"policy|out|{step}|{n}"]),
+                                              _bits(expected[step][n].reshape(BUCKET_SHAPES[n])),
+                                              err_msg=f"step {step} {n}")

@@ -193,6 +193,10 @@ class AutoComm:
         return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
                              process_set=self.process_set).numpy().tolist()
 
+    def allgather(self, values, name):
+        t = tf.constant([values], tf.float64)
+        return hvd.allgather(t, name=PREFIX + name, process_set=self.process_set).numpy().tolist()
+
 
 def check_same_config(description, process_set=hvd.global_process_set):
     """Raise ValueError on every rank unless all ranks pass the same ``description``.

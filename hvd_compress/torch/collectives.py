@@ -221,6 +221,10 @@ class AutoComm:
         return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
                              process_set=self.process_set).tolist()
 
+    def allgather(self, values, name):
+        t = torch.tensor([values], dtype=torch.float64)
+        return hvd.allgather(t, name=PREFIX + name, process_set=self.process_set).tolist()
+
 
 def _allgather_strings(text, name, process_set):
     # horovod.torch.allgather_object takes no process_set in 0.28.1: two named allgathers.

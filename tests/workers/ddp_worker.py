@@ -21,6 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_compress
 import hvd_compress.ddp
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cases import AUTO_CKPT_SPEC, AUTO_SPEC, AUTO_STEPS, BUCKET_SHAPES  # noqa: E402
+
 #: compressors run through DDP by the "aggregate" scenario (policies by name, below)
 SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05,seed=4",
          "threshold:threshold=0.12", "laplace_topk:density=0.05,exact=1", "dgc:density=0.05",
@@ -40,6 +43,7 @@ CKPT_SPECS = ["topk:density=0.05", "randomk:density=0.1,seed=4", "topk:density=0
               "powersgd:rank=2", "policy:mixed"]
 STEPS = 3
 BUCKET_CAP_MB = 0.001        # several DDP buckets, some of several tensors
+AUTO_CAP_MB = 0.0005         # auto: three DDP buckets after the first step, one of four tensors
 DEVICE = torch.device(os.environ.get("DDP_WORKER_DEVICE", "cpu"))
 BACKEND = os.environ.get("DDP_WORKER_BACKEND", "gloo")
 
@@ -247,11 +251,118 @@ def checkpoint(out):
             out[f"{spec}|resumed|{n}"] = host(p)
 
 
+class AutoParams(torch.nn.Module):
+    """BUCKET_SHAPES (as the horovodrun auto scenario): a loss whose gradients are given."""
+
+    def __init__(self):
+        super().__init__()
+        for n, shape in BUCKET_SHAPES.items():
+            self.register_parameter(n, torch.nn.Parameter(torch.zeros(shape)))
+
+    def forward(self, grads):
+        return sum((p * grads[n]).sum() for n, p in self.named_parameters())
+
+
+def auto_grads(step):
+    return {n: np.random.default_rng([dist.get_rank(), 51, step, i]).standard_normal(shape)
+            .astype(np.float32) for i, (n, shape) in enumerate(BUCKET_SHAPES.items())}
+
+
+def _auto_run(spec, steps, start=0, saved=None, group=None, save_at=None):
+    """``steps`` steps of AutoParams in DDP (several buckets) with ``spec`` (or the
+    Policy AUTO_POLICY with "policy") and op sum; ``saved``: a ``state.state_dict()`` to
+    restore first; ``save_at``: a step before which ``state.state_dict()`` is kept in
+    ``state.saved``.  Returns (p.grad per step, [(auto bucket key, candidate index,
+    names)] per step as the hook sent them, the state)."""
+    torch.manual_seed(0)
+    model = AutoParams().to(DEVICE)
+    ddp = DDP(model, bucket_cap_mb=AUTO_CAP_MB, process_group=group)
+    comp = hvd_compress.Policy(AUTO_POLICY, default=AUTO_CKPT_SPEC) if spec == "policy" \
+        else hvd_compress.from_spec(spec)
+    state = hvd_compress.ddp.register(ddp, comp, op="sum")
+    if saved is not None:
+        state.load_state_dict(saved)
+    sent, record = [], state.auto.record
+
+    def recording(key, index, *times):       # what the hook used, bucket by bucket
+        sent.append((key, index))
+        return record(key, index, *times)
+    state.auto.record = recording
+    outs, used = [], []
+    for step in range(start, start + steps):
+        if step == save_at:
+            state.saved = state.state_dict()
+        del sent[:]
+        ddp.zero_grad()
+        ddp({n: torch.from_numpy(g).to(DEVICE) for n, g in auto_grads(step).items()}).backward()
+        outs.append({n: host(p.grad) for n, p in model.named_parameters()})
+        # per tensor: the candidate of the auto bucket that sent it (keys of this step)
+        used.append([(k, i, list(state.auto_names[k])) for k, i in sent])
+    return outs, used, state
+
+
+def _save_auto_steps(out, prefix, outs, used, start=0):
+    for step, (o, u) in enumerate(zip(outs, used), start):
+        per_name = {n: i for _, i, names in u for n in names}       # -1: not auto's
+        out[f"{prefix}choice|{step}"] = np.array([per_name.get(n, -1) for n in BUCKET_SHAPES],
+                                                 np.int32)
+        out[f"{prefix}sent|{step}"] = np.array([f"{k}={i}" for k, i, _ in u])
+        for n, v in o.items():
+            out[f"{prefix}out|{step}|{n}"] = v
+
+
+#: auto (AUTO_CKPT_SPEC) by default, beside fixed compressors in one DDP bucket
+AUTO_POLICY = {"w": "topk:density=0.1", "late": "fp16"}
+AUTO_POLICY_STEPS = 5
+
+
+def auto(out):
+    """``auto`` (AUTO_SPEC: calibration, decision, check steps) for AUTO_STEPS steps; a
+    checkpoint of AUTO_CKPT_SPEC (decide once) after 3 steps restored into a new process
+    group, model and state; ranks restoring different states."""
+    import json
+    for step in range(AUTO_STEPS):
+        for n, g in auto_grads(step).items():
+            out[f"in|{step}|{n}"] = g
+    outs, used, state = _auto_run(AUTO_SPEC, AUTO_STEPS)
+    _save_auto_steps(out, "", outs, used)
+    out["buckets"] = np.array(json.dumps([[n] for n in BUCKET_SHAPES]))   # per tensor
+    for n in BUCKET_SHAPES:
+        r = state.compression.residual(n)
+        out[f"residual|{n}"] = np.zeros(0, np.float32) if r is None else host(r)
+    out["decisions"] = np.array(len(state.compression.decisions))
+    out["stats_choices"] = np.array(json.dumps(state.stats.as_dict().get("choices", {})))
+
+    # the run saved before step 3 goes on; new objects restored from the checkpoint must
+    # do the same (its decision came from its own timings)
+    s_outs, s_used, first = _auto_run(AUTO_CKPT_SPEC, 6, save_at=3)
+    _save_auto_steps(out, "ckpt|straight|", s_outs, s_used)
+    path = os.path.join(os.environ["OUT_DIR"], f"ddp_auto_ckpt_rank{dist.get_rank()}.pt")
+    torch.save(first.saved, path)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    r_outs, r_used, _ = _auto_run(AUTO_CKPT_SPEC, 3, start=3, saved=torch.load(path),
+                                  group=group)
+    _save_auto_steps(out, "ckpt|resumed|", r_outs, r_used, start=3)
+
+    # auto inside a Policy: a DDP bucket with auto's tensors, a topk one and an fp16 one
+    p_outs, p_used, _ = _auto_run("policy", AUTO_POLICY_STEPS)
+    _save_auto_steps(out, "policy|", p_outs, p_used)
+
+    # one rank restores the checkpoint, the other starts afresh: ValueError on both
+    try:
+        _auto_run(AUTO_CKPT_SPEC, 1, saved=torch.load(path) if dist.get_rank() == 1 else None)
+        print(f"NO_ERROR auto_restored rank {dist.get_rank()}", flush=True)
+    except ValueError as e:
+        print(f"CONFIG_ERROR auto_restored rank {dist.get_rank()}: {e}", flush=True)
+
+
 def mismatch(out):
     """Ranks configured differently: every rank raises ValueError at the first step."""
     rank = dist.get_rank()
     variants = {"compressor": ("topk:density=0.05", "randomk:density=0.05", "average"),
-                "op": ("topk:density=0.05", "topk:density=0.05", "sum")}
+                "op": ("topk:density=0.05", "topk:density=0.05", "sum"),
+                "auto": ("auto:candidates=none|topk:density=0.1,verbose=0",
+                         "auto:verbose=0", "average")}
     for what, (spec0, spec1, op1) in variants.items():
         torch.manual_seed(0)
         ddp = DDP(TinyNet().to(DEVICE), bucket_cap_mb=BUCKET_CAP_MB)
@@ -268,7 +379,7 @@ def mismatch(out):
 
 
 SCENARIOS = {"aggregate": aggregate, "bf16": bf16, "views": views, "skew": skew,
-             "checkpoint": checkpoint, "mismatch": mismatch}
+             "checkpoint": checkpoint, "mismatch": mismatch, "auto": auto}
 
 
 def main():
