@@ -19,8 +19,13 @@ gradients, device and link:
 - ``ready_b``: when bucket ``b``'s last gradient is ready, relative to the end of
   backward, counting compute only (our own time inside backward is subtracted);
 - ``C_bc``, ``D_bc``: compress and decompress seconds of candidate ``c`` on bucket ``b``;
-- ``T_bc``: its collective's seconds, and the bytes it moved; the link is fitted as
-  ``T = alpha + bytes / beta`` over every (bucket, candidate) point (shown in the table);
+- ``T_bc``: its collective's seconds, and the bytes it moved (sent + received); the
+  link is fitted as ``T = alpha + bytes / beta`` to the dense (``none``) collectives of
+  the buckets' different sizes; where those sizes span at least 4x (else the line is
+  not determined and measurements are used as they are), the dense collectives are
+  predicted by that line (it
+  smooths their timing noise), and no other is predicted faster than it (so noise on a
+  tiny bucket cannot pay for a codec);
 - ``compute``: the rest of the step (forward, backward, optimizer, data).
 
 The first sample of each candidate is dropped where there are several; compress and
@@ -264,6 +269,7 @@ class Auto(Compressor):
         self.compute = []              #: calibration: compute seconds per step
         self.costs = []                #: the BucketCosts of the last decision (all ranks')
         self.compute_s = 0.0           #: and its compute seconds
+        self.link = (0.0, math.inf)    #: (alpha s, beta B/s) fitted to the dense collectives
         self.decisions = []            #: one summary per decision (what was printed)
         self._step = None
 
@@ -378,6 +384,21 @@ class Auto(Compressor):
             out.append(b._replace(ready=ready, compress=tuple(parts[0]), comm=tuple(parts[1]),
                                   decompress=tuple(parts[2]), nbytes=tuple(parts[3])))
             at += 1 + 4 * n
+        # the link, from the dense collectives of different sizes; no collective is
+        # predicted faster than it (timing noise on tiny buckets must not pay for a codec)
+        dense = [i for i, m in enumerate(self.members) if m.name == "none"] or list(range(n))
+        points = [(b.nbytes[i], b.comm[i]) for b in out for i in dense
+                  if b.nbytes[i] > 0 and math.isfinite(b.comm[i])]
+        alpha, beta = self.link = fit_link(points)
+        sizes = [p[0] for p in points]
+        if not (sizes and max(sizes) >= 4 * min(sizes) and math.isfinite(beta)):
+            return sorted(out, key=lambda b: (b.ready, b.key)), max(cols[0])  # no line
+        alpha = max(alpha, 0.0)
+        fit = [i in dense and len(dense) < n for i in range(n)]
+        out = [b._replace(comm=tuple(alpha + nb / beta if f and math.isfinite(t) else
+                                     max(t, alpha + nb / beta)
+                                     for t, nb, f in zip(b.comm, b.nbytes, fit)))
+               for b in out]
         return sorted(out, key=lambda b: (b.ready, b.key)), max(cols[0])
 
     def _decide(self, comm, why):
@@ -430,8 +451,7 @@ class Auto(Compressor):
         choice = [self.choice.get(b.key, 0) for b in costs]
         alone = [predict(costs, [c] * len(costs), compute, self.scale) for c in range(n)]
         mixed = predict(costs, choice, compute, self.scale)
-        alpha, beta = fit_link([(b.nbytes[c], b.comm[c]) for b in costs for c in range(n)
-                                if b.nbytes[c] > 0])
+        alpha, beta = self.link
         names = self.names
         lines = [f"hvd_compress auto at step {self.steps} ({why}): link alpha "
                  f"{1e3 * alpha:.2f} ms, beta {beta / 1e6:.1f} MB/s, scale {self.scale:.2f}; "
@@ -490,7 +510,7 @@ class Auto(Compressor):
 
     # -- checkpoints --------------------------------------------------------------------
     _FIELDS = ("steps", "phase", "phase_step", "choice", "scale", "samples", "compute",
-               "decisions", "costs", "compute_s")
+               "decisions", "costs", "compute_s", "link")
 
     def state_dict(self):
         import copy

@@ -150,8 +150,8 @@ def drive(auto, comm, times):
         i, _ = auto.choose(key)
         used[key] = i
         auto.launched(key)
-        c, t, d = per[i]
-        auto.record(key, i, c, t, d, 1000 * (i + 1))
+        c, t, d, *nbytes = per[i]
+        auto.record(key, i, c, t, d, nbytes[0] if nbytes else 1000 * (i + 1))
     auto.backward_done()
     auto.end_step(comm)
     return used
@@ -314,3 +314,22 @@ def test_policy_restores_an_auto_without_residuals():
                                              verbose=False))
     again.load_state_dict(policy.state_dict())
     assert again.default.phase == "run" and again.default.choice == auto.choice
+
+
+def test_dense_collectives_follow_the_fitted_link_so_noise_cannot_pay_for_a_codec():
+    """Dense buckets of 10 KB, 1 MB and 4 MB on a 1 ms + 1 GB/s link; the 10 KB one's dense
+    collective was timed 3 ms (noise).  The line predicts 1.01 ms for it, and the
+    sparsifier's 0.2 ms is floored at the line: compressing it does not pay."""
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, verbose=False)
+    link = lambda nbytes: 1e-3 + nbytes / 1e9          # noqa: E731
+    times = {"tiny": [(0.0, 3e-3, 0.0, 1e4), (0.5e-3, 0.2e-3, 0.2e-3, 1e2)],
+             "mid": [(0.0, link(1e6), 0.0, 1e6), (5e-3, link(1e4), 1e-3, 1e4)],
+             "big": [(0.0, link(4e6), 0.0, 4e6), (20e-3, link(4e4), 1e-3, 4e4)]}
+    for _ in range(2):
+        drive(auto, FakeComm(), times)
+    alpha, beta = auto.link
+    assert 1e-3 <= alpha < 3e-3 and 0.5e9 < beta < 2e9    # least squares: pulled by noise
+    tiny = next(b for b in auto.costs if b.key == "tiny")
+    assert tiny.comm[0] < 3e-3                                      # the line, not 3 ms
+    assert tiny.comm[1] >= alpha                                    # floored
+    assert auto.choice["tiny"] == 0
