@@ -73,7 +73,9 @@ def train(args):
                                    compression=compression)
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)     # Horovod's ops have no XLA kernels
+                  jit_compile=False,     # Horovod's ops have no XLA kernels
+                  # auto chooses a compressor per bucket between steps, in Python
+                  run_eagerly=getattr(opt.compression, "adaptive", False))
     report = Report(args, "keras", hvd.size())
     if hvd.rank() == 0:
         print(f"compression: {opt.compression.spec}", flush=True)

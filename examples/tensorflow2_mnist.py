@@ -4,7 +4,7 @@
         --compression topk:density=0.01
 
 The training step is a ``tf.function`` around ``hvd_compress.tensorflow.
-DistributedGradientTape``; the optimizer is plain momentum SGD written out (for Keras 3
+DistributedGradientTape`` (eager with ``--compression auto``, which chooses between steps); the optimizer is plain momentum SGD written out (for Keras 3
 ``model.fit`` see examples/keras_mnist.py and hvd_compress.keras).
 """
 import os
@@ -48,7 +48,6 @@ def main():
     compression = build_compression(args.compression, model, verbose=hvd.rank() == 0)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    @tf.function
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
@@ -57,6 +56,10 @@ def main():
             m.assign(0.9 * m + g)
             v.assign_sub(args.lr * m)
         return loss
+
+    # auto chooses a compressor per bucket between steps, in Python: it runs eagerly
+    if not getattr(compression, "adaptive", False):
+        train_step = tf.function(train_step)
 
     # hvd.broadcast_variables() fails on Keras 3 variables in Horovod 0.28.1: broadcast values.
     for i, v in enumerate(variables):
