@@ -11,10 +11,13 @@ accepts (the accuracy trade-off stays theirs)::
     # or HVD_COMPRESS=auto with no code change; or
     hvd_compress.Auto(candidates=["none", "topk:density=0.01"], calibrate=20, every=100)
 
-**Calibration** (the first ``calibrate`` steps, default 20).  Step ``s`` sends every
-bucket with candidate ``s mod n``, and the glue completes each bucket's exchange as soon
-as it is launched (inside backward), so that each part is timed alone on the real
-gradients, device and link:
+**Calibration** (the first ``calibrate`` steps, default 20).  Every bucket is sent with
+candidate 0 for ``calibrate // n`` consecutive steps, then candidate 1, and so on, and the
+glue completes each bucket's exchange as soon as it is launched (inside backward), so
+that each part is timed alone on the real gradients, device and link.  Consecutive steps,
+not candidates in turn: a link's token bucket (``tc tbf``, a switch's buffers) refills
+while the others send few bytes, and the first dense steps after it get through at burst
+speed; the steps after show the sustained rate.  What is timed:
 
 - ``ready_b``: when bucket ``b``'s last gradient is ready, relative to the end of
   backward, counting compute only (our own time inside backward is subtracted);
@@ -28,9 +31,8 @@ gradients, device and link:
   tiny bucket cannot pay for a codec);
 - ``compute``: the rest of the step (forward, backward, optimizer, data).
 
-The first sample of each candidate is dropped where there are several; compress and
-decompress times are medians, collective times minimums (a collective timed alone also
-waits for the slowest rank to arrive: that skew is noise, not the candidate's cost).
+The first sample of each candidate is dropped where there are several (it warms caches,
+kernels, and the link's burst), and the medians of the rest are taken.
 
 **The step model** (what overlaps what).  Backward runs on one thread (CPU) or stream
 (GPU) and compressing bucket ``b`` runs on it too, so it delays the rest of backward by
@@ -49,10 +51,9 @@ calibration; see below).
 
 **Decision**: the combination of candidates over buckets with the least predicted step
 (every combination while there are at most 20000, else coordinate descent from each
-single candidate).  A combination must beat the one before it (in lexicographic order,
-starting from the first candidate everywhere) by ``Auto.margin`` = 1% of the step, so noise
-cannot move a bucket away from the first candidate (``none`` by default), and ties keep
-the earlier candidate.  First the ranks share their measurements (one named allgather):
+single candidate); ties keep the earlier candidate.  It must beat the first candidate
+everywhere (``none`` by default) by ``Auto.margin`` = 1% of the step, else that is kept:
+noise cannot make auto compress.  First the ranks share their measurements (one named allgather):
 a collective's time is the minimum over ranks (timed alone it also waits for the last
 rank to arrive, which the last one does not), codec and compute times the maximum.  Rank
 0 decides and broadcasts the choice (one named collective), so every rank uses the same
@@ -213,6 +214,7 @@ class Auto(Compressor):
     name = "auto"
     segmented = True
     margin = 0.01               #: a choice must beat the first candidate's step by this
+                                #: fraction
     adaptive = True             #: the glue asks :meth:`choose` per bucket and step
 
     def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, bucket_mb=1.0,
@@ -281,8 +283,9 @@ class Auto(Compressor):
 
     def choose(self, key):
         """``(index, compressor)`` that sends bucket ``key`` this step."""
-        if self.phase == "calibrate":
-            i = self.phase_step % len(self.members)
+        if self.phase == "calibrate":      # consecutive steps per candidate (a block)
+            i = min(self.phase_step // (self.calibrate // len(self.members)),
+                    len(self.members) - 1)
         else:
             i = self.choice.get(key, 0)
         return i, self.members[i]
@@ -348,7 +351,7 @@ class Auto(Compressor):
         so that it is not chosen for it (not free, as zero seconds would make it)."""
         n, out = len(self.members), []
         for key, s in self.samples.items():
-            parts = [[(min if j == 1 else _median)(_warm(x[j] for x in s[f"c{i}"]))
+            parts = [[_median(_warm(x[j] for x in s[f"c{i}"]))
                       for j in range(4)] if s.get(f"c{i}") else [math.inf, 0.0, 0.0, 0.0]
                      for i in range(n)]
             out.append(BucketCost(key, _median(_warm(s["ready"])) if s["ready"] else 0.0,
@@ -406,11 +409,14 @@ class Auto(Compressor):
         self.costs, self.compute_s = self._combine(comm, self.bucket_costs(), compute)
         costs, compute = self.costs, self.compute_s
         keys = sorted(b.key for b in costs)
-        first = predict(costs, [0] * len(costs), compute, self.scale)
+        baseline = [0] * len(costs)
+        first = predict(costs, baseline, compute, self.scale)
         if not math.isfinite(first):       # candidate 0 not measured on some bucket
-            first = predict(costs, _measured(costs, len(self.members)), compute, self.scale)
-        mine = decide(costs, len(self.members), compute, self.scale,
-                      eps=max(1e-9, self.margin * first))
+            baseline = _measured(costs, len(self.members))
+            first = predict(costs, baseline, compute, self.scale)
+        mine = decide(costs, len(self.members), compute, self.scale)
+        if predict(costs, mine, compute, self.scale) > first * (1 - self.margin):
+            mine = baseline                # compressing must gain more than the margin
         by_key = {b.key: c for b, c in zip(costs, mine)}
         got = comm.broadcast([float(by_key[k]) for k in keys], "auto.decision")
         self.choice = {k: int(round(c)) for k, c in zip(keys, got)}

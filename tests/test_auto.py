@@ -164,7 +164,7 @@ def test_calibration_decides_then_checks_then_recalibrates_on_drift():
     slow = {"big": [(0.0, 0.4, 0.0), (0.010, 0.004, 0.003)],
             "small": [(0.0, 0.001, 0.0), (0.005, 0.0001, 0.001)]}
     used = [drive(auto, comm, slow) for _ in range(4)]
-    assert [u["big"] for u in used] == [0, 1, 0, 1] and auto.blocking is False
+    assert [u["big"] for u in used] == [0, 0, 1, 1] and auto.blocking is False
     assert auto.choice == {"big": 1, "small": 0}
     assert comm.calls[-1][0] == "auto.decision"
     for _ in range(3):
@@ -333,3 +333,13 @@ def test_dense_collectives_follow_the_fitted_link_so_noise_cannot_pay_for_a_code
     assert tiny.comm[0] < 3e-3                                      # the line, not 3 ms
     assert tiny.comm[1] >= alpha                                    # floored
     assert auto.choice["tiny"] == 0
+
+
+def test_compressing_must_gain_more_than_the_margin():
+    for gain, expected in ((0.005, 0), (0.05, 1)):       # 0.5%: keep none; 5%: compress
+        auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, verbose=False)
+        # ready at the end of backward; none 100 ms on the link, topk (100 ms - gain) total
+        times = {"b": [(0.0, 0.1, 0.0, 1e6), (0.0, 0.1 * (1 - gain), 0.0, 1e4)]}
+        for _ in range(2):
+            drive(auto, FakeComm(), times)
+        assert auto.choice == {"b": expected}, gain
