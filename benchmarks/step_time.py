@@ -248,6 +248,9 @@ def plot(rows, links, models, path):
 
 
 def main():
+    # killed by SIGTERM: unwind through the link helpers' clean-up (namespaces removed)
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default=None,
                    help=f"of {','.join([*LINKS, *TWO_HOST_LINKS])} (default: "
