@@ -59,10 +59,19 @@ rank to arrive, which the last one does not), codec and compute times the maximu
 0 decides and broadcasts the choice (one named collective), so every rank uses the same
 compressor per bucket, and prints the decision table.
 
+**Trial**: the model does not see everything (on a CPU, collectives running during
+backward also take cores from it; a token bucket's burst flatters a dense collective timed
+alone), so the combinations it predicts within ``1 + window`` (1.5x) of its choice (its
+choice, the current one, the first candidate everywhere, each candidate alone; at most
+``1 + tries``) are each run for real, overlapped as in training, for ``trial`` steps
+(default 5; 0: trust the model), and the one with the least measured median step (the
+slowest rank's; the first step of each left out) is kept: the first candidate unless
+another beats it by the margin.  The table shows predicted and measured step times.
+
 **Re-decision**: every ``every`` steps (0: never) one *check step* times the chosen
 candidates' collectives alone again (minimum over ranks), and rank 0 compares them with
-the prediction: their
-ratio ``m`` scales the link (``s <- s m``) and the choice is made again; when the link
+the prediction: their ratio ``m`` scales the link (``s <- s m``) and the choice is made
+again (with a trial of the current choice against the new ones); when the link
 moved by more than ``drift`` (``m > 1 + drift`` or ``m < 1 / (1 + drift)``: a congested
 link, a changed placement) everything is calibrated again.
 
@@ -215,10 +224,12 @@ class Auto(Compressor):
     segmented = True
     margin = 0.01               #: a choice must beat the first candidate's step by this
                                 #: fraction
+    window = 0.5                #: combinations predicted within 1.5x of the best are tried
+    tries = 3                   #: and at most this many besides the model's choice
     adaptive = True             #: the glue asks :meth:`choose` per bucket and step
 
     def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, bucket_mb=1.0,
-                 verbose=True):
+                 trial=5, verbose=True):
         super().__init__(ef=False)
         from .spec import from_spec
         if candidates is None:
@@ -244,7 +255,8 @@ class Auto(Compressor):
         if not members or len(set(specs)) != len(specs):
             raise ValueError(f"auto: candidates must be a non-empty list of distinct "
                              f"compressors, got {specs}")
-        for key, value, low in (("calibrate", calibrate, len(members)), ("every", every, 0)):
+        for key, value, low in (("calibrate", calibrate, len(members)), ("every", every, 0),
+                                ("trial", trial, 0)):
             if int(value) != value or int(value) < low:
                 raise ValueError(f"auto: {key} must be an integer >= {low}, got {value!r}")
         if not drift > 0:
@@ -253,7 +265,7 @@ class Auto(Compressor):
         default = [from_spec(c).spec for c in DEFAULT_CANDIDATES]
         self.candidates = None if specs == default else "|".join(
             s.replace(",", "+") for s in specs)
-        self.calibrate, self.every = int(calibrate), int(every)
+        self.calibrate, self.every, self.trial = int(calibrate), int(every), int(trial)
         self.drift, self.verbose = float(drift), bool(verbose)
         from .buckets import bucket_mb as check_mb
         self.bucket_mb = check_mb(bucket_mb)
@@ -273,19 +285,26 @@ class Auto(Compressor):
         self.compute_s = 0.0           #: and its compute seconds
         self.link = (0.0, math.inf)    #: (alpha s, beta B/s) fitted to the dense collectives
         self.decisions = []            #: one summary per decision (what was printed)
+        self.trials = []               #: combinations tried for real (key -> index each)
+        self.trial_index = 0
+        self.trial_times = []          #: measured step seconds per trial
+        self.measured = []             #: their medians (slowest rank)
+        self._why = ""
         self._step = None
 
     @property
     def blocking(self):
         """True in calibration and check steps: the glue must complete each bucket's
         exchange right after launching it (so each part is timed alone)."""
-        return self.phase != "run"
+        return self.phase in ("calibrate", "check")
 
     def choose(self, key):
         """``(index, compressor)`` that sends bucket ``key`` this step."""
         if self.phase == "calibrate":      # consecutive steps per candidate (a block)
             i = min(self.phase_step // (self.calibrate // len(self.members)),
                     len(self.members) - 1)
+        elif self.phase == "trial":
+            i = self.trials[self.trial_index].get(key, 0)
         else:
             i = self.choice.get(key, 0)
         return i, self.members[i]
@@ -334,10 +353,16 @@ class Auto(Compressor):
                 if key in tl["ready"]:
                     s["ready"].append(tl["ready"][key] - end)
                 s.setdefault(f"c{i}", []).append([c, t, d, nbytes])
+        elif self.phase == "trial" and last is not None:
+            self.trial_times[self.trial_index].append(now - last)
         self.steps += 1
         self.phase_step += 1
         if self.phase == "calibrate" and self.phase_step >= self.calibrate:
             self._decide(comm, "calibration")
+        elif self.phase == "trial" and self.phase_step >= self.trial:
+            self.trial_index, self.phase_step = self.trial_index + 1, 0
+            if self.trial_index == len(self.trials):
+                self._finish_trials(comm)
         elif self.phase == "check":
             self._check(comm, tl["parts"])
         elif self.phase == "run" and self.every and self.phase_step >= self.every:
@@ -414,14 +439,53 @@ class Auto(Compressor):
         if not math.isfinite(first):       # candidate 0 not measured on some bucket
             baseline = _measured(costs, len(self.members))
             first = predict(costs, baseline, compute, self.scale)
-        mine = decide(costs, len(self.members), compute, self.scale)
+        n = len(self.members)
+        mine = decide(costs, n, compute, self.scale)
         if predict(costs, mine, compute, self.scale) > first * (1 - self.margin):
             mine = baseline                # compressing must gain more than the margin
-        by_key = {b.key: c for b, c in zip(costs, mine)}
-        got = comm.broadcast([float(by_key[k]) for k in keys], "auto.decision")
-        self.choice = {k: int(round(c)) for k, c in zip(keys, got)}
+        # what to try for real: the model's choice, then the current one (a re-decision),
+        # the first candidate and each candidate alone, where predicted close enough
+        current = [self.choice[b.key] for b in costs] if self.choice.keys() >= set(keys) else None
+        options = []
+        for o in [mine, current, baseline] + [[c] * len(costs) for c in range(n)]:
+            if o is not None and list(o) not in options and (not options or predict(
+                    costs, o, compute, self.scale) <= (1 + self.window) * predict(
+                    costs, options[0], compute, self.scale)):
+                options.append(list(o))
+        options = options[:1 + self.tries]
+        width = len(keys) * (n + 2)
+        order = {b.key: i for i, b in enumerate(costs)}
+        flat = [float(o[order[k]]) for o in options for k in keys]
+        got = comm.broadcast(flat + [-1.0] * (width - len(flat)), "auto.decision")
+        self.trials = [{k: int(round(got[t * len(keys) + j])) for j, k in enumerate(keys)}
+                       for t in range(width // max(1, len(keys)))
+                       if len(keys) and got[t * len(keys)] >= 0]
+        self.trial_times = [[] for _ in self.trials]
+        self.trial_index, self.phase_step, self._why = 0, 0, why
+        if len(self.trials) > 1 and self.trial > 0:
+            self.phase = "trial"       # measure them: the model does not see everything
+        else:
+            self._finish_trials(comm)
+
+    def _finish_trials(self, comm):
+        """Choose among the tried combinations by their measured steps (the slowest rank's
+        median, first step of each left out); the first of them wins ties, and any other
+        must beat the first candidate's by the margin."""
+        measured = []
+        if len(self.trials) > 1 and self.trial > 0:
+            mine = [_median(_warm(t)) for t in self.trial_times]
+            measured = [max(col) for col in zip(*comm.allgather(mine, "auto.trials"))]
+        best = min(range(len(measured)), key=lambda t: (measured[t], t)) if measured else 0
+        first = next((t for t, o in enumerate(self.trials)
+                      if all(c == 0 for c in o.values())), None)
+        if measured and first is not None and best != first \
+                and measured[best] > measured[first] * (1 - self.margin):
+            best = first
+        got = comm.broadcast([float(best)], "auto.choice")
+        self.choice = dict(self.trials[int(round(got[0]))]) if self.trials else {}
+        self.measured = measured
         self.phase, self.phase_step = "run", 0
-        summary = self.summary(compute, why)
+        summary = self.summary(self.compute_s, self._why)
         self.decisions.append({k: v for k, v in summary.items() if k != "table"})
         if self.verbose and comm.rank == 0:
             print(summary["table"], file=sys.stdout, flush=True)
@@ -471,8 +535,22 @@ class Auto(Compressor):
             lines.append("  " + " | ".join([key, f"{1e3 * b.ready:.1f}"] + cells + [f"[{c}]"]))
         lines.append("  predicted step ms: auto " + f"{1e3 * mixed:.1f}; "
                      + "; ".join(f"[{i}] alone {1e3 * p:.1f}" for i, p in enumerate(alone)))
+        tried = []
+        for t, option in enumerate(self.trials if self.measured else []):
+            per = [option.get(b.key, 0) for b in costs]
+            label = f"[{per[0]}] alone" if len(set(per)) == 1 else \
+                "mix " + "".join(str(c) for c in per)
+            tried.append(dict(option=label, predicted_s=predict(costs, per, compute, self.scale),
+                              measured_s=self.measured[t]))
+        if tried:
+            lines.append("  tried for " + f"{self.trial} steps each (ms, predicted / measured): "
+                         + "; ".join(f"{d['option']} {1e3 * d['predicted_s']:.1f} / "
+                                     f"{1e3 * d['measured_s']:.1f}" for d in tried)
+                         + " -> " + ("mix " + "".join(str(c) for c in choice)
+                                     if len(set(choice)) > 1 else f"[{choice[0]}] alone"
+                                     if choice else "-"))
         return {"step": self.steps, "why": why, "choice": {b.key: names[c] for b, c in zip(costs, choice)},
-                "predicted_s": mixed, "alone_s": dict(zip(names, alone)),
+                "predicted_s": mixed, "alone_s": dict(zip(names, alone)), "tried": tried,
                 "alpha_s": alpha, "beta_Bps": beta, "scale": self.scale, "table": "\n".join(lines)}
 
     def choices(self):
@@ -516,7 +594,8 @@ class Auto(Compressor):
 
     # -- checkpoints --------------------------------------------------------------------
     _FIELDS = ("steps", "phase", "phase_step", "choice", "scale", "samples", "compute",
-               "decisions", "costs", "compute_s", "link")
+               "decisions", "costs", "compute_s", "link", "trials", "trial_index",
+               "trial_times", "measured", "_why")
 
     def state_dict(self):
         import copy

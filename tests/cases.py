@@ -41,8 +41,9 @@ AGG_STEPS = 4
 #: nothing to propose: the union is empty, yet no rank waits)
 AGG_ZERO_STEP = 2
 
-#: auto: three candidates, each calibrated once, decided, then a check step every 2 steps
-AUTO_SPEC = "auto:candidates=none|topk:density=0.1|fp16,calibrate=3,every=2,verbose=0"
-AUTO_CKPT_SPEC = "auto:candidates=none|topk:density=0.1,calibrate=2,every=0,verbose=0"
-AUTO_STEPS = 10
+#: auto: three candidates, each calibrated once, tried one step each where close, decided,
+#: then a check step every 2 steps
+AUTO_SPEC = "auto:candidates=none|topk:density=0.1|fp16,calibrate=3,every=2,trial=1,verbose=0"
+AUTO_CKPT_SPEC = "auto:candidates=none|topk:density=0.1,calibrate=2,every=0,trial=0,verbose=0"
+AUTO_STEPS = 14
 AUTO_MB = 0.002              #: several buckets ("big" alone)

@@ -159,22 +159,22 @@ def drive(auto, comm, times):
 
 def test_calibration_decides_then_checks_then_recalibrates_on_drift():
     auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=4, every=3, drift=0.5,
-                verbose=False)
+                trial=0, verbose=False)
     comm = FakeComm()
     slow = {"big": [(0.0, 0.4, 0.0), (0.010, 0.004, 0.003)],
             "small": [(0.0, 0.001, 0.0), (0.005, 0.0001, 0.001)]}
     used = [drive(auto, comm, slow) for _ in range(4)]
     assert [u["big"] for u in used] == [0, 0, 1, 1] and auto.blocking is False
     assert auto.choice == {"big": 1, "small": 0}
-    assert comm.calls[-1][0] == "auto.decision"
+    assert [c[0] for c in comm.calls[-2:]] == ["auto.decision", "auto.choice"]
     for _ in range(3):
         drive(auto, comm, slow)
     assert auto.phase == "check" and auto.blocking
     drive(auto, comm, slow)                     # check: as predicted -> same choice
     assert auto.phase == "run" and auto.scale == pytest.approx(1.0)
-    assert [c[0] for c in comm.calls[-4:]] == ["auto.check", "auto.verdict", "auto.costs",
-                                               "auto.decision"]
-    assert comm.calls[-3][1] == [0.0, pytest.approx(1.0)]
+    assert [c[0] for c in comm.calls[-5:]] == ["auto.check", "auto.verdict", "auto.costs",
+                                               "auto.decision", "auto.choice"]
+    assert comm.calls[-4][1] == [0.0, pytest.approx(1.0)]
     # the link becomes 100x faster: the check sees the collectives 10x faster than predicted
     fast = {"big": [(0.0, 0.004, 0.0), (0.010, 0.0004, 0.003)],
             "small": [(0.0, 0.0001, 0.0), (0.005, 0.00001, 0.001)]}
@@ -190,7 +190,7 @@ def test_calibration_decides_then_checks_then_recalibrates_on_drift():
 
 
 def test_decision_is_rank_zeros():
-    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, verbose=False)
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=0, verbose=False)
 
     class Rank1(FakeComm):
         rank = 1
@@ -207,7 +207,7 @@ def test_decision_is_rank_zeros():
 
 
 def test_verbose_prints_the_decision_table(capsys):
-    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2)
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=0)
     for _ in range(2):
         drive(auto, FakeComm(), {"b": [(0.0, 0.5, 0.0), (0.01, 0.001, 0.001)]})
     out = capsys.readouterr().out
@@ -218,7 +218,7 @@ def test_verbose_prints_the_decision_table(capsys):
 
 def test_residual_goes_on_with_the_next_candidate_and_none_sends_it():
     auto = Auto(candidates=["none", "topk:density=0.25", "randomk:density=0.5"], calibrate=3,
-                verbose=False)
+                trial=0, verbose=False)
     lay = buckets.layout(["a", "b"], [(4,), (4,)])
     topk, randomk, none = auto.members[1], auto.members[2], auto.members[0]
     g = torch.arange(1.0, 9.0)
@@ -235,7 +235,7 @@ def test_residual_goes_on_with_the_next_candidate_and_none_sends_it():
 
 
 def test_carry_fills_tensors_without_a_residual_with_zeros():
-    auto = Auto(candidates=["none", "topk:density=0.25"], calibrate=2, verbose=False)
+    auto = Auto(candidates=["none", "topk:density=0.25"], calibrate=2, trial=0, verbose=False)
     topk, one = auto.members[1], buckets.layout(["a"], [(4,)])
     topk.compress_bucket(auto.carry(one, torch.arange(1.0, 5.0), topk, torch_ops), one)
     r = auto.residual("a").clone()
@@ -245,7 +245,7 @@ def test_carry_fills_tensors_without_a_residual_with_zeros():
 
 
 def test_state_dict_restores_the_decision_and_the_residuals():
-    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, every=0, verbose=False)
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, every=0, trial=0, verbose=False)
     times = {"b": [(0.0, 0.5, 0.0), (0.01, 0.001, 0.001)]}
     for _ in range(2):
         drive(auto, FakeComm(), times)
@@ -283,7 +283,7 @@ def test_auto_prefers_small_buckets_unless_told(monkeypatch):
 def test_measurements_of_every_rank_combine():
     """Collective time: min over ranks (the last to arrive waits only for the transfer);
     codec and compute: max (the slowest rank sets the pace)."""
-    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, verbose=False)
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=0, verbose=False)
 
     class TwoRanks(FakeComm):
         def allgather(self, values, name):
@@ -304,14 +304,14 @@ def test_measurements_of_every_rank_combine():
 def test_policy_restores_an_auto_without_residuals():
     policy = hvd_compress.Policy({"x": "topk:density=0.5"},
                                  default=Auto(candidates=["none", "fp16"], calibrate=2,
-                                              verbose=False))
+                                              trial=0, verbose=False))
     auto = policy.default
     for _ in range(2):
         drive(auto, FakeComm(), {"b": [(0.0, 0.1, 0.0), (0.0, 0.01, 0.0)]})
     assert auto.phase == "run"
     again = hvd_compress.Policy({"x": "topk:density=0.5"},
                                 default=Auto(candidates=["none", "fp16"], calibrate=2,
-                                             verbose=False))
+                                             trial=0, verbose=False))
     again.load_state_dict(policy.state_dict())
     assert again.default.phase == "run" and again.default.choice == auto.choice
 
@@ -320,7 +320,7 @@ def test_dense_collectives_follow_the_fitted_link_so_noise_cannot_pay_for_a_code
     """Dense buckets of 10 KB, 1 MB and 4 MB on a 1 ms + 1 GB/s link; the 10 KB one's dense
     collective was timed 3 ms (noise).  The line predicts 1.01 ms for it, and the
     sparsifier's 0.2 ms is floored at the line: compressing it does not pay."""
-    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, verbose=False)
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=0, verbose=False)
     link = lambda nbytes: 1e-3 + nbytes / 1e9          # noqa: E731
     times = {"tiny": [(0.0, 3e-3, 0.0, 1e4), (0.5e-3, 0.2e-3, 0.2e-3, 1e2)],
              "mid": [(0.0, link(1e6), 0.0, 1e6), (5e-3, link(1e4), 1e-3, 1e4)],
@@ -337,9 +337,39 @@ def test_dense_collectives_follow_the_fitted_link_so_noise_cannot_pay_for_a_code
 
 def test_compressing_must_gain_more_than_the_margin():
     for gain, expected in ((0.005, 0), (0.05, 1)):       # 0.5%: keep none; 5%: compress
-        auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, verbose=False)
+        auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=0, verbose=False)
         # ready at the end of backward; none 100 ms on the link, topk (100 ms - gain) total
         times = {"b": [(0.0, 0.1, 0.0, 1e6), (0.0, 0.1 * (1 - gain), 0.0, 1e4)]}
         for _ in range(2):
             drive(auto, FakeComm(), times)
         assert auto.choice == {"b": expected}, gain
+
+
+def test_close_predictions_are_tried_for_real_and_the_measured_fastest_wins():
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=3, verbose=False)
+    # none predicted 1% faster than topk: the model keeps none, both are tried
+    times = {"b": [(0.0, 0.100, 0.0, 1e6), (0.0, 0.101, 0.0, 1e4)]}
+    comm = FakeComm()
+    for _ in range(2):
+        drive(auto, comm, times)
+    assert auto.phase == "trial" and not auto.blocking
+    assert auto.trials == [{"b": 0}, {"b": 1}]
+    used = [drive(auto, comm, times)["b"] for _ in range(6)]
+    assert used == [0, 0, 0, 1, 1, 1] and auto.phase == "run"
+    assert [c[0] for c in comm.calls[-2:]] == ["auto.trials", "auto.choice"]
+    # what the steps measured decides (here: made up) -- topk 30% faster for real
+    auto.trial_times = [[0.5, 0.20, 0.20], [0.5, 0.14, 0.14]]
+    auto._finish_trials(comm)
+    assert auto.choice == {"b": 1}
+    assert [d["option"] for d in auto.decisions[-1]["tried"]] == ["[0] alone", "[1] alone"]
+    auto.trial_times = [[0.5, 0.20, 0.20], [0.5, 0.199, 0.199]]     # 0.5%: not enough
+    auto._finish_trials(comm)
+    assert auto.choice == {"b": 0}
+
+
+def test_far_worse_predictions_are_not_tried():
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=3, verbose=False)
+    times = {"b": [(0.0, 4.0, 0.0, 1e8), (0.01, 0.01, 0.01, 1e6)]}   # none 100x slower
+    for _ in range(2):
+        drive(auto, FakeComm(), times)
+    assert auto.phase == "run" and auto.choice == {"b": 1} and auto.trials == [{"b": 1}]
