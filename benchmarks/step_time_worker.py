@@ -108,6 +108,7 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
                                        compression=build_compression(spec, model),
                                        bucket_mb=float(mb) if mb else None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    auto = getattr(opt, "_auto", None)    # auto: the warm-up lasts until its first decision
     gen = torch.Generator().manual_seed(hvd.rank())
     if shape[0] == "tokens":
         x = torch.randint(0, 5000, (batch, shape[1]), generator=gen)
@@ -117,9 +118,11 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
     rows = []
     if phase_dir:
         ask_for_phase(phase_dir, index, 1)
-    for step in range(warmup + steps):
-        if phase_dir and step == warmup + phase_after:
+    step = changed = 0
+    while len(rows) < steps:
+        if phase_dir and len(rows) == phase_after and not changed:
             ask_for_phase(phase_dir, index, 2)
+            changed = 1
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -133,7 +136,8 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
         else:
             opt.step()
         t3 = time.perf_counter()
-        if step < warmup:
+        step += 1
+        if step <= warmup or (auto is not None and not auto.decisions and step < warmup + 200):
             continue
         if spec == "horovod":    # no timers inside Horovod: synchronize() is communication
             st = dict(last_compress_s=0.0, last_wait_s=t2 - t1, last_decompress_s=0.0,
@@ -155,6 +159,9 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
         out["phases"] = [dict(medians(sel), steps=len(sel)) for sel in phases]
         out["phase_skip"] = phase_skip
         out["step_totals"] = [r["total"] for r in rows]
+    if auto is not None:         # what auto chose, and when (JSON-friendly)
+        out["auto"] = [dict(d, alone_s=dict(d["alone_s"])) for d in auto.decisions]
+        out["warmup"] = step - steps
     out["n_params"] = sum(p.numel() for p in model.parameters())
     out["n_tensors"] = sum(1 for p in model.parameters() if p.requires_grad)
     out["steps"] = steps
