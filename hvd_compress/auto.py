@@ -68,6 +68,11 @@ choice, the current one, the first candidate everywhere, each candidate alone; a
 slowest rank's; the first step of each left out) is kept: the first candidate unless
 another beats it by the margin.  The table shows predicted and measured step times.
 
+**Watch**: every 10 steps the measured step (median, slowest rank) is compared with the
+one the decision expected.  Slower by more than ``drift``: that figure becomes the
+choice's (a trial can be flattered, e.g. by a token bucket's burst) and the options are
+tried again; faster by more than ``drift``: everything is calibrated again.
+
 **Re-decision**: every ``every`` steps (0: never) one *check step* times the chosen
 candidates' collectives alone again (minimum over ranks), and rank 0 compares them with
 the prediction: their ratio ``m`` scales the link (``s <- s m``) and the choice is made
@@ -185,6 +190,11 @@ def find_auto(compressors):
     return next(iter(autos.values()), None)
 
 
+def _label(option):
+    """A combination (bucket key -> candidate index) as a plain string key."""
+    return ";".join(f"{k}={v}" for k, v in sorted(option.items()))
+
+
 def _warm(samples):
     """The samples less the first where there are several (it warms caches, kernels)."""
     samples = list(samples)
@@ -226,6 +236,8 @@ class Auto(Compressor):
                                 #: fraction
     window = 0.5                #: combinations predicted within 1.5x of the best are tried
     tries = 3                   #: and at most this many besides the model's choice
+    WATCH = 10                  #: steps between comparisons of the measured step with the
+                                #: expected one
     adaptive = True             #: the glue asks :meth:`choose` per bucket and step
 
     def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, bucket_mb=1.0,
@@ -289,6 +301,9 @@ class Auto(Compressor):
         self.trial_index = 0
         self.trial_times = []          #: measured step seconds per trial
         self.measured = []             #: their medians (slowest rank)
+        self.expected = 0.0            #: the step the chosen combination should take
+        self.recent = []               #: step seconds since then (watched, WATCH at a time)
+        self.penalty = {}              #: combination -> its real step, where slower than tried
         self._why = ""
         self._step = None
 
@@ -355,6 +370,8 @@ class Auto(Compressor):
                 s.setdefault(f"c{i}", []).append([c, t, d, nbytes])
         elif self.phase == "trial" and last is not None:
             self.trial_times[self.trial_index].append(now - last)
+        elif self.phase == "run" and last is not None:
+            self.recent.append(now - last)
         self.steps += 1
         self.phase_step += 1
         if self.phase == "calibrate" and self.phase_step >= self.calibrate:
@@ -367,6 +384,9 @@ class Auto(Compressor):
             self._check(comm, tl["parts"])
         elif self.phase == "run" and self.every and self.phase_step >= self.every:
             self.phase, self.phase_step = "check", 0
+        elif self.phase == "run" and self.phase_step % self.WATCH == 0 \
+                and len(self.recent) >= self.WATCH:
+            self._watch(comm)
 
     # -- decisions ----------------------------------------------------------------------
     def bucket_costs(self):
@@ -475,6 +495,8 @@ class Auto(Compressor):
         if len(self.trials) > 1 and self.trial > 0:
             mine = [_median(_warm(t)) for t in self.trial_times]
             measured = [max(col) for col in zip(*comm.allgather(mine, "auto.trials"))]
+        # a choice whose real steps were slower than its trial keeps the slower figure
+        measured = [max(v, self.penalty.get(_label(o), 0.0)) for v, o in zip(measured, self.trials)]
         best = min(range(len(measured)), key=lambda t: (measured[t], t)) if measured else 0
         first = next((t for t, o in enumerate(self.trials)
                       if all(c == 0 for c in o.values())), None)
@@ -484,11 +506,39 @@ class Auto(Compressor):
         got = comm.broadcast([float(best)], "auto.choice")
         self.choice = dict(self.trials[int(round(got[0]))]) if self.trials else {}
         self.measured = measured
+        self.expected = measured[int(round(got[0]))] if measured else \
+            predict(self.costs, [self.choice.get(b.key, 0) for b in self.costs],
+                    self.compute_s, self.scale)
+        self.recent = []
         self.phase, self.phase_step = "run", 0
         summary = self.summary(self.compute_s, self._why)
         self.decisions.append({k: v for k, v in summary.items() if k != "table"})
         if self.verbose and comm.rank == 0:
             print(summary["table"], file=sys.stdout, flush=True)
+
+    def _watch(self, comm):
+        """Every WATCH steps: the measured step (median of the last WATCH, slowest rank;
+        one allgather) against what the decision expected.  Slower by more than
+        ``drift``: that measurement becomes the choice's (a short trial can be flattered,
+        e.g. by a token bucket's burst) and the options are tried again; faster by more
+        than ``drift`` (the link got faster): calibrate again."""
+        mine = _median(self.recent[-self.WATCH:])
+        m = max(v for (v,) in comm.allgather([mine], "auto.watch"))
+        self.recent = []
+        if not self.expected > 0:
+            return
+        if m > (1 + self.drift) * self.expected and len(self.trials) > 1 and self.trial > 0:
+            self.penalty[_label(self.choice)] = m
+            self.trial_times = [[] for _ in self.trials]
+            self.trial_index, self.phase, self.phase_step = 0, "trial", 0
+            self._why = f"steps took {m / self.expected:.2f}x the expected time"
+        elif not (1 / (1 + self.drift) <= m / self.expected <= 1 + self.drift):
+            if self.verbose and comm.rank == 0:
+                print(f"hvd_compress auto: steps took {m / self.expected:.2f}x the expected "
+                      "time: calibrating again", flush=True)
+            keep = self.steps, list(self.decisions)
+            self.reset()
+            self.steps, self.decisions = keep
 
     def _check(self, comm, parts):
         """A check step: scale the link by measured / predicted collective time."""
@@ -595,7 +645,7 @@ class Auto(Compressor):
     # -- checkpoints --------------------------------------------------------------------
     _FIELDS = ("steps", "phase", "phase_step", "choice", "scale", "samples", "compute",
                "decisions", "costs", "compute_s", "link", "trials", "trial_index",
-               "trial_times", "measured", "_why")
+               "trial_times", "measured", "_why", "expected", "recent", "penalty")
 
     def state_dict(self):
         import copy

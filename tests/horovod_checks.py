@@ -60,8 +60,15 @@ def check_checkpoint(ranks):
         np.testing.assert_array_equal(r["resumed"], r["straight"])
 
 
-def check_mismatch_fails_clearly(worker, tmp_path):
-    rc, log = horovodrun([ROOT / "tests/workers" / worker, "mismatch"], tmp_path, timeout=180)
+def mismatch_job(worker, tmp_path):
+    """One launch of every mismatch scenario (each rank catches its ValueError, prints
+    CONFIG_ERROR and goes on; the worker exits 3 at the end): ``(rc, log)``."""
+    return horovodrun([ROOT / "tests/workers" / worker, "mismatch", "bucket_mismatch",
+                       "auto_mismatch"], tmp_path, timeout=240)
+
+
+def check_mismatch_fails_clearly(job):
+    rc, log = job
     assert rc != 0
     assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
     assert "topk:density=0.05" in log and "randomk:density=0.05" in log
@@ -172,8 +179,8 @@ def check_bucket_policy_and_checkpoint(ranks):
                                           _bits(r[f"ckpt|bucket_then_bucket|{name}"]), err_msg=name)
 
 
-def check_bucket_mismatch_fails_clearly(worker, tmp_path):
-    rc, log = horovodrun([ROOT / "tests/workers" / worker, "bucket_mismatch"], tmp_path, timeout=180)
+def check_bucket_mismatch_fails_clearly(job):
+    rc, log = job
     assert rc != 0
     assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
     assert "bucket_mb=25" in log and "bucket_mb=0.002" in log
@@ -377,8 +384,8 @@ def check_auto(ranks):
                                               _bits(r[f"ckpt|straight|{step}|{n}"]), err_msg=n)
 
 
-def check_auto_mismatch_fails_clearly(worker, tmp_path):
-    rc, log = horovodrun([ROOT / "tests/workers" / worker, "auto_mismatch"], tmp_path, timeout=180)
+def check_auto_mismatch_fails_clearly(job):
+    rc, log = job
     assert rc != 0
     assert "CONFIG_ERROR rank 0" in log and "CONFIG_ERROR rank 1" in log
     assert "candidates=none:ef=0|topk" in log

@@ -373,3 +373,34 @@ def test_far_worse_predictions_are_not_tried():
     for _ in range(2):
         drive(auto, FakeComm(), times)
     assert auto.phase == "run" and auto.choice == {"b": 1} and auto.trials == [{"b": 1}]
+
+
+def test_hvd_compress_env_var_selects_auto(monkeypatch):
+    monkeypatch.setenv(hvd_compress.ENV_VAR, "auto:every=0")
+    auto = hvd_compress.from_env()
+    assert isinstance(auto, Auto) and auto.every == 0
+
+
+def test_steps_slower_than_their_trial_are_tried_again_with_the_real_figure():
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=3, verbose=False)
+    comm = FakeComm()
+    times = {"b": [(0.0, 0.100, 0.0, 1e6), (0.0, 0.101, 0.0, 1e4)]}
+    for _ in range(2):
+        drive(auto, comm, times)
+    auto.trial_times = [[], []]
+    auto.trial_index = 2
+    auto.trial_times = [[0.5, 0.013, 0.013], [0.5, 0.014, 0.014]]   # none's burst-flattered
+    auto._finish_trials(comm)
+    assert auto.choice == {"b": 0} and auto.expected == pytest.approx(0.013)
+    auto.recent = [0.026] * Auto.WATCH                               # the real none steps
+    auto._watch(comm)
+    assert auto.phase == "trial" and auto.penalty == {"b=0": pytest.approx(0.026)}
+    auto.trial_times = [[0.5, 0.013, 0.013], [0.5, 0.014, 0.014]]   # flattered again
+    auto._finish_trials(comm)
+    assert auto.choice == {"b": 1}                                   # 0.026 vs 0.014
+    auto.recent = [0.014] * Auto.WATCH                               # as expected: stays
+    auto._watch(comm)
+    assert auto.phase == "run" and auto.choice == {"b": 1}
+    auto.recent = [0.004] * Auto.WATCH                               # 3.5x faster: the link
+    auto._watch(comm)                                                # changed: calibrate
+    assert auto.phase == "calibrate" and auto.penalty == {}

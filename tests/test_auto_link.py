@@ -2,6 +2,7 @@
 it chooses a sparsifier for the large bucket; on plain loopback none or fp16 for every
 bucket.  The shaped case needs root (tc), like tests/test_shaped_link.py."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ def run_auto(tmp_path, prefix):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "hvd_compress auto at step 20 (calibration)" in done.stdout   # the table, rank 0
+    assert re.search(r"hvd_compress auto at step \d+ \(calibration\)", done.stdout)  # rank 0
     with open(tmp_path / "auto_link.json") as f:
         return json.load(f)
 

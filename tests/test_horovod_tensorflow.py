@@ -6,7 +6,7 @@ import math
 import pytest
 
 from conftest import load_ranks
-from horovod_checks import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
+from horovod_checks import (mismatch_job, AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
                             check_agg_average_and_process_set, BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
                             check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,
                             check_bucket_tolerance,
@@ -16,6 +16,13 @@ from horovod_checks import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, che
 
 DTYPES = {"int": "int32", "fp16": "float16", "bf16": "bfloat16"}
 CASES = [(s, op, m) for s in SPECS for op in ("average", "sum") for m in ("eager", "function")]
+
+
+@pytest.fixture(scope="module")
+def mismatch(tmp_path_factory):
+    """Every configuration-mismatch scenario in one launch: (rc, log)."""
+    return mismatch_job("tf_worker.py", tmp_path_factory.mktemp("mismatch"))
+
 
 
 @pytest.mark.parametrize("spec,op,mode", CASES)
@@ -48,8 +55,8 @@ def test_checkpoint_restore_is_bitwise_identical(tf_job):
     check_checkpoint(load_ranks(tf_job, "tf_checkpoint"))
 
 
-def test_ranks_with_different_compressors_fail_clearly(tmp_path):
-    check_mismatch_fails_clearly("tf_worker.py", tmp_path)
+def test_ranks_with_different_compressors_fail_clearly(mismatch):
+    check_mismatch_fails_clearly(mismatch)
 
 
 def test_per_parameter_policy(tf_job):
@@ -67,8 +74,8 @@ def test_bucketed_laplace_topk_counts_within_tolerance(tf_job, spec):
     check_bucket_tolerance(load_ranks(tf_job, "tf_buckets"), spec)
 
 
-def test_ranks_with_different_bucket_sizes_fail_clearly(tmp_path):
-    check_bucket_mismatch_fails_clearly("tf_worker.py", tmp_path)
+def test_ranks_with_different_bucket_sizes_fail_clearly(mismatch):
+    check_bucket_mismatch_fails_clearly(mismatch)
 
 
 @pytest.mark.parametrize("spec", AGG_SPECS)
@@ -95,5 +102,5 @@ def test_auto_inside_tf_function_is_a_clear_error(tf_job):
     assert "needs eager execution" in message and "run_eagerly=True" in message
 
 
-def test_auto_ranks_with_different_candidates_fail_clearly(tmp_path):
-    check_auto_mismatch_fails_clearly("tf_worker.py", tmp_path)
+def test_auto_ranks_with_different_candidates_fail_clearly(mismatch):
+    check_auto_mismatch_fails_clearly(mismatch)

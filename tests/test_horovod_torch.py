@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_ranks
-from horovod_checks import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
+from horovod_checks import (mismatch_job, AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
                             check_agg_average_and_process_set, BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
                             check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,
                             check_bucket_plan, check_bucket_policy_and_checkpoint,
@@ -19,6 +19,13 @@ import hvd_compress
 
 DTYPES = {"int": "torch.int32", "fp16": "torch.float16", "bf16": "torch.bfloat16"}
 CASES = [(s, op, b) for s in SPECS for op in ("average", "sum") for b in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def mismatch(tmp_path_factory):
+    """Every configuration-mismatch scenario in one launch: (rc, log)."""
+    return mismatch_job("torch_worker.py", tmp_path_factory.mktemp("mismatch"))
+
 
 
 @pytest.mark.parametrize("spec,op,bpps", CASES)
@@ -61,8 +68,8 @@ def test_stock_horovod_optimizer(torch_job):
     assert "hvd_compress.torch.DistributedOptimizer" in str(ranks[0]["topk_error"])
 
 
-def test_ranks_with_different_compressors_fail_clearly(tmp_path):
-    check_mismatch_fails_clearly("torch_worker.py", tmp_path)
+def test_ranks_with_different_compressors_fail_clearly(mismatch):
+    check_mismatch_fails_clearly(mismatch)
 
 
 def test_per_parameter_policy(torch_job):
@@ -89,8 +96,8 @@ def test_buckets_policy_and_checkpoint_between_paths(torch_job):
     check_bucket_policy_and_checkpoint(load_ranks(torch_job, "torch_buckets"))
 
 
-def test_ranks_with_different_bucket_sizes_fail_clearly(tmp_path):
-    check_bucket_mismatch_fails_clearly("torch_worker.py", tmp_path)
+def test_ranks_with_different_bucket_sizes_fail_clearly(mismatch):
+    check_bucket_mismatch_fails_clearly(mismatch)
 
 
 @pytest.mark.parametrize("spec", AGG_SPECS)
@@ -112,5 +119,5 @@ def test_auto_same_choice_on_every_rank_and_aggregate_of_the_choice(torch_job):
     check_auto(load_ranks(torch_job, "torch_auto"))
 
 
-def test_auto_ranks_with_different_candidates_fail_clearly(tmp_path):
-    check_auto_mismatch_fails_clearly("torch_worker.py", tmp_path)
+def test_auto_ranks_with_different_candidates_fail_clearly(mismatch):
+    check_auto_mismatch_fails_clearly(mismatch)

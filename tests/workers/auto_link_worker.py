@@ -1,4 +1,4 @@
-"""21 steps of ``auto`` (20 of calibration) on a model with one large tensor (1M values) and small ones;
+"""``auto`` until its first decision (20 steps of calibration, then trials) on a model with one large tensor (1M values) and small ones;
 rank 0 writes what auto chose per bucket to ``$1/auto_link.json``.  Run on plain
 loopback and inside a namespace shaped to 100 Mbit/s by tests/test_auto_link.py."""
 import json
@@ -20,7 +20,10 @@ opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                model.named_parameters(),
                                compression="auto:every=0")
 x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
-for step in range(21):
+auto = opt.compression
+for step in range(60):          # calibration (20 steps), then trials where close
+    if auto.decisions and auto.phase == "run":
+        break
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
