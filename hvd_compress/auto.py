@@ -64,9 +64,9 @@ backward also take cores from it; a token bucket's burst flatters a dense collec
 alone), so the combinations it predicts within ``1 + window`` (1.5x) of its choice (its
 choice, the current one, the first candidate everywhere, each candidate alone; at most
 ``1 + tries``) are each run for real, overlapped as in training, for ``trial`` steps
-(default 5; 0: trust the model), and the one with the least measured median step (the
-slowest rank's; the first step of each left out) is kept: the first candidate unless
-another beats it by the margin.  The table shows predicted and measured step times.
+(default 5; 0: trust the model); the model's choice is kept unless another was measured
+``trial_margin`` (5%) faster (median step of the slowest rank, the first step of each
+left out).  The table shows predicted and measured step times.
 
 **Watch**: every 10 steps the measured step (median, slowest rank) is compared with the
 one the decision expected.  Slower by more than ``drift``: that figure becomes the
@@ -234,6 +234,7 @@ class Auto(Compressor):
     segmented = True
     margin = 0.01               #: a choice must beat the first candidate's step by this
                                 #: fraction
+    trial_margin = 0.05         #: a tried combination must beat the model's choice by this
     window = 0.5                #: combinations predicted within 1.5x of the best are tried
     tries = 3                   #: and at most this many besides the model's choice
     WATCH = 10                  #: steps between comparisons of the measured step with the
@@ -489,20 +490,20 @@ class Auto(Compressor):
 
     def _finish_trials(self, comm):
         """Choose among the tried combinations by their measured steps (the slowest rank's
-        median, first step of each left out); the first of them wins ties, and any other
-        must beat the first candidate's by the margin."""
+        median, first step of each left out): the model's choice (the first) stays unless
+        another was measured ``trial_margin`` (5%) faster: trials catch the model's large
+        errors, and must not follow a few steps' noise."""
         measured = []
         if len(self.trials) > 1 and self.trial > 0:
             mine = [_median(_warm(t)) for t in self.trial_times]
             measured = [max(col) for col in zip(*comm.allgather(mine, "auto.trials"))]
         # a choice whose real steps were slower than its trial keeps the slower figure
         measured = [max(v, self.penalty.get(_label(o), 0.0)) for v, o in zip(measured, self.trials)]
-        best = min(range(len(measured)), key=lambda t: (measured[t], t)) if measured else 0
-        first = next((t for t, o in enumerate(self.trials)
-                      if all(c == 0 for c in o.values())), None)
-        if measured and first is not None and best != first \
-                and measured[best] > measured[first] * (1 - self.margin):
-            best = first
+        best = 0                       # the model's choice, unless measured clearly slower
+        if measured:
+            fastest = min(range(len(measured)), key=lambda t: (measured[t], t))
+            if measured[fastest] < measured[0] * (1 - self.trial_margin):
+                best = fastest
         got = comm.broadcast([float(best)], "auto.choice")
         self.choice = dict(self.trials[int(round(got[0]))]) if self.trials else {}
         self.measured = measured
