@@ -54,3 +54,14 @@ def auto(out, hvd, run):
         for n in BUCKET_SHAPES:
             out[f"ckpt|straight|{step}|{n}"] = s_outs[step][n]
             out[f"ckpt|resumed|{step}|{n}"] = r_outs[step - 3][n]
+
+
+def mismatch(hvd, run, failed):
+    """Rank 0 with other candidates than rank 1: a ValueError on every rank at the first
+    step (printed as CONFIG_ERROR, kept in ``failed``)."""
+    spec = "auto:candidates=none|topk:density=0.1" if hvd.rank() == 0 else "auto"
+    try:
+        run(hvd_compress.from_spec(spec), 1)
+    except ValueError as e:
+        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
+        failed.append(e)

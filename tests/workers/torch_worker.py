@@ -346,12 +346,7 @@ def auto(out):
 
 
 def auto_mismatch(out):
-    spec = "auto:candidates=none|topk:density=0.1" if hvd.rank() == 0 else "auto"
-    try:
-        _auto_run(hvd_compress.from_spec(spec), 1)
-    except ValueError as e:
-        print(f"CONFIG_ERROR rank {hvd.rank()}: {e}", flush=True)
-        FAILED.append(e)
+    auto_scenario.mismatch(hvd, _auto_run, FAILED)
 
 
 FAILED = []      #: configuration errors caught (the mismatch scenarios): exit 3 at the end
