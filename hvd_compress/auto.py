@@ -475,6 +475,9 @@ class Auto(Compressor):
                 options.append(list(o))
         options = options[:1 + self.tries]
         width = len(keys) * (n + 2)
+        if not keys:                   # nothing was sent (every tensor empty): same on all ranks
+            self.trials, self.choice, self.phase, self.phase_step = [], {}, "run", 0
+            return
         order = {b.key: i for i, b in enumerate(costs)}
         flat = [float(o[order[k]]) for o in options for k in keys]
         got = comm.broadcast(flat + [-1.0] * (width - len(flat)), "auto.decision")

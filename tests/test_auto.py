@@ -404,3 +404,12 @@ def test_steps_slower_than_their_trial_are_tried_again_with_the_real_figure():
     auto.recent = [0.004] * Auto.WATCH                               # 3.5x faster: the link
     auto._watch(comm)                                                # changed: calibrate
     assert auto.phase == "calibrate" and auto.penalty == {}
+
+
+def test_nothing_to_send_decides_nothing_without_collectives_of_size_zero():
+    auto = Auto(candidates=["none", "fp16"], calibrate=2, verbose=False)
+    comm = FakeComm()
+    for _ in range(2):
+        drive(auto, comm, {})
+    assert auto.phase == "run" and auto.choice == {}
+    assert "auto.decision" not in [c[0] for c in comm.calls]
