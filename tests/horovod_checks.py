@@ -358,7 +358,9 @@ def check_auto(ranks):
         np.testing.assert_array_equal(ranks[0][f"choice|{step}"], ranks[1][f"choice|{step}"])
     for step in range(3):            # calibration: every bucket with candidate step % 3
         assert set(ranks[0][f"choice|{step}"].tolist()) == {step}
-    assert int(ranks[0]["decisions"]) >= 2      # the calibration's and a check step's
+    # the calibration's decision at least (whether a check step's follows within
+    # AUTO_STEPS depends on timings: a check may find drift and calibrate again)
+    assert int(ranks[0]["decisions"]) >= 1
     expected, residuals = _auto_reference(ranks, candidates, AUTO_STEPS,
                                           lambda step: ranks[0][f"choice|{step}"])
     for step in range(AUTO_STEPS):
