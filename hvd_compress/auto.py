@@ -275,6 +275,7 @@ class Auto(Compressor):
         if not drift > 0:
             raise ValueError(f"auto: drift must be > 0, got {drift!r}")
         self.members, self.names = members, names   # names: as the user wrote them
+        self.specs = specs                           # canonical, computed once
         default = [from_spec(c).spec for c in DEFAULT_CANDIDATES]
         self.candidates = None if specs == default else "|".join(
             s.replace(",", "+") for s in specs)
@@ -520,6 +521,15 @@ class Auto(Compressor):
         if self.verbose and comm.rank == 0:
             print(summary["table"], file=sys.stdout, flush=True)
 
+    def _recalibrate(self, comm, why):
+        """Forget the measurements and decision (keeping the step count and the decisions'
+        history): calibrate from the next step."""
+        if self.verbose and comm.rank == 0:
+            print(f"hvd_compress auto: {why}: calibrating again", flush=True)
+        keep = self.steps, list(self.decisions)
+        self.reset()
+        self.steps, self.decisions = keep
+
     def _watch(self, comm):
         """Every WATCH steps: the measured step (median of the last WATCH, slowest rank;
         one allgather) against what the decision expected.  Slower by more than
@@ -537,12 +547,7 @@ class Auto(Compressor):
             self.trial_index, self.phase, self.phase_step = 0, "trial", 0
             self._why = f"steps took {m / self.expected:.2f}x the expected time"
         elif not (1 / (1 + self.drift) <= m / self.expected <= 1 + self.drift):
-            if self.verbose and comm.rank == 0:
-                print(f"hvd_compress auto: steps took {m / self.expected:.2f}x the expected "
-                      "time: calibrating again", flush=True)
-            keep = self.steps, list(self.decisions)
-            self.reset()
-            self.steps, self.decisions = keep
+            self._recalibrate(comm, f"steps took {m / self.expected:.2f}x the expected time")
 
     def _check(self, comm, parts):
         """A check step: scale the link by measured / predicted collective time."""
@@ -555,12 +560,7 @@ class Auto(Compressor):
         recalibrate = not (1 / (1 + self.drift) <= m <= 1 + self.drift)
         flag, m = comm.broadcast([float(recalibrate), float(m)], "auto.verdict")
         if flag:
-            if self.verbose and comm.rank == 0:
-                print(f"hvd_compress auto: collectives took {m:.2f}x the predicted time: "
-                      "calibrating again", flush=True)
-            keep = self.steps, list(self.decisions)
-            self.reset()
-            self.steps, self.decisions = keep
+            self._recalibrate(comm, f"collectives took {m:.2f}x the predicted time")
             return
         self.scale *= m
         self._decide(comm, f"check (link x{m:.2f})")
@@ -609,7 +609,7 @@ class Auto(Compressor):
 
     def choices(self):
         """Bucket key -> spec of the candidate sending it now (``opt.stats``)."""
-        return {key: self.members[self.choose(key)[0]].spec for key in self.samples}
+        return {key: self.specs[self.choose(key)[0]] for key in self.samples}
 
     # -- residuals across switches ------------------------------------------------------
     def _state(self, ops):

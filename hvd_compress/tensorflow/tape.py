@@ -172,9 +172,9 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
             continue
         # a variable without a gradient (None, as Horovod returns it) is left out of
         # its bucket for this step: its residual waits, as tensor by tensor
-        parts = [tf.convert_to_tensor(grads[i]) for i in present]
-        lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
-        compressor = entries[present[0]][2]
+        if len(present) > 1 or auto is not None:
+            parts = [tf.convert_to_tensor(grads[i]) for i in present]
+            lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
         if auto is not None:     # this step's candidate for the (planned) bucket
             key = buckets.layout([names[i] for i in bucket], [entries[i][1] for i in bucket]).key
             auto.launched(key)
@@ -194,7 +194,7 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
                                                 op, process_set)
         else:
             reduced, one = collectives.bucket_allreduce(
-                tf_ops.concat(parts), lay, compressor, op, process_set)
+                tf_ops.concat(parts), lay, entries[present[0]][2], op, process_set)
             for i, r in zip(present, lay.split(reduced, tf_ops)):
                 out[i] = r
         traffic = {k: v + one[k] for k, v in traffic.items()}
@@ -204,5 +204,3 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
         auto.end_step(collectives.AutoComm(process_set))
         stats(compression).choices = auto.choices()
     return out
-
-
