@@ -335,6 +335,11 @@ class Auto(Compressor):
             self._step = dict(ours=0.0, ready={}, parts={}, backward_end=None)
         return self._step
 
+    def abort_step(self):
+        """The current step will not finish (an Elastic reset, a failed step): its
+        timeline is void."""
+        self._step = None
+
     def launched(self, key):
         """The glue is about to compress bucket ``key`` (its last gradient is ready)."""
         tl = self._timeline()

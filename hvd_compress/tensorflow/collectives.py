@@ -1,21 +1,20 @@
-"""Compressed reduction of one TensorFlow tensor over Horovod, eager or in tf.function.
+"""Horovod's TensorFlow collectives as an exchange transport (eager or inside
+``tf.function``), and compressed allreduce of one tensor (``hvd_compress.tensorflow.
+allreduce``).
 
-Same contract as ``hvd_compress.torch.collectives``: collectives are named after the
-tensor, the compressor decides allreduce or allgather, its ``decompress`` turns the
-aggregate into the sum over ranks.
+What crosses the network and in which order is :mod:`hvd_compress.exchange`; this
+module only says how to run one Horovod collective (named after the tensor or bucket,
+made a valid TF name).  May import Horovod, TensorFlow and the framework-free parts of
+hvd_compress.
 """
 import hashlib
-import time
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from ..compressors import payload_bytes
+from ..exchange import PREFIX, Exchange, Transport, standard_traffic
 from ..ops import tf_ops
 from ..spec import from_spec, resolve
-from ..stats import ring_received
-
-PREFIX = "hvd_compress."
 _CACHE = {}
 
 
@@ -50,13 +49,6 @@ def _safe(name):
     return "".join(c if c.isalnum() or c in "._-/" else "_" for c in name)
 
 
-def _average(out, op, process_set):
-    if op != hvd.Average:
-        return out
-    size = process_set.size()
-    return out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
-
-
 def _traffic(sent, received, received_local=None, union=0, k=0):
     """What the tape's stats count for one tensor or bucket (int64 tensors)."""
     received = tf.cast(received, tf.int64)
@@ -66,29 +58,44 @@ def _traffic(sent, received, received_local=None, union=0, k=0):
             "union": tf.cast(union, tf.int64), "k": tf.cast(k, tf.int64)}
 
 
-def _payload_traffic(compressor, payload, aggregate, process_set):
-    """Traffic of a one-round exchange: an allreduce receives a ring's share, an
-    allgather the other ranks' payloads."""
-    sent = payload_bytes(payload, tf_ops)
-    if compressor.collective == "allreduce":
-        return _traffic(sent, ring_received(tf.cast(sent, tf.int64), process_set.size()))
-    return _traffic(sent, payload_bytes(aggregate, tf_ops) - sent)
+class HorovodTF(Transport):
+    """Horovod's TensorFlow collectives on ``process_set``, eager or inside
+    ``tf.function`` (each completes at once: the generators never yield)."""
 
+    ops = tf_ops
 
-def _two_rounds(compressor, proposal, rnd, wire, process_set):
-    """A two-round exchange (agg=union/leader/hint, PowerSGD): round 1's collective of
-    ``compressor.rounds`` (``<wire>.<suffix>``), ``agree``, an allreduce (Sum) of what it
-    returns (``<wire>.<suffix>``), ``finish``.  Returns ``(flat or shaped sum, traffic)``."""
-    (kind, suffix1), (_, suffix2) = compressor.rounds
-    if kind == "allgather":
-        gathered = hvd.allgather(proposal, name=f"{wire}.{suffix1}", process_set=process_set)
-    else:
-        gathered = hvd.allreduce(proposal, op=hvd.Sum, name=f"{wire}.{suffix1}",
-                                 process_set=process_set)
-    values, rnd = compressor.agree(gathered, rnd)
-    summed = hvd.allreduce(values, op=hvd.Sum, name=f"{wire}.{suffix2}", process_set=process_set)
-    out = compressor.finish(summed, rnd)
-    return out, _traffic(*compressor.traffic(proposal, gathered, values, rnd, process_set.size()))
+    def __init__(self, process_set=hvd.global_process_set):
+        self.process_set = process_set
+        self.rank, self.size = process_set.rank(), process_set.size()
+
+    def wire(self, name):
+        return PREFIX + _safe(name)     # Horovod TF op names must be valid TF names
+
+    def allreduce(self, tensor, name, inplace_of=None):
+        out = hvd.allreduce(tensor, op=hvd.Sum, name=name, process_set=self.process_set)
+        return (out,) + standard_traffic(tf_ops, "allreduce", tensor, out, self.size)
+
+    def allgather(self, tensors, name):
+        if len(tensors) == 1:
+            t = tensors[0]
+            out = (_from_wire(hvd.allgather(_to_wire(t), name=name,
+                                            process_set=self.process_set), t.dtype),)
+        else:
+            out = _grouped_allgather(tensors, name, self.process_set)
+        return (out,) + standard_traffic(tf_ops, "allgather", tensors, out, self.size)
+
+    def divide(self, out, size):
+        return out / tf.cast(size, out.dtype) if out.dtype.is_floating else out // size
+
+    def broadcast_floats(self, values, name):
+        t = tf.constant(values, tf.float64)
+        return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
+                             process_set=self.process_set).numpy().tolist()
+
+    def allgather_floats(self, values, name):
+        t = tf.constant([values], tf.float64)
+        return hvd.allgather(t, name=PREFIX + name,
+                             process_set=self.process_set).numpy().tolist()
 
 
 @tf.autograph.experimental.do_not_convert
@@ -107,53 +114,9 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
         tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.num_elements() == 0:
         return tf.identity(tensor), _traffic(0, 0)
-    compressor = compressor.for_tensor(name, tensor)
-    wire = PREFIX + _safe(name)
-    if compressor.collective == "two_round":
-        proposal, rnd = compressor.propose(tensor, name, process_set.rank(), process_set.size())
-        out, traffic = _two_rounds(compressor, proposal, rnd, wire, process_set)
-        return _average(out, op, process_set), traffic
-    payload, ctx = compressor.compress(tensor, name)
-    if compressor.collective == "allreduce":
-        aggregate = hvd.allreduce(payload, op=hvd.Sum, name=wire, process_set=process_set)
-    else:
-        aggregate = tuple(
-            _from_wire(hvd.allgather(_to_wire(t), name=f"{wire}.{i}", process_set=process_set),
-                       t.dtype)
-            for i, t in enumerate(payload))
-    traffic = _payload_traffic(compressor, payload, aggregate, process_set)
-    return _average(compressor.decompress(aggregate, ctx), op, process_set), traffic
-
-
-@tf.autograph.experimental.do_not_convert
-def bucket_allreduce(flat, layout, compressor, op=hvd.Average,
-                     process_set=hvd.global_process_set, times=None):
-    """Compressed sum/average of a bucket (``flat``: the tensors of ``layout`` end to end)
-    with one compress call and one collective (an allreduce, or one grouped allgather of
-    every payload tensor; two rounds for agg=union/leader/hint), named after the bucket.
-    Returns ``(flat result, traffic)`` as :func:`allreduce`.  ``times`` (eager only, a
-    dict): gets ``compress_s``, ``wait_s`` and ``decompress_s`` of a one-round exchange."""
-    check_op(op)
-    wire = PREFIX + _safe(layout.key)
-    if compressor.collective == "two_round":
-        proposal, rnd = compressor.propose_bucket(flat, layout, process_set.rank(),
-                                                  process_set.size())
-        out, traffic = _two_rounds(compressor, proposal, rnd, wire, process_set)
-        return _average(out, op, process_set), traffic
-    start = time.perf_counter()
-    payload, ctx = compressor.compress_bucket(flat, layout)
-    compressed = time.perf_counter()
-    if compressor.collective == "allreduce":
-        aggregate = hvd.allreduce(payload, op=hvd.Sum, name=wire, process_set=process_set)
-    else:
-        aggregate = _grouped_allgather(payload, wire, process_set)
-    waited = time.perf_counter()
-    traffic = _payload_traffic(compressor, payload, aggregate, process_set)
-    out = _average(compressor.decompress_bucket(aggregate, ctx), op, process_set)
-    if times is not None:
-        times.update(compress_s=compressed - start, wait_s=waited - compressed,
-                     decompress_s=time.perf_counter() - waited)
-    return out, traffic
+    ex = Exchange(compressor.for_tensor(name, tensor), HorovodTF(process_set), name,
+                  tensor=tensor, average=op == hvd.Average)
+    return ex.run(), _traffic(ex.sent, ex.received, ex.received_local, ex.union, ex.k)
 
 
 _SAME_WIDTH = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
@@ -179,23 +142,6 @@ def _grouped_allgather(payload, name, process_set):
             dtype = payload[i].dtype
             out[i] = g if dtype == wire_dtype else tf.bitcast(g, dtype)
     return tuple(out)
-
-
-class AutoComm:
-    """What :meth:`hvd_compress.auto.Auto.end_step` needs (eager): the rank, and a named
-    broadcast of a few floats from rank 0 of ``process_set``."""
-
-    def __init__(self, process_set=hvd.global_process_set):
-        self.process_set, self.rank = process_set, process_set.rank()
-
-    def broadcast(self, values, name):
-        t = tf.constant(values, tf.float64)
-        return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
-                             process_set=self.process_set).numpy().tolist()
-
-    def allgather(self, values, name):
-        t = tf.constant([values], tf.float64)
-        return hvd.allgather(t, name=PREFIX + name, process_set=self.process_set).numpy().tolist()
 
 
 def check_same_config(description, process_set=hvd.global_process_set):

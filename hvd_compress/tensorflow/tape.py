@@ -12,7 +12,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .. import buckets
-from ..auto import find_auto
+from ..exchange import Driver, find_auto
 from ..ops import tf_ops
 from ..stats import EXCHANGE, summarize
 from . import collectives
@@ -33,14 +33,28 @@ class TFStats:
                        for k in ["steps"] + [f"{w}_{k}" for w in ("last", "total")
                                              for k in self.KEYS]}
 
-    def record_step(self, traffic, dense):
-        """``traffic``: int64 tensors ``sent``, ``received``, ... summed over the step."""
-        values = dict(traffic, dense=dense)
+        self._step = dict.fromkeys(self.KEYS, 0)
+
+    def add(self, sent, dense, received=0, received_local=0, union=0, k=0):
+        """Count one tensor's (or bucket's) exchange in the current step (int64 tensors
+        or ints; inside ``tf.function`` the sums are part of the graph)."""
+        values = dict(sent=sent, dense=dense, received=received,
+                      received_local=received_local, union=union, k=k)
+        for key in self.KEYS:
+            self._step[key] = self._step[key] + tf.cast(values[key], tf.int64)
+
+    def add_time(self, compress_s, wait_s, decompress_s):
+        """Seconds are not counted in TensorFlow (inside ``tf.function`` they would be
+        the trace's)."""
+
+    def end_step(self):
+        """Close the step: assign its sums to ``last_*`` and add them to ``total_*``."""
         for k in self.KEYS:
-            v = tf.cast(values[k], tf.int64)
+            v = tf.cast(self._step[k], tf.int64)
             self._v["last_" + k].assign(v)
             self._v["total_" + k].assign_add(v)
         self._v["steps"].assign_add(1)
+        self._step = dict.fromkeys(self.KEYS, 0)
 
     #: ``auto``: bucket key -> the spec of the candidate that sends it now
     choices = {}
@@ -156,51 +170,37 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
             f"| {layout}", process_set)
         checked.add(bucket_mb)
     auto = find_auto(e[2] for e in entries)
-    if auto is not None:
-        if not tf.executing_eagerly():
-            raise ValueError(
-                f"compression={auto.spec!r} chooses a compressor per bucket between steps, "
-                "in Python: it needs eager execution. A tf.function (and Keras' compiled "
-                "train step) would fix the choice when traced; run eagerly (Keras: "
-                "model.compile(..., run_eagerly=True)) or choose a fixed compressor.")
-        auto.backward_done()
-    out, dense = list(grads), 0
-    traffic = dict.fromkeys(("sent",) + EXCHANGE, tf.constant(0, tf.int64))
+    if auto is not None and not tf.executing_eagerly():
+        raise ValueError(
+            f"compression={auto.spec!r} chooses a compressor per bucket between steps, "
+            "in Python: it needs eager execution. A tf.function (and Keras' compiled "
+            "train step) would fix the choice when traced; run eagerly (Keras: "
+            "model.compile(..., run_eagerly=True)) or choose a fixed compressor.")
+    driver = Driver(collectives.HorovodTF(process_set), stats(compression),
+                    average=op == hvd.Average, auto=auto)
+    driver.backward_done()
+    out = list(grads)
     for bucket in plan:
         present = [i for i in bucket if grads[i] is not None]
         if not present:
             continue
         # a variable without a gradient (None, as Horovod returns it) is left out of
         # its bucket for this step: its residual waits, as tensor by tensor
-        if len(present) > 1 or auto is not None:
-            parts = [tf.convert_to_tensor(grads[i]) for i in present]
-            lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
-        if auto is not None:     # this step's candidate for the (planned) bucket
-            key = buckets.layout([names[i] for i in bucket], [entries[i][1] for i in bucket]).key
-            auto.launched(key)
-            index, compressor = auto.choose(key)
-            flat = auto.carry(lay, tf_ops.concat([tf.reshape(p, [-1]) for p in parts]),
-                              compressor, tf_ops)
-            times = {}
-            reduced, one = collectives.bucket_allreduce(flat, lay, compressor, op,
-                                                        process_set, times)
-            auto.record(key, index, times["compress_s"], times["wait_s"],
-                        times["decompress_s"], int(one["sent"]) + int(one["received"]))
-            for i, r in zip(present, lay.split(reduced, tf_ops)):
-                out[i] = r
-        elif len(present) == 1:
-            i = present[0]
-            out[i], one = collectives.allreduce(grads[i], names[i], compression,
-                                                op, process_set)
-        else:
-            reduced, one = collectives.bucket_allreduce(
-                tf_ops.concat(parts), lay, entries[present[0]][2], op, process_set)
-            for i, r in zip(present, lay.split(reduced, tf_ops)):
-                out[i] = r
-        traffic = {k: v + one[k] for k, v in traffic.items()}
-        dense += 4 * sum(int(tf.TensorShape(entries[i][1]).num_elements()) for i in present)
-    stats(compression).record_step(traffic, dense)
-    if auto is not None:
-        auto.end_step(collectives.AutoComm(process_set))
-        stats(compression).choices = auto.choices()
+        compressor = entries[present[0]][2]
+        lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
+        if len(present) == 1 and auto is None:
+            ex = driver.launch(compressor, lay, tensor=_dense(grads[present[0]]))
+            out[present[0]] = driver.finish([ex])[0]
+            continue
+        # auto: every bucket on the bucket path, keyed by the planned bucket's tensors
+        key = buckets.layout([names[i] for i in bucket], [entries[i][1] for i in bucket]).key
+        flat = tf_ops.concat([tf.reshape(_dense(grads[i]), [-1]) for i in present])
+        ex = driver.launch(compressor, lay, flat=flat, key=key)
+        for i, r in zip(present, lay.split(driver.finish([ex])[0], tf_ops)):
+            out[i] = r
+    driver.end_step()
     return out
+
+
+def _dense(grad):
+    return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad

@@ -1,19 +1,20 @@
-"""Compressed reduction of one PyTorch tensor over Horovod (the building block of the
-optimizer).  Every collective is named after the tensor (``hvd_compress.<name>[.i]``):
-Horovod pairs unnamed operations by issue order, which differs between ranks.
+"""Horovod's PyTorch collectives as an exchange transport, and compressed allreduce of one
+tensor (the public ``hvd_compress.torch.allreduce``/``allreduce_async``/``synchronize``).
+
+What crosses the network and in which order is :mod:`hvd_compress.exchange`; this
+module only says how to start and wait for one Horovod collective.  Every collective is
+named (``hvd_compress.<name>[.suffix]``): Horovod pairs unnamed operations by issue
+order, which differs between ranks.  May import Horovod, torch and the framework-free
+parts of hvd_compress.
 """
 import hashlib
-import time
 
 import horovod.torch as hvd
 import torch
 
-from ..compressors import payload_bytes
+from ..exchange import PREFIX, Exchange, Transport, Wait, standard_traffic
 from ..ops import torch_ops
 from ..spec import resolve
-from ..stats import ring_received
-
-PREFIX = "hvd_compress."
 
 
 def check_op(op):
@@ -31,39 +32,74 @@ def _from_wire(t, dtype):
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-class Handle:
-    """An in-flight compressed reduction; pass it to :func:`synchronize`."""
+class HorovodTorch(Transport):
+    """Horovod's asynchronous torch collectives on ``process_set``."""
 
-    def __init__(self, compressor, ctx, handles, dtypes, op, process_set, sent, dense,
-                 result=None, compress_s=0.0):
-        self.compressor, self.ctx, self.handles, self.dtypes = compressor, ctx, handles, dtypes
-        self.op, self.process_set = op, process_set
-        self.sent_bytes, self.dense_bytes = sent, dense
+    ops = torch_ops
+
+    def __init__(self, process_set=hvd.global_process_set):
+        self.process_set = process_set
+        self.rank, self.size = process_set.rank(), process_set.size()
+
+    def allreduce(self, tensor, name, inplace_of=None):
+        in_place = inplace_of is not None and tensor.is_contiguous() and \
+            tensor.data_ptr() == inplace_of.data_ptr() and tensor.dtype == inplace_of.dtype
+        reduce = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+        handle = reduce(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
+        out = yield Wait(hvd.synchronize, handle)
+        return (out,) + standard_traffic(torch_ops, "allreduce", tensor, out, self.size)
+
+    def allgather(self, tensors, name):
+        dtypes = [t.dtype for t in tensors]
+        if len(tensors) == 1:
+            handle = hvd.allgather_async(_to_wire(tensors[0]), name=name,
+                                         process_set=self.process_set)
+            gathered = [(yield Wait(hvd.synchronize, handle))]
+        else:                                       # one grouped op for every tensor
+            handle = hvd.grouped_allgather_async([_to_wire(t) for t in tensors], name=name,
+                                                 process_set=self.process_set)
+            gathered = yield Wait(hvd.synchronize, handle)
+        out = tuple(_from_wire(g, d) for g, d in zip(gathered, dtypes))
+        return (out,) + standard_traffic(torch_ops, "allgather", tensors, out, self.size)
+
+    def divide(self, out, size):
+        # ``out`` is a new tensor (or, in place, the gradient): divide without a copy
+        return out.div_(size) if out.is_floating_point() else \
+            torch.div(out, size, rounding_mode="trunc").to(out.dtype)
+
+    def broadcast_floats(self, values, name):
+        t = torch.tensor(values, dtype=torch.float64)
+        return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
+                             process_set=self.process_set).tolist()
+
+    def allgather_floats(self, values, name):
+        t = torch.tensor([values], dtype=torch.float64)
+        return hvd.allgather(t, name=PREFIX + name, process_set=self.process_set).tolist()
+
+
+class _Done:
+    """What :func:`allreduce_async` returns for an empty tensor: nothing to exchange."""
+
+    done = True
+    sent = received = received_local = union = k = dense = 0
+    compress_s = wait_s = decompress_s = 0.0
+
+    def __init__(self, result):
         self.result = result
-        #: seconds spent compressing, waiting for the collective (after its launch, in
-        #: :func:`synchronize`) and decompressing; filled in by :func:`synchronize`
-        self.compress_s, self.wait_s, self.decompress_s = compress_s, 0.0, 0.0
-        self.bucket = None     #: the Layout of a bucket (bucket_allreduce_async), else None
-        #: two-round exchanges (agg=union/leader/hint, PowerSGD): the compressor's state
-        #: between the rounds, and round 1's message until round 2 starts (:func:`advance`)
-        self.round = self.proposal = None
-        #: bytes this rank received, what agg=local would have received (every rank
-        #: sending k pairs), and the union size and k of the selection (0 where none)
-        self.received_bytes = self.received_local_bytes = 0
-        self.union = self.k = 0
-        #: ``auto``: (the Auto, candidate index) that chose this exchange's compressor
-        self.auto = None
+
+    def run(self):
+        return self.result
 
 
 def allreduce_async(tensor, name, compression=None, op=hvd.Average,
                     process_set=hvd.global_process_set, inplace=False):
-    """Compress ``tensor`` and start its collective; returns a :class:`Handle`.
+    """Compress ``tensor`` and start its collective; returns a handle for
+    :func:`synchronize` (an :class:`hvd_compress.exchange.Exchange`).
 
     ``compression``: a compressor, a spec string, or None for ``$HVD_COMPRESS``.
     Empty tensors need no collective; integer tensors go uncompressed; sparse
     tensors are made dense first.  ``inplace=True`` lets an uncompressed payload be
-    reduced in ``tensor``'s own memory, as Horovod does with gradients (no copy); the
-    optimizer passes it for ``p.grad``.
+    reduced in ``tensor``'s own memory, as Horovod does with gradients (no copy).
     """
     check_op(op)
     if not name:
@@ -72,158 +108,20 @@ def allreduce_async(tensor, name, compression=None, op=hvd.Average,
     if tensor.is_sparse:
         tensor = tensor.to_dense()
     if tensor.numel() == 0:
-        return Handle(compressor, None, [], [], op, process_set, 0, 0, result=tensor.clone())
-    compressor = compressor.for_tensor(name, tensor)
-    if compressor.collective == "two_round":
-        start = time.perf_counter()
-        proposal, rnd = compressor.propose(tensor.detach(), name, process_set.rank(),
-                                           process_set.size())
-        return _start_rounds(compressor, rnd, proposal, PREFIX + name, op, process_set,
-                             tensor.numel() * 4, time.perf_counter() - start)
-    start = time.perf_counter()
-    payload, ctx = compressor.compress(tensor.detach(), name)
-    compress_s = time.perf_counter() - start
-    if compressor.collective == "allreduce":
-        in_place = inplace and payload.is_contiguous() and payload.data_ptr() == \
-            tensor.data_ptr() and payload.dtype == tensor.dtype
-        reduce = hvd.allreduce_async_ if in_place else hvd.allreduce_async
-        handles = [reduce(payload, name=PREFIX + name, op=hvd.Sum, process_set=process_set)]
-        dtypes = [payload.dtype]
-    else:
-        handles = [hvd.allgather_async(_to_wire(t), name=f"{PREFIX}{name}.{i}",
-                                       process_set=process_set)
-                   for i, t in enumerate(payload)]
-        dtypes = [t.dtype for t in payload]
-    return Handle(compressor, ctx, handles, dtypes, op, process_set,
-                  payload_bytes(payload, torch_ops), tensor.numel() * 4, compress_s=compress_s)
-
-
-def bucket_allreduce_async(flat, layout, compressor, op=hvd.Average,
-                           process_set=hvd.global_process_set):
-    """Compress a bucket (``flat``: the tensors of ``layout`` end to end, one dtype, a
-    buffer the caller gives away) with one compress call and start *one* collective for
-    it, named after the bucket: an allreduce, or one grouped allgather of every payload
-    tensor.  :func:`synchronize` returns the flat sum (or average) over the ranks."""
-    check_op(op)
-    start = time.perf_counter()
-    if compressor.collective == "two_round":
-        proposal, rnd = compressor.propose_bucket(flat, layout, process_set.rank(),
-                                                  process_set.size())
-        handle = _start_rounds(compressor, rnd, proposal, PREFIX + layout.key, op, process_set,
-                               layout.total * 4, time.perf_counter() - start)
-        handle.bucket = layout
-        return handle
-    payload, ctx = compressor.compress_bucket(flat, layout)
-    compress_s = time.perf_counter() - start
-    name = PREFIX + layout.key
-    if compressor.collective == "allreduce":
-        handles = [hvd.allreduce_async(payload, name=name, op=hvd.Sum, process_set=process_set)]
-        dtypes = [payload.dtype]
-    else:
-        handles = [hvd.grouped_allgather_async([_to_wire(t) for t in payload], name=name,
-                                               process_set=process_set)]
-        dtypes = [t.dtype for t in payload]
-    handle = Handle(compressor, ctx, handles, dtypes, op, process_set,
-                    payload_bytes(payload, torch_ops), layout.total * 4, compress_s=compress_s)
-    handle.bucket = layout
-    return handle
-
-
-def _start_rounds(compressor, rnd, proposal, name, op, process_set, dense, compress_s):
-    """Round 1 of a two-round exchange (agg=union/leader/hint, PowerSGD): start the
-    first collective of ``compressor.rounds`` (``<name>.<suffix>``); :func:`advance`
-    starts round 2."""
-    (kind, suffix), _ = compressor.rounds
-    if kind == "allgather":
-        first = hvd.allgather_async(proposal, name=f"{name}.{suffix}", process_set=process_set)
-    else:
-        first = hvd.allreduce_async(proposal, name=f"{name}.{suffix}", op=hvd.Sum,
-                                    process_set=process_set)
-    handle = Handle(compressor, None, [first], [proposal.dtype], op, process_set,
-                    proposal.numel() * proposal.element_size(), dense, compress_s=compress_s)
-    handle.round, handle.name, handle.proposal = rnd, name, proposal
-    return handle
-
-
-def advance(handle):
-    """Two-round exchange: wait for round 1, let the compressor ``agree`` and start round
-    2, one allreduce (Sum) of what it returns (``<name>.<suffix>``).  Does nothing for
-    other handles, or when round 2 runs already.  The optimizer advances every handle
-    before waiting for any, so round-2 allreduces overlap."""
-    if handle.round is None or handle.proposal is None:
-        return
-    start = time.perf_counter()
-    gathered = hvd.synchronize(handle.handles[0])
-    waited = time.perf_counter()
-    values, handle.round = handle.compressor.agree(gathered, handle.round)
-    handle.handles = [hvd.allreduce_async(values, name=f"{handle.name}.{handle.compressor.rounds[1][1]}",
-                                          op=hvd.Sum, process_set=handle.process_set)]
-    (handle.sent_bytes, handle.received_bytes, handle.received_local_bytes, handle.union,
-     handle.k) = handle.compressor.traffic(handle.proposal, gathered, values, handle.round,
-                                           handle.process_set.size())
-    handle.proposal = None
-    handle.wait_s += waited - start
-    handle.compress_s += time.perf_counter() - waited
+        return _Done(tensor.clone())
+    return Exchange(compressor.for_tensor(name, tensor), HorovodTorch(process_set), name,
+                    tensor=tensor.detach(), inplace=inplace, average=op == hvd.Average)
 
 
 def synchronize(handle):
     """Wait for ``handle``; return the decoded sum (or average) over the ranks."""
-    if handle.result is not None:
-        return handle.result
-    advance(handle)
-    start = time.perf_counter()
-    outputs = [hvd.synchronize(h) for h in handle.handles]
-    waited = time.perf_counter()
-    bucket = getattr(handle, "bucket", None)
-    if handle.round is not None:
-        out = handle.compressor.finish(outputs[0], handle.round)
-    else:
-        if bucket is not None and handle.compressor.collective == "allgather":
-            outputs = outputs[0]                       # one grouped allgather: a list
-        if handle.compressor.collective == "allreduce":
-            payload = outputs[0]
-            handle.received_bytes = ring_received(payload.numel() * payload.element_size(),
-                                                  handle.process_set.size())
-        else:
-            payload = tuple(_from_wire(t, d) for t, d in zip(outputs, handle.dtypes))
-            handle.received_bytes = sum(t.numel() * t.element_size() for t in outputs) \
-                - handle.sent_bytes
-        handle.received_local_bytes = handle.received_bytes
-        if bucket is not None:
-            out = handle.compressor.decompress_bucket(payload, handle.ctx)
-        else:
-            out = handle.compressor.decompress(payload, handle.ctx)
-    if handle.op == hvd.Average:
-        size = handle.process_set.size()
-        # ``out`` is a new tensor (or, in place, the gradient): divide without a copy
-        out = out.div_(size) if out.is_floating_point() else \
-            torch.div(out, size, rounding_mode="trunc").to(out.dtype)
-    handle.wait_s += waited - start
-    handle.decompress_s = time.perf_counter() - waited
-    return out
+    return handle.run()
 
 
 def allreduce(tensor, name, compression=None, op=hvd.Average,
               process_set=hvd.global_process_set):
     """Blocking :func:`allreduce_async` + :func:`synchronize`."""
     return synchronize(allreduce_async(tensor, name, compression, op, process_set))
-
-
-class AutoComm:
-    """What :meth:`hvd_compress.auto.Auto.end_step` needs: the rank, and a named
-    broadcast of a few floats from rank 0 of ``process_set``."""
-
-    def __init__(self, process_set=hvd.global_process_set):
-        self.process_set, self.rank = process_set, process_set.rank()
-
-    def broadcast(self, values, name):
-        t = torch.tensor(values, dtype=torch.float64)
-        return hvd.broadcast(t, root_rank=0, name=PREFIX + name,
-                             process_set=self.process_set).tolist()
-
-    def allgather(self, values, name):
-        t = torch.tensor([values], dtype=torch.float64)
-        return hvd.allgather(t, name=PREFIX + name, process_set=self.process_set).tolist()
 
 
 def _allgather_strings(text, name, process_set):

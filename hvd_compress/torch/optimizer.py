@@ -5,13 +5,16 @@ Structure follows ``horovod/torch/optimizer.py``: the wrapped optimizer's class 
 subclassed on the fly; each parameter's collective is launched from a
 post-accumulate-grad hook as soon as its gradient is ready (overlapping the rest of
 backward), ``synchronize()`` waits for all of them and writes the aggregate into
-``p.grad``, and ``step()`` synchronizes first unless already done.
+``p.grad``, and ``step()`` synchronizes first unless already done.  Each bucket's
+exchange is an :class:`hvd_compress.exchange.Exchange` started by this optimizer's
+:class:`hvd_compress.exchange.Driver` over Horovod (:class:`.collectives.HorovodTorch`);
+this module holds only the hooks into backward and Horovod's optimizer API.
 """
 import horovod.torch as hvd
 import torch
 
 from .. import buckets
-from ..auto import find_auto
+from ..exchange import Driver, find_auto
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
@@ -73,8 +76,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._layouts = [buckets.layout([self._names[p] for p in b], [p.shape for p in b])
                          for b in self._buckets]
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
-        self._auto = find_auto([entries[i][2] for i in range(len(entries))])
-        self._recorded = set()               # auto: buckets already reported this step
+        self._driver = Driver(collectives.HorovodTorch(process_set), self.stats,
+                              average=self.op == hvd.Average,
+                              auto=find_auto([e[2] for e in entries]))
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         if process_set.included():
             for p in self._params:
@@ -113,36 +117,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         compressor = self.compression.for_tensor(self._names[params[0]], params[0])
-        auto = compressor if getattr(compressor, "adaptive", False) else None
-        if auto is not None:                 # auto: this step's candidate for the bucket
-            auto.launched(layout.key)
-            index, compressor = auto.choose(layout.key)
         if len(params) == 1:                 # a bucket of one: the tensor's own path
-            p = params[0]
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            if auto is not None:
-                grad = auto.carry(layout, grad.reshape(-1), compressor, torch_ops).view(grad.shape)
-            handle = collectives.allreduce_async(grad, self._names[p], compressor,
-                                                 self.op, self.process_set, inplace=True)
-        else:
-            flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
-                              for p in params])
-            if auto is not None:
-                flat = auto.carry(layout, flat, compressor, torch_ops)
-            handle = collectives.bucket_allreduce_async(flat, layout, compressor,
-                                                        self.op, self.process_set)
-        if auto is not None:
-            handle.auto = (auto, index)
-            if auto.blocking:                # calibration: time this exchange alone
-                handle.result = collectives.synchronize(handle)
-                self._record(b, handle)
-        return handle
-
-    def _record(self, b, handle):
-        auto, index = handle.auto
-        auto.record(self._layouts[b].key, index, handle.compress_s, handle.wait_s,
-                    handle.decompress_s, handle.sent_bytes + handle.received_bytes)
-        self._recorded.add(b)
+            grad = params[0].grad
+            return self._driver.launch(compressor, layout, inplace=True,
+                                       tensor=grad.to_dense() if grad.is_sparse else grad)
+        flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
+                          for p in params])
+        return self._driver.launch(compressor, layout, flat=flat)
 
     def drop_in_flight(self):
         """Forget the collectives of a step that will not finish (Elastic Horovod's reset
@@ -155,9 +136,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._waiting = [len(b) for b in self._buckets]
         self._synchronized = False
         self._checked = False
-        self._recorded.clear()
-        if self._auto is not None:
-            self._auto._step = None          # the step's timeline is void
+        self._driver.abort()
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
@@ -165,36 +144,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
-        if self._auto is not None:
-            self._auto.backward_done()
+        self._driver.backward_done()
         for b in range(len(self._buckets)):  # buckets with a gradient that did not arrive
             if b not in self._handles:
                 self._handles[b] = self._launch(b)
-        for b, handle in sorted(self._handles.items()):
-            collectives.advance(handle)      # two-round exchanges: start every round 2 first
-        for b, handle in sorted(self._handles.items()):
-            out = collectives.synchronize(handle)
+        order = sorted(self._handles)
+        outs = self._driver.finish([self._handles[b] for b in order])
+        for b, out in zip(order, outs):
             params = self._buckets[b]
-            outs = [out] if len(params) == 1 else self._layouts[b].split(out, torch_ops)
-            for p, o in zip(params, outs):
+            parts = [out] if len(params) == 1 else self._layouts[b].split(out, torch_ops)
+            for p, o in zip(params, parts):
                 if p.grad.is_sparse:
                     p.grad = o.reshape(p.shape)
                 elif o.data_ptr() != p.grad.data_ptr():     # in place already: no copy
                     p.grad.copy_(o.reshape(p.shape))
-            self.stats.add(handle.sent_bytes, handle.dense_bytes, handle.received_bytes,
-                           handle.received_local_bytes, handle.union, handle.k)
-            self.stats.add_time(handle.compress_s, handle.wait_s, handle.decompress_s)
-            if getattr(handle, "auto", None) and b not in self._recorded:
-                self._record(b, handle)
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
         self._waiting = [len(b) for b in self._buckets]
         self._handles.clear()
-        self._recorded.clear()
-        if self._auto is not None:
-            self._auto.end_step(collectives.AutoComm(self.process_set))
-            self.stats.choices = self._auto.choices()
-        self.stats.end_step()
+        self._driver.end_step()
         self._synchronized = True
 
     def step(self, closure=None):
@@ -229,3 +197,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, process_set, bucket_mb)
+
+
+from . import elastic as _elastic  # noqa: E402  (needs CompressedOptimizer, defined above)
+
+_elastic.register()    # Elastic Horovod: TorchState(optimizer=ours) keeps error feedback

@@ -1,0 +1,9 @@
+"""The exchange protocol and the step driver, written once for every glue.
+
+:mod:`.protocol`: how one compressor's payload crosses the network (one tensor or a
+bucket; allreduce, allgather or two rounds), through a :class:`~.protocol.Transport`
+that each glue implements.  :mod:`.driver`: a step's exchanges (launch, advance in the
+same order on every rank, stats, ``auto``).  Imports no framework and no Horovod.
+"""
+from .driver import Driver, find_auto, single_layout  # noqa: F401
+from .protocol import PREFIX, AutoComm, Exchange, Transport, Wait, finish_all, standard_traffic  # noqa: F401

@@ -1,0 +1,152 @@
+"""One training step's exchanges, for any glue: launch, advance, count, and drive ``auto``.
+
+A glue (``hvd_compress.torch`` optimizer, ``hvd_compress.torch.ddp`` hook,
+``hvd_compress.tensorflow`` tape and Keras optimizer) owns a :class:`Driver` and calls
+only these hooks::
+
+    driver.launch(compressor, layout, tensor=... | flat=...)   # a bucket's gradients are ready
+    driver.backward_done()                                      # backward is over
+    driver.finish(exchanges)       # wait for them (round-robin, protocol.finish_all)
+    driver.end_step()              # close the step: stats, auto's decisions
+    driver.abort()                 # a step that will not finish (Elastic reset, error)
+
+What the driver does besides the protocol (:mod:`.protocol`):
+
+- **Stats**: each exchange, once done, is counted in ``stats`` (``add``: bytes sent,
+  dense, received, ...; ``add_time``: seconds), and ``end_step`` closes the step.
+- **auto** (:class:`hvd_compress.strategies.auto.Auto`, alone or inside a Policy):
+  when the compressor of a bucket is an auto, the driver tells it the bucket is ready
+  (``launched``), asks which candidate sends it this step (``choose``), lets it carry the
+  residuals other candidates left (``carry``), and when the exchange is done reports its
+  seconds and bytes (``record``).  In auto's calibration and check steps
+  (``auto.blocking``) the exchanges still in flight are finished first and the new one
+  is completed at once, so each is timed alone.  ``end_step`` closes auto's step (its
+  decisions use the transport's float broadcasts: :class:`.protocol.AutoComm`).  No glue
+  calls into auto.
+
+This module imports no framework and no Horovod.
+"""
+from ..buckets import layout as make_layout
+from .protocol import AutoComm, Exchange, finish_all
+
+
+def find_auto(compressors):
+    """The one adaptive (``auto``) compressor among the compressors the glue planned
+    (None if none)."""
+    autos = {id(c): c for c in compressors if getattr(c, "adaptive", False)}
+    if len(autos) > 1:
+        raise ValueError("compression holds several auto compressors; use one Auto "
+                         "instance for every tensor that it should choose for")
+    return next(iter(autos.values()), None)
+
+
+class Driver:
+    """The exchanges of one glue instance (module docstring).
+
+    ``transport``: the glue's :class:`~.protocol.Transport`; ``stats``: a
+    :class:`hvd_compress.stats.Stats` (or the TensorFlow one: ``add``, ``add_time``,
+    ``end_step``, ``choices``); ``average``: divide sums by the number of ranks;
+    ``auto``: the Auto among the compressors the glue planned (:func:`find_auto`)."""
+
+    def __init__(self, transport, stats, average, auto=None):
+        self.transport, self.stats, self.average, self.auto = transport, stats, average, auto
+        self.in_flight = []            #: exchanges launched this step, not yet finished
+
+    @property
+    def blocking(self):
+        """True in auto's calibration and check steps (exchanges are timed alone)."""
+        return self.auto is not None and self.auto.blocking
+
+    def launch(self, compressor, layout, tensor=None, flat=None, inplace=False, key=None):
+        """Start the exchange of one bucket; returns its :class:`~.protocol.Exchange`.
+
+        ``layout``: the bucket's :class:`~hvd_compress.buckets.Layout`.  ``tensor``: a
+        bucket of one tensor, sent on the tensor's own path (``compress``; ``inplace``:
+        an uncompressed payload may be reduced in its memory); else ``flat``: the
+        bucket's tensors end to end, a buffer the driver may keep (``compress_bucket``).
+        ``key``: auto's name for the bucket (default ``layout.key``)."""
+        ops = self.transport.ops
+        index = None
+        if getattr(compressor, "adaptive", False):
+            auto, key = compressor, key or layout.key
+            auto.launched(key)
+            index, compressor = auto.choose(key)
+            if self.blocking:          # time this exchange alone
+                self.finish(list(self.in_flight))
+            if tensor is not None:
+                tensor = ops.reshape(auto.carry(layout, ops.flatten(tensor), compressor, ops),
+                                     layout.shapes[0])
+            else:
+                flat = auto.carry(layout, flat, compressor, ops)
+        if tensor is not None:
+            name = layout.names[0]
+            ex = Exchange(compressor.for_tensor(name, tensor), self.transport, name,
+                          tensor=tensor, inplace=inplace, average=self.average)
+        else:
+            ex = Exchange(compressor, self.transport, layout.key, flat=flat, layout=layout,
+                          average=self.average)
+        if index is not None:
+            ex.auto = (auto, index, key)
+        ex.counted = False
+        self.in_flight.append(ex)
+        if index is not None and auto.blocking:
+            ex.run()
+        self._count_if_done(ex)
+        return ex
+
+    def advance(self, ex):
+        """Move ``ex`` one collective further (counted when it is done)."""
+        ex.advance()
+        self._count_if_done(ex)
+
+    def finish(self, exchanges):
+        """Finish ``exchanges`` (round-robin in the given order, the same on every rank:
+        :func:`~.protocol.finish_all`); returns their results."""
+        while any(not e.done for e in exchanges):
+            for e in exchanges:
+                if not e.done:
+                    self.advance(e)
+        for e in exchanges:
+            self._count_if_done(e)
+        done = {id(e) for e in exchanges}
+        self.in_flight = [e for e in self.in_flight if id(e) not in done]
+        return [e.result for e in exchanges]
+
+    def _count_if_done(self, ex):
+        if not ex.done or ex.counted:
+            return
+        ex.counted = True
+        self.stats.add(ex.sent, ex.dense, ex.received, ex.received_local, ex.union, ex.k)
+        self.stats.add_time(ex.compress_s, ex.wait_s, ex.decompress_s)
+        if ex.auto is not None:
+            auto, index, key = ex.auto
+            auto.record(key, index, ex.compress_s, ex.wait_s, ex.decompress_s,
+                        int(ex.sent) + int(ex.received))
+
+    def backward_done(self):
+        """Backward is over (``synchronize()`` entered; the last DDP bucket; the tape's
+        gradients computed)."""
+        if self.auto is not None:
+            self.auto.backward_done()
+
+    def end_step(self):
+        """Close the step: every exchange must be finished; stats' step ends; auto
+        decides where its schedule says so (collectives through the transport)."""
+        if self.in_flight:
+            self.finish(list(self.in_flight))
+        if self.auto is not None:
+            self.auto.end_step(AutoComm(self.transport))
+            self.stats.choices = self.auto.choices()
+        self.stats.end_step()
+
+    def abort(self):
+        """Forget the step's exchanges (they will not finish: Elastic Horovod shut down
+        under them, or the step failed); auto's timeline of the step is void."""
+        self.in_flight = []
+        if self.auto is not None:
+            self.auto.abort_step()
+
+
+def single_layout(name, shape):
+    """The layout of a bucket of one tensor."""
+    return make_layout([name], [shape])

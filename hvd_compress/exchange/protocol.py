@@ -1,0 +1,237 @@
+"""How one compressor's payload crosses the network: the exchange protocol, written once.
+
+An :class:`Exchange` is one compress call and the collectives it needs, for one tensor
+or one bucket (several tensors end to end, :mod:`hvd_compress.buckets`).  It is a
+generator underneath: it compresses, *requests* a collective from a
+:class:`Transport`, and goes on when the transport's result comes back; the glue (the
+Horovod optimizer, the TensorFlow tape, the DDP hook) only decides *when* to move each
+exchange one collective further (:meth:`Exchange.advance`).  By the compressor's
+``collective`` (:mod:`hvd_compress.compressors.base` states the contract):
+
+- ``allreduce``:  compress -> allreduce (Sum) of the payload -> decompress;
+- ``allgather``:  compress -> allgather of every payload tensor (first dimensions may
+  differ between ranks; results concatenated in rank order) -> decompress;
+- ``two_round`` (agg=union/leader/hint, PowerSGD): propose -> ``rounds[0]``'s collective
+  -> agree -> allreduce (Sum) -> finish.
+
+Collectives are named ``<transport.wire(name)>`` (one-round) or ``<...>.<suffix>``
+(two rounds, suffixes from ``compressor.rounds``), where ``name`` is the tensor's or the
+bucket's key: Horovod pairs operations across ranks by name.
+
+**Ordering rules** (learned the hard way; the glue keeps them by driving every exchange
+through :func:`finish_all`):
+
+1. every collective is started in the same order on every rank: exchanges are started
+   in bucket order, and :func:`finish_all` advances them round-robin in that order;
+2. no collective is started from a future's callback (a collective that needs another's
+   result is started by :meth:`Exchange.advance`, called from the glue's own thread:
+   started from a callback it would start whenever the first finished, in a different
+   place on each rank, and Gloo/NCCL would pair different collectives);
+3. two-round exchanges start every round 2 before waiting on any (the round-robin of
+   :func:`finish_all` waits round 1 of each and starts its round 2 in one pass), so the
+   round-2 allreduces overlap.
+
+A :class:`Transport` is what each glue provides: how to start and wait for one
+collective.  Its ``allreduce``/``allgather`` are generators that yield a :class:`Wait`
+(something to wait for) and return ``(result, sent bytes, received bytes)``; a
+transport whose collectives complete at once (TensorFlow) returns without yielding.
+This module imports no framework and no Horovod.
+"""
+import inspect
+import time
+
+PREFIX = "hvd_compress."
+
+
+class Wait:
+    """A started collective: ``wait()`` blocks until it is done and returns what the
+    transport's generator receives (``fn(*args)``)."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def wait(self):
+        return self.fn(*self.args)
+
+
+class Transport:
+    """The collectives of one glue (Horovod torch, Horovod TensorFlow, torch.distributed).
+
+    ``rank``, ``size``: of the process set / group.  ``ops``: the framework's primitives
+    (:mod:`hvd_compress.ops`).  Subclasses implement :meth:`allreduce` and
+    :meth:`allgather` (generators, see the module docstring), :meth:`broadcast_floats`
+    and :meth:`allgather_floats` (blocking; what ``auto`` decides with), and may
+    override :meth:`wire` (collective names) and :meth:`divide` (``op=Average``)."""
+
+    rank = 0
+    size = 1
+    ops = None
+
+    def wire(self, name):
+        """The collective name of tensor or bucket ``name``."""
+        return PREFIX + name
+
+    def allreduce(self, tensor, name, inplace_of=None):
+        """Sum of ``tensor`` over the ranks.  ``inplace_of``: the gradient the payload
+        came from; where ``tensor`` is that very memory, it may be reduced in place."""
+        raise NotImplementedError
+
+    def allgather(self, tensors, name):
+        """Each tensor of ``tensors`` concatenated over the ranks in rank order."""
+        raise NotImplementedError
+
+    def broadcast_floats(self, values, name):
+        """Rank 0's list of floats (one named collective)."""
+        raise NotImplementedError
+
+    def allgather_floats(self, values, name):
+        """Every rank's list of floats, a list per rank (one named collective)."""
+        raise NotImplementedError
+
+    def divide(self, out, size):
+        """``out / size`` (``op=Average``) in ``out``'s dtype."""
+        raise NotImplementedError
+
+
+class AutoComm:
+    """What :meth:`hvd_compress.strategies.auto.Auto.end_step` needs of a transport:
+    ``rank``, ``broadcast(values, name)`` and ``allgather(values, name)`` of floats."""
+
+    def __init__(self, transport):
+        self.transport, self.rank = transport, transport.rank
+
+    def broadcast(self, values, name):
+        return self.transport.broadcast_floats(values, name)
+
+    def allgather(self, values, name):
+        return self.transport.allgather_floats(values, name)
+
+
+def standard_traffic(ops, kind, payload, aggregate, size):
+    """``(sent, received)`` bytes of one collective as Horovod moves it: an allreduce
+    sends its payload and receives a ring's share ``2 (P-1)/P`` of it; an allgather
+    receives the other ranks' payloads."""
+    from ..compressors import payload_bytes
+    from ..stats import ring_received
+    sent = payload_bytes(payload, ops)
+    if kind == "allreduce":
+        return sent, ring_received(sent, size)
+    return sent, payload_bytes(aggregate, ops) - sent
+
+
+def _collective(op):
+    """``yield from`` a transport's collective, which may complete without yielding."""
+    if inspect.isgenerator(op):
+        return (yield from op)
+    return op
+
+
+class Exchange:
+    """One compress call and its collectives (module docstring).
+
+    ``compressor``: the one that sends (a Policy's member, auto's candidate).  Either
+    ``tensor`` (one tensor: ``compress``/``propose``) or ``flat`` and ``layout`` (a
+    bucket: ``compress_bucket``/``propose_bucket``).  ``name``: the tensor's name or the
+    bucket's key.  ``inplace``: an uncompressed payload may be reduced in ``tensor``'s
+    memory.  ``average``: divide the sum by the number of ranks.  Starting it runs up to
+    its first collective.
+
+    When :attr:`done`: :attr:`result` (the sum or average over the ranks: shaped like
+    ``tensor``, or flat), :attr:`sent`, :attr:`received`, :attr:`received_local`,
+    :attr:`union`, :attr:`k` (see :class:`hvd_compress.stats.Stats`), :attr:`dense`
+    (float32 bytes of the gradient) and the seconds :attr:`compress_s` (compressing and
+    agreeing), :attr:`wait_s` (blocked on collectives), :attr:`decompress_s`.
+    """
+
+    def __init__(self, compressor, transport, name, tensor=None, flat=None, layout=None,
+                 inplace=False, average=False):
+        self.compressor, self.transport, self.name = compressor, transport, name
+        self.tensor, self.flat, self.layout = tensor, flat, layout
+        self.inplace, self.average = inplace, average
+        ops = transport.ops
+        self.dense = 4 * (layout.total if layout is not None else ops.numel(tensor))
+        self.sent = self.received = self.received_local = self.union = self.k = 0
+        self.compress_s = self.wait_s = self.decompress_s = 0.0
+        self.result, self.done, self.pending = None, False, None
+        #: ``auto``: (the Auto, candidate index, bucket key) that chose the compressor
+        self.auto = None
+        self._gen = self._steps()
+        self._resume(None)
+
+    # -- driving ------------------------------------------------------------------------
+    def advance(self):
+        """Wait for the collective in flight and go on to the next one (or finish)."""
+        if self.done:
+            return
+        start = time.perf_counter()
+        value = self.pending.wait()
+        self.wait_s += time.perf_counter() - start
+        self._resume(value)
+
+    def run(self):
+        """Advance until done; returns :attr:`result`."""
+        while not self.done:
+            self.advance()
+        return self.result
+
+    def _resume(self, value):
+        start = time.perf_counter()
+        try:
+            self.pending = self._gen.send(value)
+            self.compress_s += time.perf_counter() - start
+        except StopIteration as stop:
+            self.result, self.pending, self.done = stop.value, None, True
+            self.decompress_s += time.perf_counter() - start
+
+    # -- the protocol ---------------------------------------------------------------------
+    def _steps(self):
+        c, t = self.compressor, self.transport
+        wire = t.wire(self.name)
+        bucket = self.layout is not None
+        if c.collective == "two_round":
+            if bucket:
+                msg1, rnd = c.propose_bucket(self.flat, self.layout, t.rank, t.size)
+            else:
+                msg1, rnd = c.propose(self.tensor, self.name, t.rank, t.size)
+            (kind, suffix1), (_, suffix2) = c.rounds
+            if kind == "allgather":
+                (agg1,), sent1, received1 = yield from _collective(
+                    t.allgather((msg1,), f"{wire}.{suffix1}"))
+            else:
+                agg1, sent1, received1 = yield from _collective(
+                    t.allreduce(msg1, f"{wire}.{suffix1}"))
+            msg2, rnd = c.agree(agg1, rnd)
+            agg2, sent2, received2 = yield from _collective(t.allreduce(msg2, f"{wire}.{suffix2}"))
+            out = c.finish(agg2, rnd)
+            _, _, self.received_local, self.union, self.k = c.traffic(msg1, agg1, msg2, rnd,
+                                                                      t.size)
+            self.sent, self.received = sent1 + sent2, received1 + received2
+        else:
+            if bucket:
+                payload, ctx = c.compress_bucket(self.flat, self.layout)
+            else:
+                payload, ctx = c.compress(self.tensor, self.name)
+            if c.collective == "allreduce":
+                agg, self.sent, self.received = yield from _collective(
+                    t.allreduce(payload, wire, inplace_of=self.tensor if self.inplace else None))
+            else:
+                agg, self.sent, self.received = yield from _collective(
+                    t.allgather(tuple(payload), wire))
+            self.received_local = self.received
+            out = c.decompress_bucket(agg, ctx) if bucket else c.decompress(agg, ctx)
+        if self.average:
+            out = t.divide(out, t.size)
+        return out
+
+
+def finish_all(exchanges):
+    """Advance ``exchanges`` (in launch order) round-robin until every one is done:
+    each pass waits for each exchange's collective in flight and starts its next, so the
+    collectives start in the same order on every rank and every round 2 starts before any
+    is waited for (module docstring)."""
+    while any(not e.done for e in exchanges):
+        for e in exchanges:
+            if not e.done:
+                e.advance()
