@@ -139,6 +139,20 @@ class Driver:
             self.stats.choices = self.auto.choices()
         self.stats.end_step()
 
+    def forget(self, key):
+        """Bucket ``key`` will not come back (DDP rebuilt its buckets): auto drops it."""
+        if self.auto is not None:
+            self.auto.forget(key)
+
+    def describe(self):
+        """What ranks must agree on about auto's state (schedule and choices, as restored
+        from a checkpoint), for the glue's configuration check; "" without auto."""
+        a = self.auto
+        if a is None:
+            return ""
+        return (f"auto step={a.steps} phase={a.phase}:{a.phase_step} "
+                f"choice={sorted(a.choice.items())}")
+
     def abort(self):
         """Forget the step's exchanges (they will not finish: Elastic Horovod shut down
         under them, or the step failed); auto's timeline of the step is void."""

@@ -66,7 +66,14 @@ class HorovodTF(Transport):
 
     def __init__(self, process_set=hvd.global_process_set):
         self.process_set = process_set
-        self.rank, self.size = process_set.rank(), process_set.size()
+
+    @property
+    def rank(self):                 # asked each time: Elastic Horovod changes the world
+        return self.process_set.rank()
+
+    @property
+    def size(self):
+        return self.process_set.size()
 
     def wire(self, name):
         return PREFIX + _safe(name)     # Horovod TF op names must be valid TF names

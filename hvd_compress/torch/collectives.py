@@ -39,7 +39,14 @@ class HorovodTorch(Transport):
 
     def __init__(self, process_set=hvd.global_process_set):
         self.process_set = process_set
-        self.rank, self.size = process_set.rank(), process_set.size()
+
+    @property
+    def rank(self):                 # asked each time: Elastic Horovod changes the world
+        return self.process_set.rank()
+
+    @property
+    def size(self):
+        return self.process_set.size()
 
     def allreduce(self, tensor, name, inplace_of=None):
         in_place = inplace_of is not None and tensor.is_contiguous() and \

@@ -13,7 +13,7 @@ and a plain function (:func:`compression_hook`) that DDP calls with each gradien
 *bucket* (``bucket.buffer()``: the bucket's gradients end to end) as soon as the bucket
 is ready in backward; the hook returns a ``torch.futures.Future`` of the bucket's
 aggregated flat gradient, which DDP writes into ``p.grad``.  This module holds no
-compression algorithm: every compressor (or :class:`~hvd_compress.policy.Policy`) is
+compression algorithm: every compressor (or :class:`~hvd_compress.strategies.policy.Policy`) is
 used through the same contract as in the Horovod glue (:mod:`hvd_compress.compressors.base`).
 
 Per bucket:
@@ -28,32 +28,26 @@ Per bucket:
    storage, and DDP refills its bucket buffer every step); any other tensor on its own
    (``compress``), as the Horovod glue does tensor by tensor.  Empty tensors need
    nothing.
-2. **Exchange**, by the compressor's ``collective``:
-   ``allreduce``: ``dist.all_reduce`` (Sum) of the payload.
-   ``allgather``: payloads differ in length between ranks, and ``dist.all_gather`` needs
-   equal shapes: every payload tensor of the call is packed into one byte buffer (so
-   bfloat16 travels as plain bytes, which Gloo can move), the byte lengths are gathered,
-   each rank pads to the longest, the buffers are gathered, and each payload tensor is
-   cut out again and concatenated in rank order.
-   ``two_round``: ``propose`` → the first collective of ``compressor.rounds`` →
-   ``agree`` → all_reduce (Sum) → ``finish``.
-3. **Decompress** (``decompress`` / ``decompress_bucket`` / ``finish``), divide by the
-   world size for ``op="average"`` (DDP's default), in the buffer's dtype.
+2. **Exchange** (:mod:`hvd_compress.exchange`, the protocol every glue shares): each
+   compress call is an ``Exchange`` started by the state's ``Driver`` over
+   :class:`TorchDistributed`: ``dist.all_reduce`` (Sum), or an allgather of payloads
+   that differ in length between ranks (``dist.all_gather`` needs equal shapes: every
+   payload tensor is packed into one byte buffer, so bfloat16 travels as plain bytes,
+   the byte lengths are gathered, each rank pads to the longest, the buffers are
+   gathered and cut again), or the two rounds of agg=union/leader/hint and PowerSGD.
+3. **Decompress**, divide by the world size for ``op="average"`` (DDP's default), in
+   the buffer's dtype.
 
 **Why no collective is started from a Future callback** (as ``powerSGD_hook`` chains
 its second allreduce with ``Future.then``).  Gloo and NCCL pair the ranks' collectives
-by the order in which each rank *starts* them.  A collective that needs another's
-result (the padded gather after the lengths; round 2 after round 1) started from a
-callback starts whenever the first finishes, which on one rank may be before the next
-bucket's hook and on another after it: the ranks then pair different collectives (with
-one rank's backward slower, a hook chaining its second allreduce that way aborted in
-Gloo: "Received data size doesn't match expected size"; where sizes happen to match,
-the sums are silently wrong).  DDP calls the hook in bucket order, on the same thread,
-on every rank.  So every collective is started *from the hook* with
-``async_op=True``: the hook starts its bucket's first collective, then moves each
-earlier bucket one collective further (waiting for that bucket's previous collective,
-which has usually finished during the backward computation in between), and the last
-bucket's call finishes them all.  The order is the same on every rank.
+by the order in which each rank *starts* them; a collective started from a callback
+starts whenever the first finishes, in a different place on each rank (with one rank's
+backward slower, a hook chaining its second allreduce that way aborted in Gloo:
+"Received data size doesn't match expected size"; where sizes happen to match, the sums
+are silently wrong).  DDP calls the hook in bucket order, on the same thread, on every
+rank: the hook starts its bucket's first collective, then moves each earlier bucket one
+collective further (``Driver.advance``), and the last bucket's call finishes them all
+(the ordering rules of :mod:`hvd_compress.exchange.protocol`).
 
 At the first step every rank checks that the others have the same configuration
 (compressor spec, op, world size, parameter names, shapes and dtypes; with ``auto``, its
@@ -61,7 +55,7 @@ schedule and choices too, as restored from a checkpoint) with one fixed-shape al
 of a sha256; when they differ, every rank raises ValueError listing each rank's, instead
 of hanging in mismatched collectives.
 
-**auto** (:class:`~hvd_compress.auto.Auto`, alone or inside a Policy): the tensors of a
+**auto** (:class:`~hvd_compress.strategies.auto.Auto`, alone or inside a Policy): the tensors of a
 DDP bucket that auto sends are one auto bucket, keyed by their names end to end
 (``buckets.layout(...).key``), and each step auto chooses its candidate.  DDP rebuilds
 its buckets after the first step: the tensors then form new keys, and the keys they
@@ -173,17 +167,15 @@ class CompressionState:
             for n, _ in left:
                 self.auto_key[n] = out[n] = lay.key
             for k in gone:
-                self.auto.forget(k)
+                self.driver.forget(k)
             used = set(self.auto_key.values())
             self.auto_names = {k: v for k, v in self.auto_names.items() if k in used}
         return out
 
     def _full_description(self):
-        if self.auto is None:
-            return self.description
-        a = self.auto
-        return (f"{self.description} | auto step={a.steps} phase={a.phase}:{a.phase_step} "
-                f"choice={sorted(a.choice.items())} buckets={sorted(self.auto_key.items())}")
+        extra = self.driver.describe()
+        return self.description if not extra else \
+            f"{self.description} | {extra} buckets={sorted(self.auto_key.items())}"
 
     def check_config(self, device):
         """ValueError on every rank unless all ranks have the same :attr:`description`:
@@ -253,7 +245,14 @@ class TorchDistributed(Transport):
 
     def __init__(self, group):
         self.group, self.device = group, None
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    @property
+    def rank(self):
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self):
+        return dist.get_world_size(self.group)
 
     def allreduce(self, tensor, name, inplace_of=None):
         """Sum ``tensor`` over the ranks (in place)."""
