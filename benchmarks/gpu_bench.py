@@ -456,7 +456,7 @@ def profile(args):
 
     import hvd_compress
     info = device_info(torch)
-    pkg = (str(ROOT / "hvd_compress"), str(ROOT / "kernels"))
+    pkg = (str(ROOT / "hvd_compress"),)          # the kernels are in hvd_compress/kernels/
     results = []
 
     def sync_sites(fn):
@@ -468,7 +468,9 @@ def profile(args):
                 return
             frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(pkg)]
             where = frames[-1] if frames else traceback.extract_stack()[-3]
-            sites[f"{Path(where.filename).name}:{where.lineno} {where.name}"] += 1
+            site = (Path(where.filename).relative_to(pkg[0]).as_posix()   # ops/torch_ops/core.py
+                    if where.filename.startswith(pkg) else Path(where.filename).name)
+            sites[f"{site}:{where.lineno} {where.name}"] += 1
 
         torch.cuda.synchronize()
         with warnings.catch_warnings():

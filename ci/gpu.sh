@@ -13,8 +13,8 @@
 #
 # Needs python with torch (and triton for the kernels); installs nothing and uses no
 # network.  Horovod and TensorFlow are made unimportable for every step, as on the GPU
-# machine; hvd_compress is imported from this checkout (kernels/ mapped to
-# hvd_compress.kernels as setup.py does), nothing is pip-installed.
+# machine; hvd_compress (its Triton kernels in hvd_compress/kernels/ included) is
+# imported from this checkout, nothing is pip-installed.
 #
 # Environment:
 #   PYTHON          interpreter (default: python3 if it has torch, else .venv/bin/python)
@@ -53,32 +53,16 @@ TEE_PID=$!
 
 # A python start-up hook for every step: Horovod and TensorFlow (and Keras) cannot be
 # imported (None in sys.modules: `import` raises ModuleNotFoundError and
-# importlib.util.find_spec returns None, exactly as when they are not installed), and
-# `hvd_compress.kernels` is found in kernels/ without installing the package.
+# importlib.util.find_spec returns None, exactly as when they are not installed).
 SHIM=$(mktemp -d)
 trap 'rm -rf "$SHIM"; exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null' EXIT
 cat > "$SHIM/sitecustomize.py" <<'EOF'
-import importlib.abc
-import importlib.util
 import os
 import sys
 
 for _name in filter(None, os.environ.get("HVD_COMPRESS_BLOCK_IMPORTS", "").split(",")):
     sys.modules.setdefault(_name, None)
 
-
-class _KernelsFinder(importlib.abc.MetaPathFinder):
-    """hvd_compress.kernels -> <repo>/kernels (setup.py's package_dir)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "hvd_compress.kernels":
-            return None
-        init = os.path.join(os.environ["HVD_COMPRESS_ROOT"], "kernels", "__init__.py")
-        return importlib.util.spec_from_file_location(
-            name, init, submodule_search_locations=[os.path.dirname(init)])
-
-
-sys.meta_path.insert(0, _KernelsFinder())
 
 # run the sitecustomize this one shadows, if any
 _here = os.path.dirname(os.path.abspath(__file__))
@@ -92,7 +76,6 @@ for _entry in sys.path:
             pass
         break
 EOF
-export HVD_COMPRESS_ROOT=$ROOT
 export HVD_COMPRESS_BLOCK_IMPORTS=${HVD_COMPRESS_BLOCK_IMPORTS:-horovod,tensorflow,keras,tf_keras}
 export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1

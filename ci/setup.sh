@@ -18,7 +18,7 @@ HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
 TF_VERSION=2.21.0
 STAMP="$VENV/.hvd_compress_setup"
-WANT=$(cat ci/setup.sh ci/requirements.txt setup.py | sha256sum | cut -c1-16)
+WANT=$(cat ci/setup.sh ci/requirements.txt pyproject.toml | sha256sum | cut -c1-16)
 
 step() { CURRENT_STEP="$*"; echo "==> [setup] $*"; }
 fail() { echo "!! [setup] step failed: ${CURRENT_STEP:-?} (line $1, exit $2)." >&2

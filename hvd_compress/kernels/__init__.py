@@ -1,4 +1,4 @@
-"""Triton GPU kernels of hvd_compress (installed as ``hvd_compress.kernels``).
+"""Triton GPU kernels of hvd_compress (``hvd_compress.kernels``, in hvd_compress/kernels/).
 
 Each module holds one kernel family in the Triton-tutorial layout: the ``@triton.jit``
 kernel, a torch *reference* with exactly the same semantics, and a *launcher* that

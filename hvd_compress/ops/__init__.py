@@ -29,8 +29,9 @@ The primitives (both modules define all of them, with the same meaning):
 ``new_store()``         a :class:`~hvd_compress.memory` state store for this framework
 =====================  ===========================================================
 
-Further groups, each with its docstrings in ``torch_ops.py`` (where the Triton kernels
-are dispatched) and mirrored in ``tf_ops.py``: threshold selection (``abs_sum_max``,
+Further groups, each with its docstrings in ``torch_ops/`` (where the Triton kernels
+are dispatched) and mirrored in ``tf_ops/``, both split by family into the same modules
+(``core``, ``selection``, ``segments``, ``codecs``): threshold selection (``abs_sum_max``,
 ``count_above``, ``compact_above``, the bit-space search helpers), 2-bit packing and
 convolution kernels (``twobit_pack``, ``kernel_matrix``, ...), and range-based float and
 block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers

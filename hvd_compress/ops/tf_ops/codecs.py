@@ -1,0 +1,195 @@
+"""TensorFlow primitives, codecs family: how values are written on the wire: 2-bit codes
+(twobit), range-based floats (rangefloat), the block DCT (dct), fixed point and modular
+int32 (coded SGD), 1-bit codes (signsgd, onebit) and low-rank products (powersgd); the
+TensorFlow references of the kernels.
+
+May import: tensorflow, :mod:`.core`; lazily, numpy.  Never torch or
+:mod:`hvd_compress.kernels`.
+"""
+import tensorflow as _tf
+
+from .core import numel
+
+
+# -- 2-bit codes (twobit) ----------------------------------------------------------------
+
+def twobit_pack(flat, t):
+    x = _tf.cast(flat, _tf.float32)
+    n = numel(flat)
+    n_words = -(-n // 16)
+    code = _tf.where(x >= t, _tf.constant(1, _tf.int64),
+                     _tf.where(x <= -t, _tf.constant(2, _tf.int64), _tf.constant(0, _tf.int64)))
+    code = _tf.pad(code, [[0, n_words * 16 - n]])
+    shifts = 2 * _tf.range(16, dtype=_tf.int64)
+    words = _tf.reduce_sum(_tf.bitwise.left_shift(_tf.reshape(code, [-1, 16]), shifts), axis=1)
+    return _tf.cast(_tf.where(words >= 2**31, words - 2**32, words), _tf.int32)
+
+
+def twobit_unpack(words):
+    shifts = 2 * _tf.range(16, dtype=_tf.int64)
+    code = _tf.bitwise.bitwise_and(
+        _tf.bitwise.right_shift(_tf.cast(words, _tf.int64)[:, None], shifts), 3)
+    sign = _tf.where(code == 1, 1.0, _tf.where(code == 2, -1.0, 0.0))
+    return _tf.reshape(sign, [-1])
+
+
+def twobit_decode_sum(words, thresholds, n):
+    """No table-lookup fast path in TensorFlow: the 2-bit decoder's generic path runs."""
+    return None
+
+
+# -- range-based float (rangefloat) ------------------------------------------------------
+
+def max_exponent(flat):
+    a = _tf.abs(_tf.cast(_tf.reshape(flat, [-1]), _tf.float32))
+    peak = _tf.reduce_max(_tf.concat([a, [0.0]], 0))      # also for empty, dynamic sizes
+    e = _tf.bitwise.bitwise_and(_tf.bitwise.right_shift(_tf.bitcast(peak, _tf.int32), 23), 0xFF) - 127
+    return _tf.where(_tf.math.is_finite(peak), e, 128)
+
+
+def _group(bits):
+    import math
+    lcm = bits * 8 // math.gcd(bits, 8)
+    return lcm // bits, lcm // 8
+
+
+def rangefloat_encode(flat, emax, e, m):
+    bits_w = 1 + e + m
+    g, nb = _group(bits_w)
+    x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
+    n = _tf.size(x)
+    n_groups = (n + g - 1) // g
+    x = _tf.pad(x, [[0, n_groups * g - n]])
+    b = _tf.cast(_tf.bitcast(x, _tf.int32), _tf.int64)
+    sh, band = _tf.bitwise.right_shift, _tf.bitwise.bitwise_and
+    sign, expf, mant = band(sh(b, 31), 1), band(sh(b, 23), 0xFF), band(b, 0x7FFFFF)
+    shift = 23 - m
+    q = sh(mant + (1 << (shift - 1)), shift)
+    carry = sh(q, m)
+    q = band(q, (1 << m) - 1)
+    q = _tf.where((expf == 255) & (mant != 0), _tf.constant((1 << m) - 1, _tf.int64), q)
+    c = _tf.cast(emax, _tf.int64) - (expf - 127 + carry) + 1
+    q = _tf.where(c < 1, _tf.constant((1 << m) - 1, _tf.int64), q)
+    c = _tf.maximum(c, 1)
+    zero = (expf == 0) | (c > (1 << e) - 1)
+    ls = _tf.bitwise.left_shift
+    code = _tf.where(zero, _tf.constant(0, _tf.int64),
+                     _tf.bitwise.bitwise_or(_tf.bitwise.bitwise_or(ls(sign, e + m), ls(c, m)), q))
+    word = _tf.reduce_sum(ls(_tf.reshape(code, [-1, g]),
+                             bits_w * _tf.range(g, dtype=_tf.int64)), axis=1)
+    out = band(sh(word[:, None], 8 * _tf.range(nb, dtype=_tf.int64)), 0xFF)
+    return _tf.cast(_tf.reshape(out, [-1]), _tf.uint8)
+
+
+def rangefloat_decode(data, emax_per_group, e, m):
+    bits_w = 1 + e + m
+    g, nb = _group(bits_w)
+    sh, band, ls = _tf.bitwise.right_shift, _tf.bitwise.bitwise_and, _tf.bitwise.left_shift
+    raw = _tf.cast(_tf.reshape(data, [-1, nb]), _tf.int64)
+    word = _tf.reduce_sum(ls(raw, 8 * _tf.range(nb, dtype=_tf.int64)), axis=1)
+    code = band(sh(word[:, None], bits_w * _tf.range(g, dtype=_tf.int64)), (1 << bits_w) - 1)
+    sign, c, q = band(sh(code, e + m), 1), band(sh(code, m), (1 << e) - 1), band(code, (1 << m) - 1)
+    expf = _tf.cast(emax_per_group, _tf.int64)[:, None] - c + 1 + 127
+    bits = _tf.bitwise.bitwise_or(_tf.bitwise.bitwise_or(ls(sign, 31), ls(expf, 23)), ls(q, 23 - m))
+    bits = _tf.cast(_tf.where(bits >= 2**31, bits - 2**32, bits), _tf.int32)
+    value = _tf.where(c == 0, 0.0, _tf.bitcast(bits, _tf.float32))
+    return _tf.reshape(value, [-1])
+
+
+def rangefloat_decode_ranks(data, emax, counts, e, m):
+    """No rank-by-rank fast path in TensorFlow: the codec's generic decode runs."""
+    return None
+
+
+def _dct_basis(block):
+    import math
+    import numpy as np
+    k = np.arange(block)[:, None]
+    i = np.arange(block)[None, :]
+    d = np.cos(math.pi * (2 * i + 1) * k / (2 * block)) * math.sqrt(2.0 / block)
+    d[0] /= math.sqrt(2.0)
+    return _tf.constant(d.astype(np.float32))
+
+
+# -- block DCT (dct) ---------------------------------------------------------------------
+
+def block_dct(flat, block):
+    x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
+    x = _tf.pad(x, [[0, -numel(flat) % block]])
+    return _tf.reshape(_tf.matmul(_tf.reshape(x, [-1, block]), _dct_basis(block), transpose_b=True), [-1])
+
+
+def block_idct(coefs, block):
+    return _tf.reshape(_tf.matmul(_tf.reshape(_tf.cast(coefs, _tf.float32), [-1, block]),
+                                  _dct_basis(block)), [-1])
+
+
+# -- fixed point and modular int32 (coded SGD, hvd_compress.coded) -----------------------
+
+FIXED_MAX = 2 ** 31 - 1
+
+
+def fixed_encode(t, value_range):
+    x = _tf.cast(_tf.reshape(t, [-1]), _tf.float64)
+    finite = _tf.math.is_finite(x)
+    clipped = _tf.reduce_sum(_tf.cast(finite & (_tf.abs(x) > value_range), _tf.int64))
+    nonfinite = _tf.reduce_sum(_tf.cast(~finite, _tf.int64))
+    x = _tf.where(_tf.math.is_nan(x), _tf.zeros_like(x), x)
+    q = _tf.round(_tf.clip_by_value(x, -value_range, value_range) * (FIXED_MAX / value_range))
+    q = _tf.clip_by_value(q, -FIXED_MAX, FIXED_MAX)
+    return _tf.cast(q, _tf.int32), _tf.stack([clipped, nonfinite])
+
+
+def fixed_decode(q, value_range):
+    return _tf.cast(_tf.cast(q, _tf.float64) * (value_range / FIXED_MAX), _tf.float32)
+
+
+def wrap_int32(x):
+    return _tf.cast(_tf.math.floormod(x + 2 ** 31, 2 ** 32) - 2 ** 31, _tf.int32)
+
+
+def saturate_int32(x):
+    big = _tf.constant(FIXED_MAX, _tf.int64)
+    return (_tf.cast(_tf.clip_by_value(x, -big, big), _tf.int32),
+            _tf.reduce_sum(_tf.cast(_tf.abs(x) > big, _tf.int64)))
+
+
+def pad_to(t, n):
+    m = int(t.shape[0])
+    return t if m == n else _tf.concat([t, _tf.zeros([n - m], t.dtype)], 0)
+
+
+# -- 1-bit codes (signsgd, onebit) -------------------------------------------------------
+
+def onebit_pack(bits):
+    """uint8 words, 8 booleans each (the first in the high bit); padded with 0."""
+    n = numel(bits)
+    padded = pad_to(_tf.cast(_tf.reshape(bits, [-1]), _tf.int32), -(-n // 8) * 8)
+    weights = _tf.constant([128, 64, 32, 16, 8, 4, 2, 1], dtype=_tf.int32)
+    return _tf.cast(_tf.reduce_sum(_tf.reshape(padded, [-1, 8]) * weights, 1), _tf.uint8)
+
+
+def onebit_decode_sum(words, scales, n):
+    """``sum_r (scales[r, 0] where bit else scales[r, 1])`` over the first ``n`` bits of
+    each rank's row of ``words`` (ranks, w) uint8: a table of 256 x 8 values per rank,
+    gathered by byte."""
+    rows = words if len(words.shape) > 1 else _tf.reshape(words, [1, -1])
+    byte = _tf.range(256, dtype=_tf.int32)[:, None]
+    bits = _tf.bitwise.bitwise_and(
+        _tf.bitwise.right_shift(byte, _tf.constant([7, 6, 5, 4, 3, 2, 1, 0])), 1) > 0
+    tables = _tf.where(bits[None], scales[:, 0, None, None], scales[:, 1, None, None])
+    values = _tf.gather(tables, _tf.cast(rows, _tf.int32), batch_dims=1)  # (ranks, w, 8)
+    return _tf.reduce_sum(_tf.reshape(values, [_tf.shape(rows)[0], -1])[:, :n], 0)
+
+
+# -- low-rank products (powersgd) --------------------------------------------------------
+
+def matmul(a, b, transpose_a=False, transpose_b=False):
+    """``a @ b`` with either operand transposed (float32 matrices)."""
+    return _tf.linalg.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+def orthonormal_columns(m):
+    """An orthonormal basis of ``m``'s columns (reduced QR's Q; float32, same shape)."""
+    q, _ = _tf.linalg.qr(_tf.cast(m, _tf.float32), full_matrices=False)
+    return q

@@ -1,0 +1,77 @@
+"""TensorFlow primitives, segments family: buckets, tensors end to end with one result
+per tensor (segment): concat / split, segment ids, per-segment sums, maxima, counts above
+thresholds and compaction, and the choice of the segmented search.
+
+May import: tensorflow, :mod:`.core`.  Never torch or :mod:`hvd_compress.kernels`.
+"""
+import tensorflow as _tf
+
+
+def concat(ts):
+    return _tf.concat([_tf.reshape(t, [-1]) for t in ts], 0)
+
+
+def split(flat, lengths):
+    return _tf.split(flat, list(lengths))
+
+
+def segment_ids(layout, like):
+    lengths = _tf.constant(layout.numels, dtype=_tf.int32)
+    return _tf.repeat(_tf.range(len(layout.numels), dtype=_tf.int32), lengths)
+
+
+def segment_constant(values, dtype, like):
+    return _tf.constant(values, dtype=dtype)
+
+
+def segment_abs_sum_max(flat, layout):
+    a = _tf.abs(_tf.cast(flat, _tf.float32))
+    ids = segment_ids(layout, flat)
+    return _tf.math.segment_sum(a, ids), _tf.math.segment_max(a, ids)
+
+
+def segment_count_above(a, seg, thresholds):
+    above = _tf.cast(a, _tf.float32)[:, None] > _tf.gather(_tf.cast(thresholds, _tf.float32), seg)
+    return _tf.math.unsorted_segment_sum(_tf.cast(above, _tf.int64), seg, _tf.shape(thresholds)[0])
+
+
+def segment_compact_above(flat, thresholds, seg, layout):
+    a = _tf.abs(_tf.cast(flat, _tf.float32))
+    idx = _tf.cast(_tf.reshape(_tf.where(a > _tf.gather(_tf.cast(thresholds, _tf.float32), seg)),
+                               [-1]), _tf.int32)
+    return _tf.gather(flat, idx), idx
+
+
+def segment_sum_int(values, seg, segments):
+    return _tf.math.unsorted_segment_sum(_tf.cast(values, _tf.int64), seg, segments)
+
+
+def rows_max(t):
+    return _tf.reduce_max(t, axis=1)
+
+
+def rows_min(t):
+    return _tf.reduce_min(t, axis=1)
+
+
+def host_all(t):
+    """Python bool when executing eagerly; False (unknown) inside tf.function."""
+    return bool(_tf.reduce_all(t)) if _tf.executing_eagerly() else False
+
+
+def segment_counts(seg, segments):
+    return _tf.math.bincount(seg, minlength=segments, maxlength=segments, dtype=_tf.int64)
+
+
+def stack_cols(ts):
+    return _tf.stack(ts, 1)
+
+
+def split_sizes(t, sizes, n):
+    return _tf.split(t, _tf.cast(sizes, _tf.int64), num=n)
+
+
+def segmented_search(t, exact):
+    """One search for a bucket's tensors (as in PyTorch: exact=1 on the CPU; always
+    inside tf.function, where a Python loop per tensor only adds graph nodes)."""
+    return bool(exact or not _tf.executing_eagerly())
