@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hvd_compress.shaped_link import shaped_link  # noqa: E402
+from hvd_compress.tools.shaped_link import shaped_link  # noqa: E402
 
 LINKS = {"plain": None, "100mbit": "100mbit"}
 

@@ -4,7 +4,7 @@ shaped to 1 Gbit/s and 100 Mbit/s, split into compute / compress / communicate /
 decompress (see benchmarks/step_time_worker.py for what each part holds).  Links
 ``1gbit-2host`` and ``100mbit-2host`` put each worker on its own "host" (a network
 namespace) joined by a full-duplex link of that rate, launched by
-hvd_compress.shaped_link.run_on_hosts instead of horovodrun; a shaped loopback sends both
+hvd_compress.tools.shaped_link.run_on_hosts instead of horovodrun; a shaped loopback sends both
 directions through one bucket, so it is about 2x slower per byte than these.
 
     python benchmarks/step_time.py                     # everything (about 15-25 minutes)
@@ -30,7 +30,7 @@ Every compressor of a (link, model) pair runs in one launch (horovodrun, or the 
 launcher), one after the other on the same processes.  ``horovod`` is Horovod's own
 DistributedOptimizer without compression: the speed users have without this project.
 Shaped links need root (network namespaces with ``tc ... tbf``,
-hvd_compress/shaped_link.py); without it the script says so and measures plain loopback
+hvd_compress/tools/shaped_link.py); without it the script says so and measures plain loopback
 only.  Two workers share this machine's cores
 (one thread each), so absolute times are CPU times; ratios between compressors of the
 same run are the result.  Prints a table per link and writes
@@ -54,7 +54,7 @@ import time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hvd_compress.shaped_link import (check_rate, run_on_hosts, shaped_link,  # noqa: E402
+from hvd_compress.tools.shaped_link import (check_rate, run_on_hosts, shaped_link,  # noqa: E402
                                       two_hosts)
 
 SPECS = ["horovod", "none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
@@ -64,7 +64,7 @@ SPECS = ["horovod", "none", "fp16", "topk:density=0.01", "laplace_topk:density=0
          "powersgd:rank=4", "qsgd", "terngrad", "signsgd", "onebit"]
 MODELS = ["mnist_cnn", "vgg_small", "resnet_small", "cnn_mlp_large"]
 LINKS = {"plain": None, "1gbit": "1gbit", "100mbit": "100mbit"}
-# one worker per host, hosts joined by a full-duplex link (hvd_compress.shaped_link.two_hosts)
+# one worker per host, hosts joined by a full-duplex link (hvd_compress.tools.shaped_link.two_hosts)
 TWO_HOST_LINKS = {"1gbit-2host": "1gbit", "100mbit-2host": "100mbit"}
 # (measured steps, warm-up steps) per link and model: more steps where steps are short,
 # so that every median is of several seconds of training where it can be

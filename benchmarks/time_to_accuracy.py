@@ -6,7 +6,7 @@ PyTorch and TensorFlow, on plain loopback and on loopback shaped to 100 Mbit/s.
 
 Each run is the README's own example (examples/pytorch_mnist.py or
 examples/tensorflow2_mnist.py) under ``horovodrun -np 2 --gloo``, started by this script
-(inside a shaped network namespace for 100mbit: hvd_compress/shaped_link.py, root
+(inside a shaped network namespace for 100mbit: hvd_compress/tools/shaped_link.py, root
 needed).  The examples log, per epoch, the seconds since training started (rank 0, test
 evaluation included: the same 1,000 images for every compressor) and the test accuracy.
 Prints the time to reach ``--target`` per compressor and its speed-up over ``none``, and
@@ -28,7 +28,7 @@ import time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hvd_compress.shaped_link import shaped_link  # noqa: E402
+from hvd_compress.tools.shaped_link import shaped_link  # noqa: E402
 
 SPECS = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
          "laplace_topk:density=0.01,values=rangefloat8", "hylo",

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import HOROVODRUN, ROOT
-from hvd_compress import shaped_link as sl
+from hvd_compress.tools import shaped_link as sl
 
 WORKER = ROOT / "tests" / "workers" / "auto_link_worker.py"
 

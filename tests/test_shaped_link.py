@@ -1,4 +1,4 @@
-"""The shaped-link helper (hvd_compress/shaped_link.py): a network namespace whose
+"""The shaped-link helper (hvd_compress/tools/shaped_link.py): a network namespace whose
 loopback runs through tc's token bucket, always removed; a real 2-worker horovodrun job
 inside it completes, and is slowed to the rate; two hosts (a namespace each, a
 full-duplex shaped veth link) are set up and always removed, and a real Horovod job
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import HOROVODRUN, ROOT
-from hvd_compress import shaped_link as sl
+from hvd_compress.tools import shaped_link as sl
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
                                 reason="shaped links need root and tc (iproute2)")
@@ -40,7 +40,7 @@ def test_plain_loopback_needs_nothing():
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv to drop root")
 @pytest.mark.parametrize("mode", [[], ["--hosts", "2"]], ids=["loopback", "two_hosts"])
 def test_refuses_clearly_without_root(mode):
-    cmd = [sys.executable, "-m", "hvd_compress.shaped_link", "--rate", "1gbit", *mode,
+    cmd = [sys.executable, "-m", "hvd_compress.tools.shaped_link", "--rate", "1gbit", *mode,
            "--", "true"]
     if os.geteuid() == 0:
         cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + cmd

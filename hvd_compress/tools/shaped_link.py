@@ -4,10 +4,10 @@
 **Shaped loopback** (``shaped_link``): one namespace whose loopback runs at RATE; run
 ``horovodrun`` inside it::
 
-    sudo python -m hvd_compress.shaped_link --rate 1gbit -- \\
+    sudo python -m hvd_compress.tools.shaped_link --rate 1gbit -- \\
         horovodrun -np 2 -H localhost:2 --gloo python train.py
 
-    from hvd_compress.shaped_link import shaped_link
+    from hvd_compress.tools.shaped_link import shaped_link
     with shaped_link("100mbit") as prefix:          # ["ip", "netns", "exec", NAME]
         subprocess.run(prefix + ["horovodrun", ...], check=True)
 
@@ -16,9 +16,9 @@
 worker per host, as ``horovodrun --gloo -H host0:1,host1:1`` would over ssh.  The
 launcher *replaces* horovodrun: give it the training command itself::
 
-    sudo python -m hvd_compress.shaped_link --rate 1gbit --hosts 2 -- python train.py
+    sudo python -m hvd_compress.tools.shaped_link --rate 1gbit --hosts 2 -- python train.py
 
-    from hvd_compress.shaped_link import run_two_hosts
+    from hvd_compress.tools.shaped_link import run_two_hosts
     rc = run_two_hosts(["python", "train.py"], "1gbit", np=2, timeout=600)
 
 Why two modes.  A loopback is one device: both directions of every connection go
@@ -196,7 +196,7 @@ class Hosts:
 def _hosts_file(own, hostname):
     """/etc/hosts of one host: the machine's hostname is this host's own address."""
     mine = f"{own}\t{hostname}\n" if hostname and hostname != "localhost" else ""
-    return ("# written by hvd_compress.shaped_link.two_hosts for this namespace\n"
+    return ("# written by hvd_compress.tools.shaped_link.two_hosts for this namespace\n"
             + mine +
             "127.0.0.1\tlocalhost\n"
             "::1\tlocalhost ip6-localhost ip6-loopback\n")
@@ -436,7 +436,7 @@ def run_two_hosts(argv, rate, np=2, timeout=None, **kwargs):
 
 def main(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m hvd_compress.shaped_link",
+        prog="python -m hvd_compress.tools.shaped_link",
         description="Run a command on a link shaped to RATE (network namespaces + tc tbf); "
                     "everything is removed afterwards. Needs root. Without --hosts: one "
                     "namespace whose loopback is shaped (both directions share the bucket); "
