@@ -1,17 +1,21 @@
 # make demo  - set up if needed, then run the main job (2-worker MNIST with top-k compression)
-# make test  - set up if needed, then run the whole test suite
+# make test  - set up if needed, then run the whole test suite (what CI runs)
+# make test-fast - set up if needed, then only the in-process tests (tests/unit, a few minutes)
 # make setup - create .venv with torch, TensorFlow, Triton and Horovod (built from source)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test demo demo-tf demo-keras demo-ddp demo-cssgd bench clean gpu-test
+.PHONY: setup test test-fast demo demo-tf demo-keras demo-ddp demo-cssgd bench clean gpu-test
 
 setup:
 	@bash ci/setup.sh
 
 test: setup
 	$(PY) -m pytest -ra tests
+
+test-fast: setup
+	$(PY) -m pytest -ra tests/unit tests/test_auto.py
 
 demo: setup
 	$(HVDRUN) $(PY) examples/pytorch_mnist.py --compression topk:density=0.01

@@ -3,7 +3,7 @@
 #
 #   1. preflight  versions, device; hvd_compress and its kernels import with no Horovod/TF
 #   2. tests      tests/gpu (every kernel and compressor on CUDA, sync counts) and
-#                 tests/test_kernels.py, tests/test_buckets.py (on CUDA tensors when there
+#                 tests/unit/test_kernels.py, tests/unit/test_buckets.py (on CUDA tensors when there
 #                 is a GPU)
 #   3. benchmarks select.py on CUDA (1M-100M, laplace_topk vs torch.topk), codecs and DCT,
 #                 compress+decompress per step of examples/models.py; where each
@@ -127,7 +127,7 @@ HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/de
 # 2. tests (no CUDA: the GPU tests are collected and skipped, and counted as skipped)
 export HVD_COMPRESS_GPU_RECORD=$RESULTS/.records.json
 TESTS=(tests/gpu)
-[ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/test_kernels.py tests/test_buckets.py)
+[ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py)
 run_step tests 240 "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
   --junitxml="$RESULTS/tests.xml" "${TESTS[@]}"
 

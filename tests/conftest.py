@@ -1,5 +1,6 @@
-"""Shared helpers: launch real ``horovodrun -np 2 --gloo`` jobs and load what each rank wrote."""
-import math
+"""Shared fixtures: the session-wide horovodrun jobs whose results many integration tests
+read, and the GPU tests' records.  Launch helpers are in ``launch.py``, independent
+references in ``reference.py`` (import those, not this module)."""
 import os
 
 import torch
@@ -15,31 +16,9 @@ try:
     import triton  # noqa: F401,E402
 except ImportError:
     pass
-import subprocess
-import sys
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-HOROVODRUN = Path(sys.executable).parent / "horovodrun"
-
-
-def horovodrun(args, out_dir, timeout=600, env=None, np_=2):
-    """Run ``horovodrun -np 2 -H localhost:2 --gloo python <args>``; return (rc, output)."""
-    full_env = dict(os.environ, OUT_DIR=str(out_dir), PYTHONUNBUFFERED="1",
-                    OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-           sys.executable, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def load_ranks(out_dir, prefix, n=2):
-    return [dict(np.load(Path(out_dir) / f"{prefix}_rank{r}.npz", allow_pickle=False))
-            for r in range(n)]
+from launch import HOROVODRUN, ROOT, horovodrun, load_ranks  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -74,108 +53,6 @@ def agg3_jobs(tmp_path_factory):
                              env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
         assert rc == 0, log[-6000:]
     return out
-
-
-# --- independent references (numpy; torch only to round to bfloat16) ---------------------
-
-def topk_mask(g, density):
-    """The k largest |g| (k = ceil(density n)), ties broken by lowest index."""
-    flat = g.reshape(-1)
-    k = max(1, min(flat.size, math.ceil(density * flat.size)))
-    mask = np.zeros(flat.size, bool)
-    mask[np.argsort(-np.abs(flat), kind="stable")[:k]] = True
-    return mask.reshape(g.shape)
-
-
-def to_bf16(g):
-    import torch
-    return torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).bfloat16().float().numpy()
-
-
-def rangefloat_reference(x, bits, e=None):
-    """Range-based float quantization in numpy (frexp arithmetic, not bit tricks)."""
-    e = e or {4: 2, 6: 3, 8: 4, 12: 5, 16: 5}[bits]
-    m = bits - 1 - e
-    x = np.asarray(x, np.float64)
-    a = np.abs(x)
-    if not a.size or a.max() == 0:
-        return np.zeros_like(x, np.float32)
-    big = np.frexp(a.max())[1] - 1                       # exponent of max|x|
-    mant, ex = np.frexp(a)                               # a = mant 2^ex, mant in [0.5, 1)
-    ex = ex - 1                                          # a = (2 mant) 2^ex
-    q = np.floor((2 * mant - 1) * 2**m + 0.5)            # round half up
-    ex, q = np.where(q == 2**m, ex + 1, ex), np.where(q == 2**m, 0, q)
-    over = ex > big
-    ex, q = np.where(over, big, ex), np.where(over, 2**m - 1, q)
-    value = (1 + q / 2**m) * np.exp2(ex.astype(np.float64))
-    value = np.where((a == 0) | (ex < big - 2**e + 2) | (a < 2.0**-126), 0, value)
-    return (np.sign(x) * value).astype(np.float32)
-
-
-def powersgd_reference(grads, rank, name, seed=0, min_compression_rate=2):
-    """The sum over ranks after PowerSGD's first step, from scratch in numpy:
-    ``P^ = orth(sum_w M_w Q0)``, ``out = P^ P^T sum_w M_w`` (vectors and matrices too
-    small to shrink: the plain sum)."""
-    import zlib
-    total = sum(g.astype(np.float64) for g in grads)
-    if grads[0].ndim < 2:
-        return total
-    rows, cols = grads[0].shape[0], grads[0].size // grads[0].shape[0]
-    r = min(rank, rows, cols)
-    if not (rows + cols) * r * min_compression_rate < rows * cols:
-        return total
-    q0 = np.random.RandomState(zlib.crc32(f"{seed}/{name}".encode())).standard_normal(
-        (cols, r)).astype(np.float32)
-    p, _ = np.linalg.qr(sum(g.reshape(rows, cols).astype(np.float64) @ q0 for g in grads))
-    return (p @ p.T @ total.reshape(rows, cols)).reshape(grads[0].shape)
-
-
-def reference_contribution(spec, g):
-    """What one rank's gradient ``g`` contributes to the sum, computed without hvd_compress."""
-    name, _, params = spec.partition(":")
-    kv = dict(p.split("=") for p in params.split(",") if p)
-    if kv.get("values", "float").startswith("rangefloat"):     # sparsifier's value codec
-        plain = reference_contribution(spec.replace(f",values={kv['values']}", ""), g)
-        kept = plain != 0
-        out = np.zeros_like(plain)
-        out[kept] = rangefloat_reference(plain[kept], int(kv["values"][10:]))
-        return out
-    if name == "none":
-        return g
-    if name == "fp16":
-        return g.astype(np.float16).astype(np.float32)
-    if name == "bf16":
-        return to_bf16(g)
-    if name == "laplace_topk":
-        assert kv.get("exact") == "1", "only exact=1 has a unique reference"
-        return np.where(topk_mask(g, float(kv["density"])), g, 0)
-    if name == "rangefloat":
-        return rangefloat_reference(g, int(kv.get("bits", 8)))
-    if name == "twobit":                   # adaptive threshold t = mean|g|, first step
-        t = float(kv["threshold"]) if "threshold" in kv else np.abs(g).astype(np.float64).mean()
-        t = np.float32(t)
-        return np.where(g >= t, t, np.where(g <= -t, -t, 0)).astype(np.float32)
-    if name == "kernel_select":            # torch layout (out, in, *k) unless layout=keras
-        keras = kv.get("layout") == "keras"
-        ksize = int(np.prod(g.shape[:-2] if keras else g.shape[2:]))
-        rows = g.reshape(ksize, -1).T if keras else g.reshape(-1, ksize)
-        m = max(1, math.ceil(float(kv["fraction"]) * rows.shape[0]))
-        keep = np.argsort(-np.linalg.norm(rows, axis=1), kind="stable")[:m]
-        out = np.zeros_like(rows)
-        out[keep] = rows[keep]
-        return (out.T.reshape(g.shape) if keras else out.reshape(g.shape))
-    if name == "signsgd":                  # first step: (||g||_1 / d) sign(g)
-        a = np.abs(g.astype(np.float64)).sum() / g.size
-        return np.where(g >= 0, a, -a).astype(np.float32)
-    if name == "onebit":                   # first step: each side's mean
-        pos, neg = g[g >= 0].astype(np.float64), g[g < 0].astype(np.float64)
-        return np.where(g >= 0, pos.mean() if pos.size else 0.0,
-                        neg.mean() if neg.size else 0.0).astype(np.float32)
-    if name == "topk":
-        return np.where(topk_mask(g, float(kv["density"])), g, 0)
-    if name == "threshold":
-        return np.where(np.abs(g) > float(kv["threshold"]), g, 0)
-    raise KeyError(name)
 
 
 # --- GPU tests (tests/gpu/, `make gpu-test`, ci/gpu.sh) --------------------------------

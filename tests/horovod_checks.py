@@ -7,7 +7,8 @@ import numpy as np
 from cases import (AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, AUTO_STEPS,  # noqa: F401
                    BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS, BUCKET_TOL_SPECS,
                    POLICY, SHAPES, SPECS)                      # (re-exported for the tests)
-from conftest import ROOT, horovodrun, powersgd_reference, reference_contribution, topk_mask
+from launch import ROOT, horovodrun
+from reference import powersgd_reference, reference_contribution, topk_mask
 TOL = {"fp16": 2e-3, "bf16": 1e-6}
 
 

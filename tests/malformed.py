@@ -1,5 +1,5 @@
 """Malformed aggregated payloads for every compressor (no test here: the generator and
-the check that tests/test_malformed_payloads.py runs under hypothesis, and
+the check that tests/unit/test_malformed_payloads.py runs under hypothesis, and
 benchmarks/fuzz_payloads.py runs longer, printing counts)."""
 import collections
 import random

@@ -4,7 +4,7 @@ For each (redundancy, exchange) case every rank takes one step on the same globa
 mini-batch and writes: the exchanged gradient, every part's plain float32 gradient
 (computed here with the framework's autograd, not by hvd_compress), the full-batch
 gradient and the byte counters.  Then the failure cases: ranks that disagree on the
-redundancy or the batch size, a NaN on one rank, clipping.  tests/test_coded.py checks.
+redundancy or the batch size, a NaN on one rank, clipping.  tests/unit/test_coded.py and tests/integration/test_coded_horovod.py checks.
 With STATIC_SETS=1 the process sets are passed to hvd.init instead of added later.
 """
 import os

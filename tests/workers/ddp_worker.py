@@ -1,6 +1,6 @@
 """Runs under ``torchrun --nproc_per_node 2`` (Gloo, CPU): hvd_compress.ddp inside real
 PyTorch DDP, scenarios named on the command line.  Each rank writes what it saw to
-``$OUT_DIR/ddp_<scenario>_rank<r>.npz``; tests/test_ddp.py computes the expected
+``$OUT_DIR/ddp_<scenario>_rank<r>.npz``; tests/integration/test_ddp.py computes the expected
 aggregates from both ranks' files.  No Horovod.
 
 ``DDP_WORKER_DEVICE=cuda`` (default cpu) and ``DDP_WORKER_BACKEND=nccl`` (default gloo)

@@ -1,4 +1,4 @@
-"""Elastic Horovod with hvd_compress in a TensorFlow custom loop (tests/test_elastic.py).
+"""Elastic Horovod with hvd_compress in a TensorFlow custom loop (tests/integration/test_elastic.py).
 
 ``elastic SPEC``: rank 1 removes its host and dies at step DIE; rank 0 restores the
 commit (``hvd_compress.tensorflow.ElasticState``) and finishes.  ``reference SPEC FILE``:

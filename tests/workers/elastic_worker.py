@@ -1,4 +1,4 @@
-"""Elastic Horovod with hvd_compress (tests/test_elastic.py runs it).
+"""Elastic Horovod with hvd_compress (tests/integration/test_elastic.py runs it).
 
 ``elastic SPEC``: under ``horovodrun --host-discovery-script`` with 2 workers; rank 1
 removes its host from ``$HOSTS_FILE`` and dies at step DIE; rank 0 resets and finishes.

@@ -1,6 +1,6 @@
 """Runs under ``horovodrun -np 2 --gloo``: Keras 3 ``model.fit`` with
 ``hvd_compress.keras``, scenarios named on the command line.  Each rank writes
-``$OUT_DIR/keras_<scenario>_rank<r>.npz``; tests/test_keras.py computes the expected
+``$OUT_DIR/keras_<scenario>_rank<r>.npz``; tests/integration/test_keras.py computes the expected
 values from what both ranks wrote.
 """
 import os

@@ -1,5 +1,5 @@
 """Allreduce 2.5 MB a few times and write how long it took (rank 0): run inside a
-shaped namespace by tests/test_shaped_link.py."""
+shaped namespace by tests/integration/test_shaped_link.py."""
 import json
 import os
 import sys

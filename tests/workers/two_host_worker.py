@@ -1,5 +1,5 @@
 """One worker of a job across the two hosts of hvd_compress.tools.shaped_link.two_hosts
-(tests/test_shaped_link.py): allreduces, a broadcast, an allgather and a job on a
+(tests/integration/test_shaped_link.py): allreduces, a broadcast, an allgather and a job on a
 process set; each rank writes what it saw to ``<out dir>/two_host_rank<r>.json``."""
 import json
 import os

@@ -4,7 +4,7 @@ Every function works eagerly and inside ``tf.function`` (no Python branching on
 tensor values; :func:`cond` is ``tf.cond``).
 
 One module per family, the same families (and the same names) as
-:mod:`hvd_compress.ops.torch_ops`: one contract, checked by ``tests/test_ops_contract.py``.
+:mod:`hvd_compress.ops.torch_ops`: one contract, checked by ``tests/unit/test_ops_contract.py``.
 
 ============  ==========================================================================
 ``core``      dtypes, shapes, index ranges and seeded draws, gather / scatter, casts,

@@ -4,7 +4,7 @@ On CUDA tensors the hot primitives may dispatch to Triton kernels from
 :mod:`hvd_compress.kernels`; everywhere else they are plain torch.
 
 One module per family, the same families (and the same names) as
-:mod:`hvd_compress.ops.tf_ops`: one contract, checked by ``tests/test_ops_contract.py``.
+:mod:`hvd_compress.ops.tf_ops`: one contract, checked by ``tests/unit/test_ops_contract.py``.
 
 ============  ==========================================================================
 ``core``      dtypes, shapes, index ranges and seeded draws, gather / scatter, casts,

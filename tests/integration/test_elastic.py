@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import HOROVODRUN, ROOT
+from launch import HOROVODRUN, ROOT
 from hvd_compress.memory import residual_norm
 
 WORKER = ROOT / "tests" / "workers" / "elastic_worker.py"

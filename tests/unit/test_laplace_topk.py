@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import hvd_compress
-from conftest import ROOT, topk_mask
+from launch import ROOT
+from reference import topk_mask
 
 N = 200_000
 

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from conftest import ROOT, horovodrun, load_ranks, reference_contribution
+from launch import ROOT, horovodrun, load_ranks
+from reference import reference_contribution
 
 WORKER = ROOT / "tests/workers/keras_worker.py"
 AGG_SPECS = ["topk:density=0.05", "twobit", "none"]      # as in the worker

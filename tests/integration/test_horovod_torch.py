@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import load_ranks
+from launch import load_ranks
 from horovod_checks import (mismatch_job, AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
                             check_agg_average_and_process_set, BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
                             check_bucket_equals_tensorwise, check_bucket_mismatch_fails_clearly,

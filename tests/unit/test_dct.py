@@ -10,7 +10,8 @@ import hvd_compress
 from hvd_compress.compressors.rangefloat import SPLITS, RangeFloatCodec
 from hvd_compress.kernels import dct as dct_kernels
 from hvd_compress.kernels import rangefloat as rf
-from conftest import ROOT, rangefloat_reference
+from launch import ROOT
+from reference import rangefloat_reference
 
 REAL = np.load(ROOT / "benchmarks/data/real_gradients.npz")["cnn_step100"]
 

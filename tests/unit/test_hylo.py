@@ -6,7 +6,7 @@ import torch
 import hvd_compress
 from hvd_compress.compressors.kernel_select import adaptive_fraction
 from hvd_compress.kernels import twobit as twobit_kernels
-from conftest import reference_contribution
+from reference import reference_contribution
 
 
 def grad(seed, shape):

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from cases import AUTO_STEPS, BUCKET_SHAPES
-from conftest import ROOT, reference_contribution, topk_mask
+from launch import ROOT
+from reference import reference_contribution, topk_mask
 from horovod_checks import _auto_reference, _bits, agg_reference
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import HOROVODRUN, ROOT
+from launch import HOROVODRUN, ROOT
 from hvd_compress.tools import shaped_link as sl
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, horovodrun
+from launch import ROOT, horovodrun
 
 sys.path.insert(0, str(ROOT / "examples"))
 from mnist_common import show_progress  # noqa: E402

@@ -3,7 +3,7 @@ CPU under TRITON_INTERPRET=1, on CUDA tensors when there is a GPU) and against b
 force loops over the tensors; the TensorFlow versions against the torch ones; the bucket
 plan; and compress_bucket == compress tensor by tensor for every segmented compressor,
 two simulated ranks, several steps of error feedback.  (Through real horovodrun:
-tests/test_horovod_torch.py and tests/test_horovod_tensorflow.py.)"""
+tests/integration/test_horovod_torch.py and tests/integration/test_horovod_tensorflow.py.)"""
 import numpy as np
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """``auto`` on a real link (horovodrun -np 2): inside a namespace shaped to 100 Mbit/s
 it chooses a sparsifier for the large bucket; on plain loopback none or fp16 for every
-bucket.  The shaped case needs root (tc), like tests/test_shaped_link.py."""
+bucket.  The shaped case needs root (tc), like tests/integration/test_shaped_link.py."""
 import json
 import re
 import os
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import HOROVODRUN, ROOT
+from launch import HOROVODRUN, ROOT
 from hvd_compress.tools import shaped_link as sl
 
 WORKER = ROOT / "tests" / "workers" / "auto_link_worker.py"

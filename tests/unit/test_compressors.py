@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hvd_compress
-from conftest import reference_contribution
+from reference import reference_contribution
 
 ALL_SPECS = ["none", "fp16", "bf16", "topk:density=0.1", "randomk:density=0.1",
              "laplace_topk:density=0.1,exact=1",

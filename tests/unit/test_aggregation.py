@@ -1,7 +1,7 @@
 """Aggregation-aware selection (agg=union/leader/hint) in one process: the two-round
 protocol with the collectives done by ``aggregation.in_process`` (concatenation and
 sum), checked against the numpy reference of tests/horovod_checks.py.  The same calls
-over real Horovod: tests/test_horovod_torch.py and tests/test_horovod_tensorflow.py."""
+over real Horovod: tests/integration/test_horovod_torch.py and tests/integration/test_horovod_tensorflow.py."""
 import numpy as np
 import pytest
 import torch

@@ -1,0 +1,26 @@
+"""Launch real ``horovodrun -np 2 --gloo`` jobs and load what each rank wrote."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+
+
+def horovodrun(args, out_dir, timeout=600, env=None, np_=2):
+    """Run ``horovodrun -np 2 -H localhost:2 --gloo python <args>``; return (rc, output)."""
+    full_env = dict(os.environ, OUT_DIR=str(out_dir), PYTHONUNBUFFERED="1",
+                    OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+           sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def load_ranks(out_dir, prefix, n=2):
+    return [dict(np.load(Path(out_dir) / f"{prefix}_rank{r}.npz", allow_pickle=False))
+            for r in range(n)]
