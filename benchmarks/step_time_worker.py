@@ -108,7 +108,8 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
                                        compression=build_compression(spec, model),
                                        bucket_mb=float(mb) if mb else None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    auto = getattr(opt, "_auto", None)    # auto: the warm-up lasts until its first decision
+    # auto: the warm-up lasts until its first decision
+    auto = getattr(getattr(opt, "_driver", None), "auto", None)
     gen = torch.Generator().manual_seed(hvd.rank())
     if shape[0] == "tokens":
         x = torch.randint(0, 5000, (batch, shape[1]), generator=gen)

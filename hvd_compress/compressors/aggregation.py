@@ -226,46 +226,28 @@ def _record_hint(sp, rnd, mags):
 
 def in_process(compressors, tensors, name):
     """One exchange of ``P`` ranks simulated in one process (no Horovod): rank ``r`` is
-    ``compressors[r]`` with gradient ``tensors[r]``; the allgather is the concatenation
-    in rank order and the allreduce a sum over ranks (any two-round exchange, PowerSGD's
-    too).  ``agg=local`` compressors
-    exchange their pairs as the glue does.  Returns ``(outputs per rank, info)`` with
+    ``compressors[r]`` with gradient ``tensors[r]``, run by the exchange protocol the
+    glue runs (:func:`hvd_compress.exchange.in_process.run`: the allgather is the
+    concatenation in rank order and the allreduce a sum over ranks; any two-round
+    exchange, PowerSGD's too).  Returns ``(outputs per rank, info)`` with
     ``info = {"union", "k", "proposed"}`` (``union``: distinct indices in the aggregate).
-    Used by benchmarks/aggregation.py and the tests; the glue layers run the same calls
-    over Horovod."""
+    Used by benchmarks/aggregation.py and the tests."""
+    from ..exchange.in_process import World, run
     from ..ops import ops_for
     ops = ops_for(tensors[0])
-    size = len(compressors)
-    c0 = compressors[0]
+    world = World(len(compressors), ops)
+    exchanges = run(compressors, tensors, name, world)
+    outs = [e.result for e in exchanges]
+    c0, first = compressors[0], exchanges[0]
+    if c0.collective == "allreduce":
+        return outs, {"union": None, "k": None, "proposed": None}
+    proposed = [ops.length(e.payload[-1] if isinstance(e.payload, tuple) else e.payload)
+                for e in exchanges]
     if c0.collective != "two_round":
-        payloads = [c.compress(t, name) for c, t in zip(compressors, tensors)]
-        if c0.collective == "allreduce":
-            outs = [c.decompress(_sum([p for p, _ in payloads]), ctx)
-                    for c, (_, ctx) in zip(compressors, payloads)]
-            return outs, {"union": None, "k": None, "proposed": None}
-        parts = len(payloads[0][0])
-        gathered = tuple(ops.concat([p[i] for p, _ in payloads]) for i in range(parts))
-        outs = [c.decompress(gathered, ctx) for c, (_, ctx) in zip(compressors, payloads)]
-        k = c0.k(c0.domain_ctx(payloads[0][1]).numel) if hasattr(c0, "domain_ctx") else None
-        proposed = [ops.length(p[-1]) for p, _ in payloads]
+        gathered = world.concat([e.payload for e in exchanges])
+        k = c0.k(c0.domain_ctx(first.state).numel) if hasattr(c0, "domain_ctx") else None
         union = ops.length(ops.unique_sorted(gathered[-1]))
         return outs, {"union": union, "k": k, "proposed": proposed}
-    rounds = [c.propose(t, name, r, size) for r, (c, t) in enumerate(zip(compressors, tensors))]
-    if c0.rounds[0][0] == "allgather":
-        gathered = ops.concat([idx for idx, _ in rounds])
-    else:
-        gathered = _sum([msg for msg, _ in rounds])
-    agreed = [c.agree(gathered, rnd) for c, (_, rnd) in zip(compressors, rounds)]
-    outs = [c.finish(_sum([values for values, _ in agreed]), rnd)
-            for c, (_, rnd) in zip(compressors, agreed)]
-    union = getattr(agreed[0][1], "union", None)
+    union = getattr(first.state, "union", None)
     return outs, {"union": None if union is None else ops.length(union),
-                  "k": getattr(rounds[0][1], "k", None),
-                  "proposed": [ops.length(msg) for msg, _ in rounds]}
-
-
-def _sum(tensors):
-    out = tensors[0]
-    for t in tensors[1:]:
-        out = out + t
-    return out
+                  "k": getattr(first.state, "k", None), "proposed": proposed}

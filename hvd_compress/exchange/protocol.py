@@ -155,6 +155,9 @@ class Exchange:
         self.sent = self.received = self.received_local = self.union = self.k = 0
         self.compress_s = self.wait_s = self.decompress_s = 0.0
         self.result, self.done, self.pending = None, False, None
+        #: what this rank sent first (the payload, or round 1's message) and the
+        #: compressor's state for decompressing (the Ctx, or the two rounds' state)
+        self.payload = self.state = None
         #: ``auto``: (the Auto, candidate index, bucket key) that chose the compressor
         self.auto = None
         self._gen = self._steps()
@@ -195,6 +198,7 @@ class Exchange:
                 msg1, rnd = c.propose_bucket(self.flat, self.layout, t.rank, t.size)
             else:
                 msg1, rnd = c.propose(self.tensor, self.name, t.rank, t.size)
+            self.payload, self.state = msg1, rnd
             (kind, suffix1), (_, suffix2) = c.rounds
             if kind == "allgather":
                 (agg1,), sent1, received1 = yield from _collective(
@@ -203,6 +207,7 @@ class Exchange:
                 agg1, sent1, received1 = yield from _collective(
                     t.allreduce(msg1, f"{wire}.{suffix1}"))
             msg2, rnd = c.agree(agg1, rnd)
+            self.state = rnd
             agg2, sent2, received2 = yield from _collective(t.allreduce(msg2, f"{wire}.{suffix2}"))
             out = c.finish(agg2, rnd)
             _, _, self.received_local, self.union, self.k = c.traffic(msg1, agg1, msg2, rnd,
@@ -213,6 +218,7 @@ class Exchange:
                 payload, ctx = c.compress_bucket(self.flat, self.layout)
             else:
                 payload, ctx = c.compress(self.tensor, self.name)
+            self.payload, self.state = payload, ctx
             if c.collective == "allreduce":
                 agg, self.sent, self.received = yield from _collective(
                     t.allreduce(payload, wire, inplace_of=self.tensor if self.inplace else None))
