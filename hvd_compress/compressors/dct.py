@@ -11,13 +11,14 @@ DCT spreads it (see benchmarks/dct.py for where it wins).  Error feedback works 
 gradient domain: the residual is the compensated gradient minus exactly ``g_hat``, what
 the receivers reconstruct (quantization of the values included).
 """
-from ..kernels.dct import BLOCKS  # noqa: F401  (valid block sizes, re-exported)
 from .base import register
 from .laplace import LaplaceTopK
 from .sparse import DensitySparsifier
 
 
 def check_dct_block(block):
+    """``block`` as an int, if the block DCT kernels take it (ValueError otherwise)."""
+    from ..kernels.dct import BLOCKS     # imported here: the kernels import torch
     try:
         value = int(block)
     except (TypeError, ValueError):

@@ -92,3 +92,16 @@ def test_ops_for_imports_frameworks_lazily():
             "    raise AssertionError('ops_for(list) did not raise TypeError')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_import_hvd_compress_and_the_ddp_glue_import_no_framework_they_do_not_need():
+    """``import hvd_compress`` imports neither torch, TensorFlow nor Horovod (each is
+    imported when a tensor of its framework is first seen); the DDP hook needs no Horovod."""
+    import subprocess
+    import sys
+    code = ("import sys, hvd_compress\n"
+            "print(sorted(m for m in ('torch', 'tensorflow', 'horovod', 'keras') if m in sys.modules))\n"
+            "import hvd_compress.ddp\n"
+            "print('horovod' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "False"], out.stdout
