@@ -15,7 +15,7 @@ test: setup
 	$(PY) -m pytest -ra tests
 
 test-fast: setup
-	$(PY) -m pytest -ra tests/unit tests/test_auto.py
+	$(PY) -m pytest -ra tests/unit
 
 demo: setup
 	$(HVDRUN) $(PY) examples/pytorch_mnist.py --compression topk:density=0.01

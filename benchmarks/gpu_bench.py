@@ -121,7 +121,7 @@ def preflight(args):
                     "hvd_compress.kernels.threshold_count", "hvd_compress.kernels.compact",
                     "hvd_compress.kernels.twobit", "hvd_compress.kernels.rangefloat",
                     "hvd_compress.kernels.dct", "hvd_compress.ops.torch_ops",
-                    "hvd_compress.compressors", "hvd_compress.policy"):
+                    "hvd_compress.compressors", "hvd_compress.strategies.policy"):
             importlib.import_module(mod)
         out["hvd_compress"] = hvd_compress.__version__
         out["kernels_path"] = str(Path(sys.modules["hvd_compress.kernels"].__file__).parent)

@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 from .compressors import (BF16, DGC, FP16, REGISTRY, Compressor, Ctx, GaussianK,  # noqa: F401
                           LaplaceTopK, NoneCompressor, RandomK, SIDCoExp, Threshold, TopK)
 from .compressors import DCTSparse, KernelSelect, RangeFloat, TwoBit  # noqa: F401
-from .policy import Hylo, Policy  # noqa: F401
-from .auto import Auto  # noqa: F401
+from .strategies.policy import Hylo, Policy  # noqa: F401
+from .strategies.auto import Auto  # noqa: F401
 from .spec import ENV_VAR, from_env, from_spec  # noqa: F401
 
 __all__ = ["Compressor", "Ctx", "NoneCompressor", "FP16", "BF16", "TopK", "RandomK",

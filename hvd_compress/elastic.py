@@ -10,6 +10,7 @@
 """
 import copy
 
+from .log import info_rank0
 from .memory import lost_residual_norm, residual_norm
 
 COUNTER_PREFIXES = ("step/", "agg/")    #: state keys that must agree between ranks
@@ -60,10 +61,10 @@ class CompressionCommit:
         if self._restored and self._norms:
             lost = lost_residual_norm(self._norms, here)
             self.lost_residual_norm += lost
-            if self._hvd.rank() == 0 and lost:
+            if lost:
                 gone = len(self._norms) - len([r for r in here if r is not None])
-                print(f"hvd_compress: {gone} worker(s) lost; the gradient they had not sent "
-                      "yet (their error-feedback residuals at the last commit) had L2 norm "
-                      f"{lost:.6g}", flush=True)
+                info_rank0(self._hvd.rank(), f"hvd_compress: {gone} worker(s) lost; the "
+                           "gradient they had not sent yet (their error-feedback residuals "
+                           f"at the last commit) had L2 norm {lost:.6g}")
         self._restored = False
         return lost

@@ -20,8 +20,8 @@ parameters go uncompressed.
 import fnmatch
 import sys
 
-from .compressors.base import Compressor
-from .spec import from_spec
+from ..compressors.base import Compressor
+from ..spec import from_spec
 
 
 class Policy(Compressor):

@@ -1,6 +1,7 @@
 """``auto`` in one process: the step model and the decision on synthetic timings, the
 spec, the calibration / check schedule driven with made-up timings, residuals across a
 switch and checkpoints.  (Through horovodrun: test_horovod_torch.py / _tensorflow.py.)"""
+import logging
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 import hvd_compress
 from hvd_compress import buckets
-from hvd_compress.auto import Auto, BucketCost, decide, fit_link, predict
+from hvd_compress.strategies.auto import Auto, BucketCost, decide, fit_link, predict
 from hvd_compress.ops import torch_ops
 
 MS = 1e-3
@@ -206,11 +207,12 @@ def test_decision_is_rank_zeros():
     assert auto.choice == {"b": 1}
 
 
-def test_verbose_prints_the_decision_table(capsys):
+def test_verbose_logs_the_decision_table(caplog):
     auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=0)
-    for _ in range(2):
-        drive(auto, FakeComm(), {"b": [(0.0, 0.5, 0.0), (0.01, 0.001, 0.001)]})
-    out = capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="hvd_compress"):
+        for _ in range(2):
+            drive(auto, FakeComm(), {"b": [(0.0, 0.5, 0.0), (0.01, 0.001, 0.001)]})
+    out = "\n".join(r.getMessage() for r in caplog.records if r.name == "hvd_compress")
     assert "hvd_compress auto" in out and "topk:density=0.01" in out and "predicted step" in out
 
 
@@ -413,3 +415,19 @@ def test_nothing_to_send_decides_nothing_without_collectives_of_size_zero():
         drive(auto, comm, {})
     assert auto.phase == "run" and auto.choice == {}
     assert "auto.decision" not in [c[0] for c in comm.calls]
+
+
+def test_without_logging_configured_the_table_reaches_stdout_on_rank_0_only():
+    """A worker under horovodrun configures no logging: rank 0's table is on stdout as a
+    plain line, rank 1 logs nothing; with a root handler the record propagates instead."""
+    import subprocess
+    import sys
+    code = ("import logging, sys\n"
+            "from hvd_compress.log import info_rank0\n"
+            "info_rank0(0, 'hvd_compress auto at step 20 (calibration)')\n"
+            "info_rank0(1, 'from rank 1')\n"
+            "logging.basicConfig(stream=sys.stderr, format='root: %(message)s')\n"
+            "info_rank0(0, 'configured')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == "hvd_compress auto at step 20 (calibration)\n"
+    assert out.stderr.strip().endswith("root: configured")

@@ -1,15 +1,7 @@
-"""``auto``: the compressor of each bucket chosen from measured compute, codec and link
-speed, so that turning compression on never makes a step slower than not compressing.
-
-Whether compression pays depends on the link, the model and the device: on a fast link
-the codec costs more than the bytes it saves, on a slow one it saves seconds.  ``auto``
-measures instead of guessing, and only ever chooses among the ``candidates`` the user
-accepts (the accuracy trade-off stays theirs)::
-
-    opt = hvd_compress.torch.DistributedOptimizer(opt, model.named_parameters(),
-                                                  compression="auto")
-    # or HVD_COMPRESS=auto with no code change; or
-    hvd_compress.Auto(candidates=["none", "topk:density=0.01"], calibrate=20, every=100)
+"""``auto``'s controller: the :class:`Auto` compressor, which the exchange driver
+(:mod:`hvd_compress.exchange.driver`) asks for each bucket's candidate and tells what
+each exchange cost; its phases (calibrate, trial, run, check), measurements, decisions,
+residuals across switches and checkpoint state.
 
 **Calibration** (the first ``calibrate`` steps, default 20).  Every bucket is sent with
 candidate 0 for ``calibrate // n`` consecutive steps, then candidate 1, and so on, and the
@@ -33,31 +25,6 @@ speed; the steps after show the sustained rate.  What is timed:
 
 The first sample of each candidate is dropped where there are several (it warms caches,
 kernels, and the link's burst), and the medians of the rest are taken.
-
-**The step model** (what overlaps what).  Backward runs on one thread (CPU) or stream
-(GPU) and compressing bucket ``b`` runs on it too, so it delays the rest of backward by
-``C_bc``; collectives run one at a time in launch order (Horovod's background thread),
-each as soon as its bucket is compressed and the link is free; after backward,
-``synchronize()`` waits for the buckets in order and decompresses each::
-
-    shift_b  = sum_{b' <= b} C_b'c'                    (backward pushed back by compressing)
-    finish_b = max(ready_b + shift_b, finish_{b-1}) + s * T_bc
-    tail     = fold over b:  t = max(t, finish_b) + D_bc,   from t = shift_last
-    step     = compute + tail
-
-so the communication and compression of early buckets hide behind the rest of backward
-and the last buckets are exposed.  ``s`` scales the measured link times (1 after a
-calibration; see below).
-
-**Decision**: the combination of candidates over buckets with the least predicted step
-(every combination while there are at most 20000, else coordinate descent from each
-single candidate); ties keep the earlier candidate.  It must beat the first candidate
-everywhere (``none`` by default) by ``Auto.margin`` = 1% of the step, else that is kept:
-noise cannot make auto compress.  First the ranks share their measurements (one named allgather):
-a collective's time is the minimum over ranks (timed alone it also waits for the last
-rank to arrive, which the last one does not), codec and compute times the maximum.  Rank
-0 decides and broadcasts the choice (one named collective), so every rank uses the same
-compressor per bucket, and prints the decision table.
 
 **Trial**: the model does not see everything (on a CPU, collectives running during
 backward also take cores from it; a token bucket's burst flatters a dense collective timed
@@ -85,110 +52,20 @@ tensor's residual goes on with the next candidate; a candidate without error fee
 (none, fp16) adds the residual to the next gradient it sends.  ``state_dict()`` holds
 the residuals, the decision and the calibration: a restored run resumes with the same
 choices.
+
+Imports: the standard library, :mod:`hvd_compress.compressors.base`, ``memory``,
+``spec``, ``buckets``, ``log`` and the step model (:mod:`.model`); no framework.
 """
 import math
 import statistics
-import sys
 import time
-from typing import NamedTuple, Tuple
 
-from .compressors.base import Compressor, register
-from .memory import ResidualMemory
-
-DEFAULT_CANDIDATES = ("none", "fp16", "laplace_topk:density=0.01",
-                      "laplace_topk:density=0.01,values=rangefloat8")
-
-
-# -- the step model and the decision (pure functions, unit-tested on synthetic timings) --
-
-class BucketCost(NamedTuple):
-    """What the model knows about one bucket (seconds; one entry per candidate)."""
-    key: str
-    ready: float                 #: when its gradients are ready, relative to backward's end
-    compress: Tuple[float, ...]
-    comm: Tuple[float, ...]
-    decompress: Tuple[float, ...]
-    nbytes: Tuple[float, ...] = ()   #: bytes its collective moved (sent + received)
-    numel: int = 0
-
-
-def predict(costs, choice, compute=0.0, scale=1.0):
-    """Predicted step seconds of sending ``costs[i]`` with candidate ``choice[i]`` (see
-    the module docstring); ``costs`` in launch order."""
-    shift, link, finishes = 0.0, -math.inf, []
-    for b, c in zip(costs, choice):
-        shift += b.compress[c]
-        link = max(b.ready + shift, link) + scale * b.comm[c]
-        finishes.append(link)
-    t = shift
-    for b, c, finish in zip(costs, choice, finishes):
-        t = max(t, finish) + b.decompress[c]
-    return compute + t
-
-
-def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9, exhaustive=20000):
-    """The choice (a candidate index per bucket) that minimises :func:`predict`.
-
-    Every combination when there are at most ``exhaustive`` (in lexicographic order);
-    else coordinate descent (each bucket tries every candidate with the others fixed,
-    until nothing improves) from each single candidate everywhere, keeping the best.  A
-    change must gain more than ``eps`` seconds, so ties keep the earlier candidate and the
-    result does not depend on rounding noise (the same on every rank)."""
-    import itertools
-    if not costs:
-        return []
-    if n ** len(costs) <= exhaustive:
-        best, choice = math.inf, None
-        for trial in itertools.product(range(n), repeat=len(costs)):
-            p = predict(costs, trial, compute, scale)
-            if p < best - eps:
-                best, choice = p, list(trial)
-        return choice
-    best, choice = math.inf, None
-    for cur in [[start] * len(costs) for start in range(n)] + [_measured(costs, n)]:
-        cur_p = predict(costs, cur, compute, scale)
-        for _ in range(10):
-            changed = False
-            for i in range(len(costs)):
-                for c in range(n):
-                    trial = cur[:i] + [c] + cur[i + 1:]
-                    p = predict(costs, trial, compute, scale)
-                    if p < cur_p - eps:
-                        cur, cur_p, changed = trial, p, True
-            if not changed:
-                break
-        if cur_p < best - eps:
-            best, choice = cur_p, cur
-    return choice
-
-
-def _measured(costs, n):
-    """Each bucket's first candidate with finite costs (one measured on it)."""
-    return [next((c for c in range(n) if math.isfinite(b.compress[c])), 0) for b in costs]
-
-
-def fit_link(points):
-    """Least-squares ``T = alpha + bytes / beta`` over ``points`` = [(bytes, seconds)]:
-    ``(alpha s, beta bytes/s)``; beta is inf when the times do not grow with size."""
-    if len(points) < 2:
-        return (points[0][1], math.inf) if points else (0.0, math.inf)
-    xs, ys = [float(b) for b, _ in points], [float(t) for _, t in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    if slope <= 0:
-        return my, math.inf
-    return my - slope * mx, 1.0 / slope
-
-
-def find_auto(compressors):
-    """The one :class:`Auto` among the compressors the glue planned (None if none)."""
-    autos = {id(c): c for c in compressors if getattr(c, "adaptive", False)}
-    if len(autos) > 1:
-        raise ValueError("compression holds several auto compressors; use one Auto "
-                         "instance for every tensor that it should choose for")
-    return next(iter(autos.values()), None)
-
+from ...compressors.base import Compressor, register
+from ...log import info_rank0
+from ...memory import ResidualMemory
+from . import report
+from .candidates import DEFAULT_CANDIDATES, label, parse  # noqa: F401 (re-exported)
+from .model import BucketCost, _measured, combine, decide, predict
 
 def _label(option):
     """A combination (bucket key -> candidate index) as a plain string key."""
@@ -204,11 +81,6 @@ def _warm(samples):
 def _median(samples):
     samples = list(samples)
     return statistics.median(samples) if samples else 0.0
-
-
-def _split(text):
-    """``"none|laplace_topk:density=0.01+values=rangefloat8"`` -> specs."""
-    return [c.strip().replace("+", ",") for c in text.split("|") if c.strip()]
 
 
 @register
@@ -244,30 +116,8 @@ class Auto(Compressor):
     def __init__(self, candidates=None, calibrate=20, every=100, drift=0.5, bucket_mb=1.0,
                  trial=5, verbose=True):
         super().__init__(ef=False)
-        from .spec import from_spec
-        if candidates is None:
-            candidates = DEFAULT_CANDIDATES
-        if isinstance(candidates, str):
-            candidates = _split(candidates)
-        members, names = [], []
-        for c in candidates:
-            try:
-                m = from_spec(c)
-            except ValueError as e:
-                raise ValueError(f"auto: bad candidate {c!r}: {e}") from None
-            if getattr(m, "adaptive", False) or m.name in ("policy", "hylo"):
-                raise ValueError(f"auto: candidate {m.spec!r} is not a single compressor")
-            if not m.segmented or m.collective not in ("allreduce", "allgather"):
-                raise ValueError(f"auto: candidate {m.spec!r} cannot be chosen per bucket: "
-                                 "candidates must take buckets of several tensors "
-                                 "(segmented) and need one collective (no agg=union/"
-                                 "leader/hint, no powersgd)")
-            members.append(m)
-            names.append(c if isinstance(c, str) else m.spec)
+        members, names = parse(candidates)
         specs = [m.spec for m in members]
-        if not members or len(set(specs)) != len(specs):
-            raise ValueError(f"auto: candidates must be a non-empty list of distinct "
-                             f"compressors, got {specs}")
         for key, value, low in (("calibrate", calibrate, len(members)), ("every", every, 0),
                                 ("trial", trial, 0)):
             if int(value) != value or int(value) < low:
@@ -276,12 +126,10 @@ class Auto(Compressor):
             raise ValueError(f"auto: drift must be > 0, got {drift!r}")
         self.members, self.names = members, names   # names: as the user wrote them
         self.specs = specs                           # canonical, computed once
-        default = [from_spec(c).spec for c in DEFAULT_CANDIDATES]
-        self.candidates = None if specs == default else "|".join(
-            s.replace(",", "+") for s in specs)
+        self.candidates = label(specs)
         self.calibrate, self.every, self.trial = int(calibrate), int(every), int(trial)
         self.drift, self.verbose = float(drift), bool(verbose)
-        from .buckets import bucket_mb as check_mb
+        from ...buckets import bucket_mb as check_mb
         self.bucket_mb = check_mb(bucket_mb)
         self.reset()
 
@@ -421,7 +269,6 @@ class Auto(Compressor):
         minimum over ranks (timed alone, it also waits for the last rank to arrive; the
         last one waits only for the transfer), compress, decompress and compute the
         maximum (the slowest rank sets the pace), ready times the median."""
-        n = len(self.members)
         costs = sorted(costs, key=lambda b: b.key)
         row = [compute]
         for b in costs:
@@ -430,31 +277,9 @@ class Auto(Compressor):
         if any(len(r) != len(row) for r in rows):
             raise RuntimeError("hvd_compress auto: ranks measured different buckets "
                                f"({[len(r) for r in rows]} numbers)")
-        cols = list(zip(*rows))
-        out, at = [], 1
-        for b in costs:
-            ready = statistics.median(cols[at])
-            parts = [[f(cols[at + 1 + j * n + c]) for c in range(n)]
-                     for j, f in enumerate((max, min, max, max))]
-            out.append(b._replace(ready=ready, compress=tuple(parts[0]), comm=tuple(parts[1]),
-                                  decompress=tuple(parts[2]), nbytes=tuple(parts[3])))
-            at += 1 + 4 * n
-        # the link, from the dense collectives of different sizes; no collective is
-        # predicted faster than it (timing noise on tiny buckets must not pay for a codec)
-        dense = [i for i, m in enumerate(self.members) if m.name == "none"] or list(range(n))
-        points = [(b.nbytes[i], b.comm[i]) for b in out for i in dense
-                  if b.nbytes[i] > 0 and math.isfinite(b.comm[i])]
-        alpha, beta = self.link = fit_link(points)
-        sizes = [p[0] for p in points]
-        if not (sizes and max(sizes) >= 4 * min(sizes) and math.isfinite(beta)):
-            return sorted(out, key=lambda b: (b.ready, b.key)), max(cols[0])  # no line
-        alpha = max(alpha, 0.0)
-        fit = [i in dense and len(dense) < n for i in range(n)]
-        out = [b._replace(comm=tuple(alpha + nb / beta if f and math.isfinite(t) else
-                                     max(t, alpha + nb / beta)
-                                     for t, nb, f in zip(b.comm, b.nbytes, fit)))
-               for b in out]
-        return sorted(out, key=lambda b: (b.ready, b.key)), max(cols[0])
+        dense = [i for i, m in enumerate(self.members) if m.name == "none"]
+        out, compute, self.link = combine(rows, costs, len(self.members), dense)
+        return out, compute
 
     def _decide(self, comm, why):
         compute = _median(self.compute) if self.compute else 0.0
@@ -523,14 +348,14 @@ class Auto(Compressor):
         self.phase, self.phase_step = "run", 0
         summary = self.summary(self.compute_s, self._why)
         self.decisions.append({k: v for k, v in summary.items() if k != "table"})
-        if self.verbose and comm.rank == 0:
-            print(summary["table"], file=sys.stdout, flush=True)
+        if self.verbose:
+            info_rank0(comm.rank, summary["table"])
 
     def _recalibrate(self, comm, why):
         """Forget the measurements and decision (keeping the step count and the decisions'
         history): calibrate from the next step."""
-        if self.verbose and comm.rank == 0:
-            print(f"hvd_compress auto: {why}: calibrating again", flush=True)
+        if self.verbose:
+            info_rank0(comm.rank, f"hvd_compress auto: {why}: calibrating again")
         keep = self.steps, list(self.decisions)
         self.reset()
         self.steps, self.decisions = keep
@@ -572,45 +397,8 @@ class Auto(Compressor):
 
     def summary(self, compute=None, why=""):
         """The current decision: predicted step seconds of auto's choice and of each
-        candidate alone, the link fit, and a printable ``table``."""
-        costs = self.costs
-        if compute is None:
-            compute = self.compute_s
-        n = len(self.members)
-        choice = [self.choice.get(b.key, 0) for b in costs]
-        alone = [predict(costs, [c] * len(costs), compute, self.scale) for c in range(n)]
-        mixed = predict(costs, choice, compute, self.scale)
-        alpha, beta = self.link
-        names = self.names
-        lines = [f"hvd_compress auto at step {self.steps} ({why}): link alpha "
-                 f"{1e3 * alpha:.2f} ms, beta {beta / 1e6:.1f} MB/s, scale {self.scale:.2f}; "
-                 "per bucket: compress+communicate+decompress ms of each candidate",
-                 "  " + " | ".join(["bucket", "ready ms"] + [f"[{i}] {s}" for i, s in enumerate(names)]
-                                   + ["chosen"])]
-        for b, c in zip(costs, choice):
-            cells = [f"{1e3 * b.compress[i]:.1f}+{1e3 * b.comm[i]:.1f}+{1e3 * b.decompress[i]:.1f}"
-                     for i in range(n)]
-            key = b.key if len(b.key) <= 32 else b.key[:29] + "..."
-            lines.append("  " + " | ".join([key, f"{1e3 * b.ready:.1f}"] + cells + [f"[{c}]"]))
-        lines.append("  predicted step ms: auto " + f"{1e3 * mixed:.1f}; "
-                     + "; ".join(f"[{i}] alone {1e3 * p:.1f}" for i, p in enumerate(alone)))
-        tried = []
-        for t, option in enumerate(self.trials if self.measured else []):
-            per = [option.get(b.key, 0) for b in costs]
-            label = f"[{per[0]}] alone" if len(set(per)) == 1 else \
-                "mix " + "".join(str(c) for c in per)
-            tried.append(dict(option=label, predicted_s=predict(costs, per, compute, self.scale),
-                              measured_s=self.measured[t]))
-        if tried:
-            lines.append("  tried for " + f"{self.trial} steps each (ms, predicted / measured): "
-                         + "; ".join(f"{d['option']} {1e3 * d['predicted_s']:.1f} / "
-                                     f"{1e3 * d['measured_s']:.1f}" for d in tried)
-                         + " -> " + ("mix " + "".join(str(c) for c in choice)
-                                     if len(set(choice)) > 1 else f"[{choice[0]}] alone"
-                                     if choice else "-"))
-        return {"step": self.steps, "why": why, "choice": {b.key: names[c] for b, c in zip(costs, choice)},
-                "predicted_s": mixed, "alone_s": dict(zip(names, alone)), "tried": tried,
-                "alpha_s": alpha, "beta_Bps": beta, "scale": self.scale, "table": "\n".join(lines)}
+        candidate alone, the link fit, and a printable ``table`` (:func:`.report.summary`)."""
+        return report.summary(self, self.compute_s if compute is None else compute, why)
 
     def choices(self):
         """Bucket key -> spec of the candidate sending it now (``opt.stats``)."""
