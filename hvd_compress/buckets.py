@@ -19,6 +19,8 @@ A :class:`Layout` says which tensors a bucket holds, end to end, in a fixed orde
   exactly the tensor-by-tensor path; empty tensors get none (nothing to send).
 
 ``bucket_mb=0`` (or ``$HVD_COMPRESS_BUCKET_MB=0``) turns buckets off.
+
+Imports: the standard library.
 """
 import hashlib
 import os

@@ -7,6 +7,8 @@
 * ``sync`` (after every reset, every rank of the new world): rank 0's counters (random-k
   draws, ``agg=leader``'s rotation) for everyone, and the norm of the residuals that went
   with the lost ranks, printed on rank 0.
+
+Imports: the standard library, ``hvd_compress.log``, ``hvd_compress.memory``.
 """
 import copy
 

@@ -11,6 +11,8 @@ so that ``sum_t D(C(c_t)) + r_T == sum_t g_t``: nothing is lost, only delayed.
 State lives in a *store*: a dict of tensors for PyTorch, a dict of ``tf.Variable``
 for TensorFlow (so updates work inside ``tf.function``).  ``state_dict()`` returns
 copies; ``load_state_dict()`` restores them bit for bit.
+
+Imports: numpy; on first use, torch, TensorFlow.
 """
 import numpy as np
 

@@ -1,5 +1,8 @@
 """Bytes on the wire: what this rank sent vs what a dense float32 allreduce would send,
-and what it received."""
+and what it received.
+
+Imports: nothing at import time.
+"""
 
 #: counted per step (``last_*``) and in total (``total_*``) besides sent/dense
 EXCHANGE = ("received", "received_local", "union", "k")

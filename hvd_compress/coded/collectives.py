@@ -1,7 +1,10 @@
 """The collectives the coded exchange needs, over Horovod, for either framework (the
 ``comm`` of :meth:`hvd_compress.coded.CodedExchange.run`).  Every one is named
 ``hvd_compress.coded.<what>``; :attr:`HorovodComm.sent_bytes` counts what is handed to
-Horovod."""
+Horovod.
+
+Imports: numpy; and modules of its own package.
+"""
 import numpy as np
 
 from .process_sets import group_sets

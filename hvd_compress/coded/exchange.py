@@ -49,6 +49,9 @@ int64 sum of all ``C(n, r)`` parts:
 The framework's collectives come in through ``comm`` (see the glue in
 ``hvd_compress.torch.coded`` and ``hvd_compress.tensorflow.coded``); the arithmetic is
 written on :mod:`hvd_compress.ops`.
+
+Imports: the standard library, numpy; on first use, ``hvd_compress.ops``; and modules of
+its own package.
 """
 import time
 import warnings

@@ -9,6 +9,8 @@ the batch) and each part is computed on ``r`` workers.  The exchange groups are 
 but ``k``.
 
 Li, Xie, Mao, Xu, Zhu, Zhang, "Coded synchronous SGD" (seed 003), algorithm 2.
+
+Imports: the standard library, numpy.
 """
 from dataclasses import dataclass, field
 from itertools import combinations

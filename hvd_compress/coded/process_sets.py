@@ -5,6 +5,8 @@ Horovod (0.28) registers a process set on *every* rank in the same order, either
 with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``.  :func:`group_sets` reuses a set with the same
 ranks when one exists (the global set for a group of all workers) and adds the others.
 Pass :func:`process_sets` to ``hvd.init`` to register them up front instead.
+
+Imports: nothing at import time; on first use, Horovod; and modules of its own package.
 """
 
 

@@ -1,4 +1,7 @@
-"""One module per method family; every compressor registers its spec name here."""
+"""One module per method family; every compressor registers its spec name here.
+
+Imports: its own modules only.
+"""
 from .base import REGISTRY, Compressor, Ctx, payload_bytes  # noqa: F401
 from .dense import BF16, FP16, NoneCompressor  # noqa: F401
 from .sparse import RandomK, Threshold, TopK  # noqa: F401

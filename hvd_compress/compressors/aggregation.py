@@ -56,6 +56,10 @@ NaN/Inf: a rank whose compensated gradient is not finite proposes every index, s
 is the whole tensor and the aggregate is non-finite where uncompressed Horovod's would
 be; its residual is kept as it was.  A rank with nothing to propose (an all-zero
 gradient, or not the leader) still takes part in both collectives: nobody waits.
+
+Imports: the standard library; on first use, ``hvd_compress.memory``, ``hvd_compress.ops``,
+``hvd_compress.stats``, and ``hvd_compress.exchange`` for the in-process simulator
+(:func:`in_process`) only.
 """
 from typing import Any, NamedTuple
 

@@ -30,6 +30,9 @@ Subclasses implement :meth:`encode` and :meth:`decode` on flat tensors through t
 framework primitives of :mod:`hvd_compress.ops`, so each algorithm is written once
 for PyTorch and TensorFlow.  Error feedback (:mod:`hvd_compress.memory`) is applied
 here, around ``encode``, when ``ef`` is on (the default for biased compressors).
+
+Imports: the standard library, ``hvd_compress.memory``, ``hvd_compress.ops``; and
+modules of its own package.
 """
 import inspect
 from typing import Any, NamedTuple, Tuple

@@ -10,6 +10,9 @@ embeddings), so energy concentrates in few low-frequency coefficients there; els
 DCT spreads it (see benchmarks/dct.py for where it wins).  Error feedback works in the
 gradient domain: the residual is the compensated gradient minus exactly ``g_hat``, what
 the receivers reconstruct (quantization of the values included).
+
+Imports: nothing at import time; on first use, ``hvd_compress.kernels``; and modules of
+its own package.
 """
 from .base import register
 from .laplace import LaplaceTopK

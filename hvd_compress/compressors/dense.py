@@ -10,6 +10,8 @@ spec       collective   payload
 ``bf16``   allgather    ``g.bfloat16()`` bits as int16 (Gloo cannot sum bfloat16), so
                         each rank's values are gathered and summed after decoding
 =========  ===========  ==============================================================
+
+Imports: nothing at import time; and modules of its own package.
 """
 from .base import Compressor, register
 

@@ -16,6 +16,8 @@
 
 Data-dependent loops stop early in eager mode (one host synchronisation per step, as
 the original implementations do); inside tf.function they run their full length.
+
+Imports: the standard library; and modules of its own package.
 """
 import math
 from statistics import NormalDist

@@ -14,6 +14,8 @@ The fraction adapts to the layer's parameter count ``P`` unless ``fraction`` is 
 
 with ``base = 0.25``, ``ref = 10_000``, clipped to [0.01, 0.5]: a 10k-parameter layer
 sends a quarter of its kernels, a 1M-parameter layer 2.5%.
+
+Imports: the standard library; and modules of its own package.
 """
 import math
 

@@ -40,6 +40,8 @@ search up to 25M values and even at 100M on an H100), the k largest come from th
 top-k instead, zeros dropped, so the contract above holds (exactly k, or every nonzero
 entry when there are fewer; ties broken by the framework, not by index).  ``exact=1``
 always searches (ties by lowest index).
+
+Imports: the standard library; and modules of its own package.
 """
 import math
 

@@ -30,6 +30,9 @@ residual and ``Q`` as they were.
 A two-round exchange (:mod:`.base`): ``propose`` / ``agree`` / ``finish`` run by the
 glue layers, not ``compress``; the warm-start ``Q`` of every tensor is in
 ``state_dict()`` beside the residuals.
+
+Imports: the standard library, numpy, ``hvd_compress.memory``, ``hvd_compress.ops``,
+``hvd_compress.stats``; and modules of its own package.
 """
 import zlib
 from typing import Any, NamedTuple

@@ -12,6 +12,8 @@ Threshold: fixed when ``threshold`` is given; otherwise adaptive per layer and s
 ``t = scale * mean|r|`` (``r`` the compensated gradient, default ``scale=1``): the
 layer's own magnitude, so layers of very different scales each send a useful fraction
 (about ``exp(-1)`` = 37% of a Laplace-distributed layer) and the rest waits in ``r``.
+
+Imports: nothing at import time; and modules of its own package.
 """
 from .base import Compressor, register
 

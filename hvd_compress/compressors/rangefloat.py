@@ -17,6 +17,8 @@ including the largest), rounding the mantissa to nearest gives::
 Payload per rank: packed bytes (codes padded to whole byte groups) and an int32 header
 ``[E, count]``.  The ranks' payloads are gathered; the headers say where each rank's
 codes start, so they are decoded in one vectorised pass.
+
+Imports: the standard library; and modules of its own package.
 """
 import math
 

@@ -20,6 +20,8 @@ Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML 2019)::
 
 The aggregate is the sum over ranks of each rank's reconstruction, ``sum_r a_r`` or
 ``b_r`` per value (not a majority vote).
+
+Imports: nothing at import time; and modules of its own package.
 """
 from .base import register
 from .quantize import CodesAndScales

@@ -9,6 +9,8 @@ feedback is on by default (``ef=0`` turns it off).
 Non-finite gradients: when the (compensated) gradient holds NaN or Inf the tensor is
 sent whole, every index, so the aggregate is non-finite exactly where uncompressed
 Horovod's would be (loss scalers see it), and the residual is left as it was.
+
+Imports: the standard library, ``hvd_compress.ops``; and modules of its own package.
 """
 import math
 

@@ -28,6 +28,8 @@ Random draws are a pure function of ``(seed, rank, tensor name, step)``: runs re
 exactly, and ranks draw independently (``rank``: default this process's rank, from
 ``HOROVOD_RANK``, torchrun's ``RANK``, ``OMPI_COMM_WORLD_RANK`` or ``PMI_RANK``; 0
 alone).  The step is counted per tensor and saved in ``state_dict()``.
+
+Imports: the standard library; and modules of its own package.
 """
 import os
 import zlib

@@ -6,6 +6,8 @@ runs the kernel on CUDA tensors and the reference elsewhere.  ``backend="triton"
 forces the kernel (on CPU tensors this needs ``TRITON_INTERPRET=1``, which is how the
 tests compare every kernel with its reference on machines without a GPU);
 ``backend="torch"`` forces the reference.
+
+Imports: its own modules (torch through them; Triton on first use).
 """
 from ._backend import HAVE_TRITON, pick_backend  # noqa: F401
 from .abs_stats import abs_sum_max, abs_sum_max_reference  # noqa: F401

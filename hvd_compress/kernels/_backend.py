@@ -1,4 +1,7 @@
-"""Which implementation a launcher runs."""
+"""Which implementation a launcher runs.
+
+Imports: the standard library.
+"""
 import os
 
 import importlib.util

@@ -2,6 +2,9 @@
 
 Each program reduces one block to a partial sum and max; the partials are combined by
 torch in a fixed order, so the result is deterministic (no float atomics).
+
+Imports: the standard library, torch; on first use, Triton; and modules of its own
+package.
 """
 import functools
 

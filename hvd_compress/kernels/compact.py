@@ -6,6 +6,9 @@ output offset; pass 2 recomputes the mask and writes values and indices at
 ``offset[block] + (exclusive prefix sum of the mask inside the block)``.  The output
 buffers are allocated once from the total (the only host synchronisation: the size of
 an allocation).
+
+Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
+own package.
 """
 import functools
 

@@ -4,6 +4,9 @@
 ``a_0 = sqrt(1/B)``, ``a_k = sqrt(2/B)``; the inverse is ``x = X @ D`` (D is orthogonal).
 The kernel is a tiled matmul with IEEE float32 products (``input_precision="ieee"``:
 TF32 would cost the 1e-5 round-trip accuracy).
+
+Imports: the standard library, torch; on first use, Triton; and modules of its own
+package.
 """
 import functools
 import math

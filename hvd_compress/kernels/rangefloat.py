@@ -12,6 +12,9 @@ reference agree bit for bit.
 Packing: ``g = lcm(bits, 8) / bits`` codes fill ``lcm(bits, 8) / 8`` bytes, little
 endian (4 bits: 2 codes/byte; 6: 4 codes/3 bytes; 8: 1/byte; 12: 2/3 bytes;
 16: 1/2 bytes).  Codes are padded to whole groups.
+
+Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
+own package.
 """
 import functools
 import math

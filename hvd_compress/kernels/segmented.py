@@ -17,6 +17,9 @@ Python loop over tensors:
 
 Compaction with a threshold per segment is :func:`kernels.compact.compact_above` with
 ``segment_ids`` (the same two-pass kernel, the threshold read per entry).
+
+Imports: the standard library, torch; on first use, Triton; and modules of its own
+package.
 """
 import functools
 

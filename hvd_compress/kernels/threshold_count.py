@@ -4,6 +4,9 @@ A bisection that counts one threshold per pass reads the tensor once per step; w
 ``T`` thresholds per pass the bracket shrinks ``T + 1``-fold per read.  Each program
 compares its block against all (padded) thresholds and adds its ``T`` counts with
 integer atomics (exact, so deterministic).
+
+Imports: the standard library, torch; on first use, Triton; and modules of its own
+package.
 """
 import functools
 

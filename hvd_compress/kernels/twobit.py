@@ -5,6 +5,9 @@ Code of value ``x`` with threshold ``t``: ``1`` (means ``+t``) if ``x >= t``, ``
 Packing is bit-exact between the kernel and the reference; words are int32 (the top
 code may set the sign bit).  ``t > 0`` is assumed (the compressor sends nothing
 quantized for an all-zero tensor).
+
+Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
+own package.
 """
 import functools
 

@@ -3,6 +3,8 @@
 Needs Horovod built with TensorFlow.  For Keras 3 ``model.fit`` (Horovod 0.28.1's own
 Keras ``DistributedOptimizer`` predates Keras 3) use :mod:`hvd_compress.keras`, which
 runs the same code as the tape.
+
+Imports: its own modules (TensorFlow and Horovod through them).
 """
 from .collectives import allreduce, check_same_config  # noqa: F401
 from . import elastic  # noqa: F401

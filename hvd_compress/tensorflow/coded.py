@@ -10,6 +10,9 @@
 :meth:`CodedGradients.gradient` records one ``tf.GradientTape`` per part this worker
 holds, scales each part's mean loss by its share of the global mini-batch, exchanges the
 part gradients and returns the global gradient of the mean loss, the same on every rank.
+
+Imports: the standard library, numpy, TensorFlow, Horovod, ``hvd_compress.coded``,
+``hvd_compress.ops``.
 """
 import time
 

@@ -20,6 +20,9 @@ A lost worker's residual is lost with it (the part of its gradients it had not s
 every commit shares each rank's residual norm (one small allgather), so after a loss
 rank 0 prints the norm of what the lost workers had not sent at the last commit, and
 ``state.lost_residual_norm`` adds it up.
+
+Imports: numpy, Horovod, ``hvd_compress.elastic``; on first use, TensorFlow; and modules
+of its own package.
 """
 import horovod.tensorflow as hvd
 import numpy as np

@@ -5,6 +5,10 @@ Error-feedback state and byte counts live in ``tf.Variable``s held by the compre
 (one object per spec string), so a tape created anew each step keeps them.  The work is
 done by :func:`reduce_gradients`, which ``hvd_compress.keras.DistributedOptimizer``
 shares.
+
+Imports: the standard library, TensorFlow, Horovod, ``hvd_compress.exchange``,
+``hvd_compress.ops``, ``hvd_compress.stats``, ``hvd_compress.buckets``; and modules of
+its own package.
 """
 import weakref
 

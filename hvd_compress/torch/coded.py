@@ -12,6 +12,9 @@
 ``backward`` runs one forward/backward per part this worker holds (``C(n−1, r−1)`` of
 them, ``B/C(n, r)`` samples each), scaling each part's mean loss by its share of the
 global mini-batch, so the exchanged sum is the gradient of the mean loss over ``B``.
+
+Imports: the standard library, torch, Horovod, ``hvd_compress.coded``,
+``hvd_compress.ops``.
 """
 import time
 

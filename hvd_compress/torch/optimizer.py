@@ -9,6 +9,10 @@ backward), ``synchronize()`` waits for all of them and writes the aggregate into
 exchange is an :class:`hvd_compress.exchange.Exchange` started by this optimizer's
 :class:`hvd_compress.exchange.Driver` over Horovod (:class:`.collectives.HorovodTorch`);
 this module holds only the hooks into backward and Horovod's optimizer API.
+
+Imports: torch, Horovod, ``hvd_compress.exchange``, ``hvd_compress.ops``,
+``hvd_compress.spec``, ``hvd_compress.stats``, ``hvd_compress.buckets``; and modules of its own
+package.
 """
 import horovod.torch as hvd
 import torch

@@ -14,6 +14,8 @@ accepts (the accuracy trade-off stays theirs)::
 The model that predicts a step from measured parts (:mod:`.model`), the controller that
 measures, decides and switches (:mod:`.controller`), and the decision table it logs
 (:mod:`.report`).
+
+Imports: its own modules only.
 """
 from .controller import DEFAULT_CANDIDATES, Auto  # noqa: F401
 from .model import BucketCost, decide, fit_link, predict  # noqa: F401
