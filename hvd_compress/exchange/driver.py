@@ -102,10 +102,7 @@ class Driver:
     def finish(self, exchanges):
         """Finish ``exchanges`` (round-robin in the given order, the same on every rank:
         :func:`~.protocol.finish_all`); returns their results."""
-        while any(not e.done for e in exchanges):
-            for e in exchanges:
-                if not e.done:
-                    self.advance(e)
+        finish_all(exchanges)
         for e in exchanges:
             self._count_if_done(e)
         done = {id(e) for e in exchanges}

@@ -13,7 +13,7 @@ Imports: the framework-free parts of hvd_compress; tensors go through :mod:`hvd_
 """
 import threading
 
-from .protocol import Exchange, Transport, Wait, standard_traffic
+from .protocol import Exchange, Transport, Wait, finish_all, standard_traffic
 
 
 class World:
@@ -109,8 +109,5 @@ def run(compressors, tensors, name, world=None):
     world = world or World(len(compressors), ops_for(tensors[0]))
     exchanges = [Exchange(c, world.transport(r), name, tensor=t)
                  for r, (c, t) in enumerate(zip(compressors, tensors))]
-    while any(not e.done for e in exchanges):      # lockstep, as every rank runs
-        for e in exchanges:
-            if not e.done:
-                e.advance()
+    finish_all(exchanges)           # in lockstep: rank by rank, collective by collective
     return exchanges

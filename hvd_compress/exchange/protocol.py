@@ -233,7 +233,8 @@ class Exchange:
 
 
 def finish_all(exchanges):
-    """Advance ``exchanges`` (in launch order) round-robin until every one is done:
+    """Advance ``exchanges`` (in launch order; anything with ``done`` and ``advance()``,
+    e.g. the DDP hook's buckets) round-robin until every one is done:
     each pass waits for each exchange's collective in flight and starts its next, so the
     collectives start in the same order on every rank and every round 2 starts before any
     is waited for (module docstring)."""

@@ -66,14 +66,11 @@ import ipaddress
 import itertools
 import os
 import re
-import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -289,141 +286,7 @@ def two_hosts(rate, n=2, name=None, network="10.77.0.0/24", burst="1mb", mtu=900
             shutil.rmtree(d, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------- launcher
-
-_RENDEZVOUS = """
-import sys
-from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-from horovod.runner.http.http_server import RendezvousServer
-server = RendezvousServer(0)
-port = server.start()                       # listens on every address of this host
-server.init(get_host_assignments(parse_hosts(sys.argv[1]), int(sys.argv[2])))
-print(port, flush=True)
-sys.stdin.read()                            # until the launcher closes our stdin
-"""
-
-
-def _pump(stream, out, tag, lock):
-    """Copy ``stream`` to ``out`` line by line, each line prefixed with ``tag``."""
-    for line in iter(stream.readline, ""):
-        with lock:
-            out.write(tag + line if line.endswith("\n") else tag + line + "\n")
-            out.flush()
-    stream.close()
-
-
-def _stop(proc, grace=5.0):
-    """SIGTERM the process group of ``proc``, SIGKILL it after ``grace`` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _exit_code(rc):
-    return 128 - rc if rc < 0 else rc        # killed by signal N: 128 + N, as shells say
-
-
-def run_on_hosts(hosts, argv, timeout=None, env=None, cwd=None, stdout=None, stderr=None,
-                 verbose=False):
-    """Run ``argv`` once on every host of ``hosts`` (a ``Hosts``), as ``horovodrun --gloo
-    -np N -H h0:1,...`` would: returns the largest exit code of the workers (0: all
-    succeeded).
-
-    What it does: starts Horovod's ``RendezvousServer`` in a small Python process on
-    host 0 (it listens on host 0's address; workers on the other hosts reach it over
-    the shaped link), initialised with ``get_host_assignments(parse_hosts("ADDR0:1,
-    ADDR1:1,..."), N)``; then starts worker ``i`` as ``ip netns exec NAME-hi argv`` with
-    horovodrun's variables (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, HOROVOD_CONTROLLER=gloo,
-    HOROVOD_CPU_OPERATIONS=gloo, HOROVOD_GLOO_IFACE=hvd0, HOROVOD_HOSTNAME=ADDRi,
-    HOROVOD_RANK/SIZE, HOROVOD_LOCAL_RANK=0, HOROVOD_LOCAL_SIZE=1, HOROVOD_CROSS_RANK/
-    SIZE, PYTHONUNBUFFERED=1) on top of ``env`` (default: this process's environment).
-    Every line a worker prints goes to ``stdout``/``stderr`` (default: this process's)
-    prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``, as horovodrun prints it.
-
-    When a worker fails the others are terminated (SIGTERM, then SIGKILL) and the code
-    returned is the largest among the workers that ended by themselves (a worker killed
-    by signal N counts 128 + N).  After ``timeout`` seconds every worker is killed and
-    ``subprocess.TimeoutExpired`` is raised.
-    """
-    stdout = stdout or sys.stdout
-    stderr = stderr or sys.stderr
-    n = len(hosts.namespaces)
-    argv = [str(a) for a in argv]
-    plan = ",".join(f"{a}:1" for a in hosts.addresses)
-    lock = threading.Lock()
-    base_env = dict(os.environ if env is None else env)
-    server = subprocess.Popen(hosts.prefix(0) + [sys.executable, "-c", _RENDEZVOUS, plan,
-                                                 str(n)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=base_env, start_new_session=True)
-    workers, pumps, own_exit = [], [], {}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        ready, _, _ = select.select([server.stdout], [], [], 60)
-        line = server.stdout.readline() if ready else ""
-        if not line.strip().isdigit():
-            raise ShapedLinkError("the rendezvous server did not start on "
-                                  f"{hosts.namespaces[0]} (printed {line!r})")
-        port = line.strip()
-        for rank in range(n):
-            wenv = dict(base_env,
-                        HOROVOD_GLOO_RENDEZVOUS_ADDR=hosts.addresses[0],
-                        HOROVOD_GLOO_RENDEZVOUS_PORT=port,
-                        HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
-                        HOROVOD_GLOO_IFACE=hosts.iface, NCCL_SOCKET_IFNAME=hosts.iface,
-                        HOROVOD_HOSTNAME=hosts.addresses[rank],
-                        HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(n),
-                        HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
-                        HOROVOD_CROSS_RANK=str(rank), HOROVOD_CROSS_SIZE=str(n),
-                        PYTHONUNBUFFERED="1")
-            cmd = hosts.prefix(rank) + argv
-            if verbose:
-                print(f"[launcher] rank {rank}: {' '.join(cmd)}", file=stderr, flush=True)
-            proc = subprocess.Popen(cmd, env=wenv, cwd=cwd, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, errors="replace", bufsize=1,
-                                    start_new_session=True)
-            workers.append(proc)
-            for stream, out, kind in ((proc.stdout, stdout, "stdout"),
-                                      (proc.stderr, stderr, "stderr")):
-                t = threading.Thread(target=_pump, args=(stream, out, f"[{rank}]<{kind}>:",
-                                                         lock), daemon=True)
-                t.start()
-                pumps.append(t)
-        while len(own_exit) < n:
-            for rank, proc in enumerate(workers):
-                if rank not in own_exit and proc.poll() is not None:
-                    own_exit[rank] = _exit_code(proc.returncode)
-            if any(own_exit.values()):
-                failed = min(r for r, c in own_exit.items() if c)
-                with lock:
-                    print(f"Process {failed} exit with status code {own_exit[failed]}; "
-                          "terminating the other workers.", file=stderr, flush=True)
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(argv, timeout)
-            time.sleep(0.05)
-        return max(own_exit.values())
-    finally:
-        for proc in workers:
-            _stop(proc)
-        for t in pumps:
-            t.join(5)
-        if server.stdin:
-            try:
-                server.stdin.close()
-            except OSError:
-                pass
-        _stop(server, grace=2.0)
-        server.stdout.close()
+from .launcher import run_on_hosts  # noqa: E402  (the hosts' launcher; re-exported)
 
 
 def run_two_hosts(argv, rate, np=2, timeout=None, **kwargs):

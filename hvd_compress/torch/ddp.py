@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from .. import buckets
-from ..exchange import Driver, Transport, Wait, find_auto, single_layout
+from ..exchange import Driver, Transport, Wait, find_auto, finish_all, single_layout
 from ..compressors import payload_bytes
 from ..ops import torch_ops
 from ..spec import resolve
@@ -221,9 +221,7 @@ def compression_hook(state, bucket):
         for older in state.in_flight[:-1]:
             older.advance()
         if last:
-            while any(not f.done for f in state.in_flight):
-                for f in state.in_flight:
-                    f.advance()
+            finish_all(state.in_flight)     # every bucket, round-robin in launch order
             state.in_flight = []
             driver.end_step()
     except BaseException as e:              # leave no Future unset behind a failed step
