@@ -1,6 +1,6 @@
 """MNIST-5k through real horovodrun -np 2 (the examples), same seed and steps:
 top-k (1%, error feedback), Hylo's per-layer policy and DCT (>= 50x) within one point of uncompressed
-training, and laplace_topk (1%) within one point of exact top-k; aggregation-aware selection
+training (test accuracy averaged over the last 5 of 15 epochs), and laplace_topk (1%) within one point of exact top-k; aggregation-aware selection
 (agg=leader, agg=hint) within one point of agg=local; bytes saved are reported; no
 progress bar under horovodrun, a line per epoch instead."""
 import functools
@@ -37,12 +37,22 @@ def final(run, key="test_accuracy"):
     return run["epochs_log"][-1][key]
 
 
+def late(run, epochs=5):
+    """Test accuracy averaged over the last ``epochs`` epochs: what "within one point"
+    compares.  The last epoch alone moves by about a point from epoch to epoch on 1,000
+    test digits (dense PyTorch, epochs 7-15 on one machine: 94.6-96.6%), and its value
+    differs between CPUs (the same code gave Hylo 94.9% against dense 96.0% on one
+    machine and passed on another)."""
+    accs = [e["test_accuracy"] for e in run["epochs_log"][-epochs:]]
+    return sum(accs) / len(accs)
+
+
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
 def test_topk_within_one_point_of_uncompressed(framework):
     dense, topk = train(framework, "none"), train(framework, "topk:density=0.01")
     assert final(dense, "ratio") == pytest.approx(1.0)
     assert final(dense) > 0.9                                 # the baseline really learned
-    assert final(topk) >= final(dense) - 0.01, (final(topk), final(dense))
+    assert late(topk) >= late(dense) - 0.01, (late(topk), late(dense))
     # 1% of the values, each sent as float32 value + int32 index: ~50x fewer bytes
     assert final(topk, "ratio") > 45
 
@@ -50,14 +60,14 @@ def test_topk_within_one_point_of_uncompressed(framework):
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
 def test_laplace_topk_within_one_point_of_topk(framework):
     topk, laplace = train(framework, "topk:density=0.01"), train(framework, "laplace_topk:density=0.01")
-    assert final(laplace) >= final(topk) - 0.01, (final(laplace), final(topk))
+    assert late(laplace) >= late(topk) - 0.01, (late(laplace), late(topk))
     assert final(laplace, "ratio") > 45
 
 
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
 def test_hylo_within_one_point_of_uncompressed(framework):
     dense, hylo = train(framework, "none"), train(framework, "hylo")
-    assert final(hylo) >= final(dense) - 0.01, (final(hylo), final(dense))
+    assert late(hylo) >= late(dense) - 0.01, (late(hylo), late(dense))
     assert final(hylo, "ratio") > 5                  # conv2 kernels + 2-bit fc1 on this net
 
 
@@ -65,14 +75,14 @@ def test_hylo_within_one_point_of_uncompressed(framework):
 def test_dct_at_50x_within_one_point_of_uncompressed(framework):
     dense, dct = train(framework, "none"), train(framework, "dct:density=0.01,block=64")
     assert final(dct, "ratio") >= 50
-    assert final(dct) >= final(dense) - 0.01, (final(dct), final(dense))
+    assert late(dct) >= late(dense) - 0.01, (late(dct), late(dense))
 
 
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
 @pytest.mark.parametrize("agg", ["leader", "hint"])
 def test_aggregation_aware_within_one_point_of_local(framework, agg):
     local, run = train(framework, "topk:density=0.01"), train(framework, f"topk:density=0.01,agg={agg}")
-    assert final(run) >= final(local) - 0.01, (final(run), final(local))
+    assert late(run) >= late(local) - 0.01, (late(run), late(local))
     assert final(run, "union_over_k") >= 1.0 if agg == "hint" else final(run, "union_over_k") == 1.0
 
 
