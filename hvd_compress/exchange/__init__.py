@@ -6,4 +6,5 @@ that each glue implements.  :mod:`.driver`: a step's exchanges (launch, advance 
 same order on every rank, stats, ``auto``).  Imports no framework and no Horovod.
 """
 from .driver import Driver, find_auto, single_layout  # noqa: F401
-from .protocol import PREFIX, AutoComm, Exchange, Transport, Wait, finish_all, standard_traffic  # noqa: F401
+from .protocol import (PREFIX, AutoComm, Exchange, ProcessSetTransport, Transport, Wait,  # noqa: F401
+                       finish_all, standard_traffic)

@@ -95,6 +95,23 @@ class Transport:
         raise NotImplementedError
 
 
+class ProcessSetTransport(Transport):
+    """A transport over a Horovod process set (either framework): ``rank`` and ``size``
+    are asked of it each time, since Elastic Horovod changes the world under a running
+    optimizer."""
+
+    def __init__(self, process_set):
+        self.process_set = process_set
+
+    @property
+    def rank(self):
+        return self.process_set.rank()
+
+    @property
+    def size(self):
+        return self.process_set.size()
+
+
 class AutoComm:
     """What :meth:`hvd_compress.strategies.auto.Auto.end_step` needs of a transport:
     ``rank``, ``broadcast(values, name)`` and ``allgather(values, name)`` of floats."""

@@ -12,7 +12,7 @@ import hashlib
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from ..exchange import PREFIX, Exchange, Transport, standard_traffic
+from ..exchange import PREFIX, Exchange, ProcessSetTransport, standard_traffic
 from ..ops import tf_ops
 from ..spec import from_spec, resolve
 _CACHE = {}
@@ -58,22 +58,14 @@ def _traffic(sent, received, received_local=None, union=0, k=0):
             "union": tf.cast(union, tf.int64), "k": tf.cast(k, tf.int64)}
 
 
-class HorovodTF(Transport):
+class HorovodTF(ProcessSetTransport):
     """Horovod's TensorFlow collectives on ``process_set``, eager or inside
     ``tf.function`` (each completes at once: the generators never yield)."""
 
     ops = tf_ops
 
     def __init__(self, process_set=hvd.global_process_set):
-        self.process_set = process_set
-
-    @property
-    def rank(self):                 # asked each time: Elastic Horovod changes the world
-        return self.process_set.rank()
-
-    @property
-    def size(self):
-        return self.process_set.size()
+        super().__init__(process_set)
 
     def wire(self, name):
         return PREFIX + _safe(name)     # Horovod TF op names must be valid TF names

@@ -12,7 +12,7 @@ import hashlib
 import horovod.torch as hvd
 import torch
 
-from ..exchange import PREFIX, Exchange, Transport, Wait, standard_traffic
+from ..exchange import PREFIX, Exchange, ProcessSetTransport, Wait, standard_traffic
 from ..ops import torch_ops
 from ..spec import resolve
 
@@ -32,21 +32,13 @@ def _from_wire(t, dtype):
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-class HorovodTorch(Transport):
+class HorovodTorch(ProcessSetTransport):
     """Horovod's asynchronous torch collectives on ``process_set``."""
 
     ops = torch_ops
 
     def __init__(self, process_set=hvd.global_process_set):
-        self.process_set = process_set
-
-    @property
-    def rank(self):                 # asked each time: Elastic Horovod changes the world
-        return self.process_set.rank()
-
-    @property
-    def size(self):
-        return self.process_set.size()
+        super().__init__(process_set)
 
     def allreduce(self, tensor, name, inplace_of=None):
         in_place = inplace_of is not None and tensor.is_contiguous() and \
