@@ -25,26 +25,68 @@ def _residual_keys(state):
     return frozenset(k for k in state if k.startswith(ResidualMemory.PREFIX))
 
 
+class Journal:
+    """What a step wrote into state stores, so that the step can be undone.
+
+    A glue that may have to drop a step after its exchange (the aggregate had NaN/Inf:
+    compressed-momentum Adam skips the step as a GradScaler would) attaches a journal to
+    its compressor (``compressor.attach_journal(journal)``); every store then records,
+    the first time a key is replaced in the step, the value it had (a reference, not a
+    copy: stores replace tensors, they never write into a stored one).  ``rollback()``
+    puts them back, bit for bit; ``clear()`` starts the next step.
+    """
+
+    def __init__(self):
+        self.entries = {}        # (id(store), table, key) -> (store, table, had, old)
+
+    def record(self, store, table, key):
+        mark = (id(store), table, key)
+        if mark not in self.entries:
+            values = getattr(store, table)
+            self.entries[mark] = (store, table, key in values, values.get(key))
+
+    def rollback(self):
+        """Every recorded key back to the value it had when first written this step."""
+        for (_, table, key), (store, _, had, old) in self.entries.items():
+            values = getattr(store, table)
+            if had:
+                values[key] = old
+            else:
+                values.pop(key, None)
+        self.entries = {}
+
+    def clear(self):
+        self.entries = {}
+
+
 class TorchStore:
     """Named state tensors for PyTorch."""
 
     loaded = frozenset()     #: the residual keys of the last load_state_dict
+    journal = None           #: a :class:`Journal` recording this step's writes, or None
 
     def __init__(self):
         self._tensors = {}
         self._spares = {}
 
+    def _record(self, table, key):
+        if self.journal is not None:
+            self.journal.record(self, table, key)
+
     def get(self, key, init):
         """Current value of ``key``; ``init()`` creates it the first time."""
         if key not in self._tensors:
+            self._record("_tensors", key)
             self._tensors[key] = init()
         return self._tensors[key]
 
     def set(self, key, value):
+        self._record("_tensors", key)
         self._tensors[key] = value
 
     def pop(self, key):
         """Remove ``key``; its value (None if absent)."""
+        self._record("_tensors", key)
         return self._tensors.pop(key, None)
 
     def keys(self):
@@ -56,17 +98,19 @@ class TorchStore:
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype \
                 or buf.device != like.device:
             import torch
+            self._record("_spares", key)
             buf = self._spares[key] = torch.empty_like(like)
         return buf
 
     def set_spare(self, key, value):
+        self._record("_spares", key)
         self._spares[key] = value
 
     def next_count(self, key):
         """Return the counter ``key`` (from 0) and increment it."""
         import torch
         value = self.get(key, lambda: torch.zeros((), dtype=torch.int64))
-        self._tensors[key] = value + 1
+        self.set(key, value + 1)
         return int(value)
 
     def state_dict(self):

@@ -209,13 +209,28 @@ class Compressor:
         return self.decompress(payload, ctx)
 
     # -- state (error feedback, counters) --------------------------------------------
+    journal = None             #: :class:`hvd_compress.memory.Journal` of the stores, or None
+
     def _state(self, ops):
         if self._store is None:
             self._store, self._ops = ops.new_store(), ops
+            self._store.journal = self.journal
         elif self._ops is not ops:
             raise TypeError(f"compressor {self.spec!r} already holds state for "
                             f"{self._ops.__name__}; use one compressor per framework")
         return self._store
+
+    def attach_journal(self, journal):
+        """Record every state write of this compressor (and of the compressors it holds)
+        in ``journal`` (a :class:`~hvd_compress.memory.Journal`; None: stop), so that a
+        step can be undone."""
+        self.journal = journal
+        if self._store is not None:
+            self._store.journal = journal
+        for value in vars(self).values():
+            for c in (value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(c, Compressor) and c is not self:
+                    c.attach_journal(journal)
 
     def residual(self, name):
         """Flat residual of tensor ``name`` (None before its first compress)."""

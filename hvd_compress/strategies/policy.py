@@ -66,6 +66,11 @@ class Policy(Compressor):
                 out.append(c)
         return out
 
+    def attach_journal(self, journal):
+        super().attach_journal(journal)
+        for c in self.compressors():
+            c.attach_journal(journal)
+
     @property
     def spec(self):
         rules = ";".join(f"{p}={c.spec}" for p, c in self.rules)

@@ -83,9 +83,11 @@ import torch.distributed as dist
 from .. import buckets
 from ..exchange import Driver, Transport, Wait, find_auto, finish_all, single_layout
 from ..compressors import payload_bytes
+from ..compressors.dense import NoneCompressor
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats, ring_received
+from .momentum import momentum_optimizer
 
 OPS = ("average", "sum")
 
@@ -100,7 +102,8 @@ class CompressionState:
     :func:`register`.
     """
 
-    def __init__(self, ddp_model, compression=None, process_group=None, op="average"):
+    def __init__(self, ddp_model, compression=None, process_group=None, op="average",
+                 optimizer=None, compressed_momentum=None):
         if op not in OPS:
             raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
         self.compression = resolve(compression)
@@ -123,11 +126,39 @@ class CompressionState:
         self.driver = Driver(self.transport, self.stats, average=False, auto=self.auto)
         self.auto_key = {}       # auto: tensor name -> key of the auto bucket it is sent in
         self.auto_names = {}     # auto: key -> the names of its tensors
+        #: compressed-momentum Adam (:mod:`hvd_compress.torch.momentum`), or None
+        self.momentum = None
+        if compressed_momentum is not None and compressed_momentum is not False:
+            if optimizer is None:
+                raise ValueError("compressed_momentum needs optimizer= (the Adam or AdamW "
+                                 "that steps ddp_model's parameters)")
+            self.momentum = momentum_optimizer(optimizer, self, compressed_momentum,
+                                               lambda: dist.get_rank(self.process_group))
+            self.description += f" | {self.momentum.spec}"
+            self.dense_driver = Driver(self.transport, self.stats, average=False)
+            self.dense = NoneCompressor()
+
+    def agree(self, flag):
+        """Rank 0's boolean ``flag`` on every rank (one broadcast)."""
+        t = torch.tensor([int(bool(flag))], dtype=torch.int32,
+                         device=getattr(self.transport, "device", None) or "cpu")
+        dist.broadcast(t, src=dist.get_global_rank(self.process_group, 0)
+                       if self.process_group is not dist.group.WORLD else 0,
+                       group=self.process_group)
+        return bool(t.item())
+
+    def step_driver(self):
+        """This step's driver: the dense one in compressed momentum's dense steps."""
+        if self.momentum is not None and self.momentum.dense:
+            return self.dense_driver
+        return self.driver
 
     def state_dict(self):
         """The compressor's error-feedback residuals and counters (per parameter name);
         with ``auto``, also which tensors form each auto bucket (``"ddp_auto"``)."""
         out = self.compression.state_dict()
+        if self.momentum is not None:
+            out = dict(out, ddp_momentum=self.momentum.state_dict())
         if self.auto is not None:
             keys = set(self.auto_key.values())
             out = dict(out, ddp_auto={"key": dict(self.auto_key),
@@ -139,6 +170,12 @@ class CompressionState:
         """Restore :meth:`state_dict` (the spec must match; see ``Compressor.load_state_dict``)."""
         state_dict = dict(state_dict)
         mapping = state_dict.pop("ddp_auto", None)
+        momentum = state_dict.pop("ddp_momentum", None)
+        if self.momentum is not None:
+            if momentum is None:
+                raise ValueError("load_state_dict: this state uses compressed_momentum but "
+                                 "the state_dict has no 'ddp_momentum' entry")
+            self.momentum.load_state_dict(momentum)
         self.compression.load_state_dict(state_dict, "torch", strict)
         if self.auto is not None and mapping is not None:
             self.auto_key = dict(mapping["key"])
@@ -212,7 +249,7 @@ def compression_hook(state, bucket):
     state.transport.device = device
     if not state.checked:
         state.check_config(device)
-    driver, last = state.driver, bucket.is_last()
+    driver, last = state.step_driver(), bucket.is_last()
     try:
         if last:
             driver.backward_done()
@@ -302,15 +339,23 @@ class TorchDistributed(Transport):
         return [o.tolist() for o in out]
 
 
-def register(ddp_model, compression=None, process_group=None, op="average"):
+def register(ddp_model, compression=None, process_group=None, op="average", optimizer=None,
+             compressed_momentum=None):
     """Register :func:`compression_hook` on ``ddp_model`` (a DistributedDataParallel)
     and return its :class:`CompressionState`.
 
     ``compression``: a compressor, a Policy, a spec string (``"topk:density=0.01"``,
     ``"auto"``) or None for ``$HVD_COMPRESS`` (default ``none``).  ``process_group``: default the
     model's.  ``op``: ``"average"`` (as DDP) or ``"sum"``.
+
+    ``compressed_momentum`` with ``optimizer`` (an Adam or AdamW): dense Adam for a
+    warm-up, then the momentum is what the hook compresses
+    (:mod:`hvd_compress.strategies.momentum`; values as for the Horovod optimizer).  The
+    optimizer object is kept, and its ``step()`` applies the rule: its class becomes a
+    subclass of its own made on the fly, as Horovod's DistributedOptimizer does.
     """
-    state = CompressionState(ddp_model, compression, process_group, op)
+    state = CompressionState(ddp_model, compression, process_group, op, optimizer,
+                             compressed_momentum)
     ddp_model.register_comm_hook(state, compression_hook)
     return state
 
@@ -325,6 +370,7 @@ class _Bucket:
         self.future = torch.futures.Future(
             devices=[self.buffer.device] if self.buffer.is_cuda else None)
         grads = bucket.gradients()
+        momentum, dense = state.momentum, state.momentum is not None and state.momentum.dense
         entries, at = [], 0            # (name, gradient view, offset, compressor)
         for p, g in zip(bucket.parameters(), grads):
             if id(p) not in state.names:
@@ -332,7 +378,10 @@ class _Bucket:
                                  "ddp_model.module.named_parameters()")
             name = state.names[id(p)]
             if g.numel():
-                entries.append((name, g, at, state.compression.for_tensor(name, p)))
+                if momentum is not None and not dense:   # send the momentum instead
+                    momentum.to_momentum(p, g)
+                entries.append((name, g, at, state.dense if dense else
+                                state.compression.for_tensor(name, p)))
             at += g.numel()
         if at != self.buffer.numel():
             raise ValueError(f"hvd_compress.ddp: bucket {bucket.index()} holds {at} gradient "
@@ -365,7 +414,7 @@ class _Bucket:
         bucket, on a copy of their gradients end to end (error feedback keeps the buffer
         it is given as the residuals' storage, and DDP reuses its bucket buffer every
         step); a tensor alone on its own path."""
-        driver, compressor = self.state.driver, entries[0][3]
+        driver, compressor = self.state.step_driver(), entries[0][3]
         if len(entries) == 1 and auto_key is None:
             name, grad = entries[0][0], entries[0][1]
             return driver.launch(compressor, single_layout(name, grad.shape), tensor=grad)
@@ -380,7 +429,7 @@ class _Bucket:
         """Every exchange of the bucket one collective further (waiting for the last)."""
         for ex in self.exchanges:
             if not ex.done:
-                self.state.driver.advance(ex)
+                self.state.step_driver().advance(ex)
         self._finish_if_done()
 
     def _finish_if_done(self):

@@ -18,11 +18,14 @@ import horovod.torch as hvd
 import torch
 
 from .. import buckets
+from ..compressors.dense import NoneCompressor
 from ..exchange import Driver, find_auto
+from ..log import logger
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
 from . import collectives
+from .momentum import ADAM_FAMILY, AdamMomentum
 
 
 class CompressedOptimizer:
@@ -32,7 +35,7 @@ class CompressedOptimizer:
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 op, process_set, bucket_mb=None):
+                 op, process_set, bucket_mb=None, compressed_momentum=None):
         super(self.__class__, self).__init__(params)
         self.compression = resolve(compression)
         self.op = collectives.check_op(op)
@@ -67,6 +70,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._checked = False
         self._synchronized = False
+        self._step_driver = None
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         # hvd.broadcast_optimizer_state initialises an empty optimizer state with a step on
         # zero gradients; for Horovod's own DistributedOptimizer (recognised by __module__)
@@ -84,6 +88,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               average=self.op == hvd.Average,
                               auto=find_auto([e[2] for e in entries]))
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
+        self._momentum = None
+        if compressed_momentum is not None and compressed_momentum is not False:
+            self._momentum = AdamMomentum(self, compressed_momentum, self.compression,
+                                          process_set.rank)
+            self._dense = NoneCompressor()
+            self._dense_driver = Driver(self._driver.transport, self.stats,
+                                        average=self.op == hvd.Average)
+        elif isinstance(self, ADAM_FAMILY) and self.compression.name not in ("none", "fp16"):
+            logger.warning("hvd_compress: %s with gradient compression (%s) converges more "
+                           "slowly than dense Adam; compressed_momentum=True keeps Adam's "
+                           "convergence (see the README)", type(self).__name__,
+                           self.compression.spec)
         if process_set.included():
             for p in self._params:
                 self._delay[p] = self.backward_passes_per_step
@@ -109,7 +125,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._checked:
             return
         layout = ";".join(f"{self._names[p]}:{tuple(p.shape)}:{p.dtype}" for p in self._params)
-        collectives.check_same_config(f"{self.compression.spec} op={self.op} "
+        momentum = self._momentum.spec if self._momentum is not None else ""
+        collectives.check_same_config(f"{self.compression.spec} op={self.op} {momentum} "
                                       f"{buckets.describe(self.bucket_mb, self._buckets)} | {layout}",
                                       self.process_set)
         self._checked = True
@@ -120,14 +137,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        compressor = self.compression.for_tensor(self._names[params[0]], params[0])
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+        driver, compressor = self._driver_now(), None
+        if driver is not self._driver:       # compressed momentum: a dense Adam step
+            compressor = self._dense
+        elif self._momentum is not None:     # the momentum goes instead of the gradient
+            for p in params:
+                self._momentum.to_momentum(p, p.grad)
+        if compressor is None:
+            compressor = self.compression.for_tensor(self._names[params[0]], params[0])
         if len(params) == 1:                 # a bucket of one: the tensor's own path
-            grad = params[0].grad
-            return self._driver.launch(compressor, layout, inplace=True,
-                                       tensor=grad.to_dense() if grad.is_sparse else grad)
-        flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
-                          for p in params])
-        return self._driver.launch(compressor, layout, flat=flat)
+            return driver.launch(compressor, layout, inplace=True, tensor=params[0].grad)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        return driver.launch(compressor, layout, flat=flat)
+
+    def _driver_now(self):
+        """This step's driver: the dense one in compressed momentum's dense steps."""
+        if self._step_driver is None:
+            dense = self._momentum is not None and self._momentum.dense
+            self._step_driver = self._dense_driver if dense else self._driver
+        return self._step_driver
 
     def drop_in_flight(self):
         """Forget the collectives of a step that will not finish (Elastic Horovod's reset
@@ -140,7 +170,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._waiting = [len(b) for b in self._buckets]
         self._synchronized = False
         self._checked = False
-        self._driver.abort()
+        self._driver_now().abort()
+        self._step_driver = None
+        if self._momentum is not None:
+            self._momentum.journal.rollback()
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
@@ -148,12 +181,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
-        self._driver.backward_done()
+        driver = self._driver_now()
+        driver.backward_done()
         for b in range(len(self._buckets)):  # buckets with a gradient that did not arrive
             if b not in self._handles:
                 self._handles[b] = self._launch(b)
         order = sorted(self._handles)
-        outs = self._driver.finish([self._handles[b] for b in order])
+        outs = driver.finish([self._handles[b] for b in order])
         for b, out in zip(order, outs):
             params = self._buckets[b]
             parts = [out] if len(params) == 1 else self._layouts[b].split(out, torch_ops)
@@ -166,14 +200,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = self.backward_passes_per_step
         self._waiting = [len(b) for b in self._buckets]
         self._handles.clear()
-        self._driver.end_step()
+        driver.end_step()
         self._synchronized = True
 
     def step(self, closure=None):
         if not self._synchronized:
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        dense = self._driver_now() is not self._driver
+        self._step_driver = None
+        if self._momentum is None:
+            return super(self.__class__, self).step(closure)
+        if not dense:
+            with torch.enable_grad():
+                loss = closure() if closure is not None else None
+            self._momentum.apply(self._params)
+            return loss
+        loss = super(self.__class__, self).step(closure)
+        self._momentum.after_dense(self._params, self._agree)
+        return loss
+
+    def _agree(self, flag):
+        """Rank 0's ``flag``, on every rank (one named broadcast)."""
+        return bool(collectives.broadcast_flag(flag, "momentum.freeze", self.process_set))
+
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        if self._momentum is not None:
+            state["hvd_compress_momentum"] = self._momentum.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        momentum = state_dict.pop("hvd_compress_momentum", None)
+        if self._momentum is not None:
+            if momentum is None:
+                raise ValueError("load_state_dict: this optimizer uses compressed_momentum "
+                                 "but the state_dict has no 'hvd_compress_momentum' entry")
+            self._momentum.load_state_dict(momentum)
+        return super(self.__class__, self).load_state_dict(state_dict)
 
     def zero_grad(self, *args, **kwargs):
         if self._handles:
@@ -184,7 +249,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=hvd.Average,
-                         process_set=hvd.global_process_set, bucket_mb=None):
+                         process_set=hvd.global_process_set, bucket_mb=None,
+                         compressed_momentum=None):
     """Wrap ``optimizer`` so that ``step()`` uses compressed, aggregated gradients.
 
     Arguments follow ``horovod.torch.DistributedOptimizer``; ``compression`` is a
@@ -196,11 +262,35 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ready.  ``opt.stats`` counts bytes sent vs a dense float32 allreduce;
     ``opt.compression.state_dict()`` holds the error-feedback state to checkpoint (per
     parameter name, whatever the buckets).
+
+    ``compressed_momentum`` (Adam and AdamW only): dense Adam for a warm-up, then the
+    variance frozen and the *momentum* sent through ``compression`` with error feedback
+    (1-bit Adam / 0/1 Adam; :mod:`hvd_compress.strategies.momentum`).  ``True`` or
+    ``"auto"``: the warm-up ends when the variance has settled; an int: that many
+    warm-up steps; a dict: :class:`~hvd_compress.strategies.momentum.MomentumSchedule`'s
+    arguments (``warmup``, ``refresh``, ``tol``, ...).  Default: ``$HVD_COMPRESS_MOMENTUM``
+    (same values), else off.
     """
+    if compressed_momentum is None:
+        compressed_momentum = _momentum_from_env()
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, CompressedOptimizer),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
-               backward_passes_per_step, op, process_set, bucket_mb)
+               backward_passes_per_step, op, process_set, bucket_mb, compressed_momentum)
+
+
+def _momentum_from_env():
+    import os
+    text = os.environ.get("HVD_COMPRESS_MOMENTUM", "").strip().lower()
+    if text in ("", "0", "false", "off", "no"):
+        return None
+    if text in ("1", "true", "on", "yes", "auto"):
+        return "auto" if text == "auto" else True
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("$HVD_COMPRESS_MOMENTUM must be 0/1, 'auto' or a number of warm-up "
+                         f"steps, got {text!r}") from None
 
 
 from . import elastic as _elastic  # noqa: E402  (needs CompressedOptimizer, defined above)

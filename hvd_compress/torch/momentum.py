@@ -1,0 +1,173 @@
+"""Compressed-momentum Adam for PyTorch (``torch.optim.Adam``, ``AdamW``): the tensor
+side of :mod:`hvd_compress.strategies.momentum` (the rule, its formula and papers are
+there), shared by the Horovod optimizer and the DDP hook.
+
+The glue calls, per step::
+
+    if momentum.dense:                       # warm-up or refresh: plain Adam, dense
+        <exchange p.grad uncompressed>; wrapped.step(); momentum.after_dense(agree)
+    else:
+        momentum.to_momentum(p, p.grad)      # each gradient -> this rank's momentum
+        <exchange p.grad with the compressor>    # p.grad = the ranks' mean momentum
+        momentum.apply()                     # the Adam update with the frozen variance
+
+The momentum ``m`` and variance ``v`` stay in the wrapped optimizer's own state
+(``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad, ``step``), so its
+``state_dict`` holds them; :meth:`state_dict` adds the schedule.
+
+Imports: torch, ``hvd_compress.log``, ``hvd_compress.memory``,
+``hvd_compress.strategies.momentum``.
+"""
+import torch
+
+from ..log import info_rank0, logger
+from ..memory import Journal
+from ..strategies.momentum import MomentumSchedule, coefficients
+
+ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
+
+
+class AdamMomentum:
+    """Compressed momentum for ``optimizer`` (an Adam or AdamW, or a subclass made by
+    our glue) under ``schedule`` (a :class:`MomentumSchedule` or what
+    ``compressed_momentum=`` accepts); ``compression``: the compressor whose state
+    writes a skipped step must undo."""
+
+    def __init__(self, optimizer, schedule, compression, rank=lambda: 0):
+        if not isinstance(optimizer, ADAM_FAMILY):
+            raise ValueError("compressed_momentum needs an optimizer of the Adam family "
+                             "(torch.optim.Adam or AdamW), got "
+                             f"{type(optimizer).__name__}")
+        for group in optimizer.param_groups:
+            if group.get("differentiable"):
+                raise ValueError("compressed_momentum: differentiable=True is not supported")
+        self.opt = optimizer
+        self.schedule = MomentumSchedule.build(schedule)
+        self.decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+            g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
+        self.group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+        self.journal = Journal()
+        compression.attach_journal(self.journal)
+        self.skipped = 0          #: compressed steps skipped for NaN/Inf
+        self.rank = rank          #: () -> this rank (rank 0 logs the phase changes)
+
+    @property
+    def dense(self):
+        """True when the coming step is a dense Adam step (warm-up or refresh)."""
+        return self.schedule.dense()
+
+    @property
+    def spec(self):
+        return self.schedule.spec
+
+    # -- a compressed step --------------------------------------------------------
+    def to_momentum(self, p, grad):
+        """``grad <- b1 m + (1 - b1) (g + wd p)`` in place (the L2 term for Adam only;
+        ``maximize`` flips ``g``): what this rank sends instead of its gradient."""
+        group, state = self.group_of[p], self.opt.state[p]
+        beta1 = group["betas"][0]
+        if group.get("maximize"):
+            grad.neg_()
+        if group["weight_decay"] and not self.decoupled:
+            grad.add_(p.detach(), alpha=group["weight_decay"])
+        grad.mul_(1.0 - beta1).add_(state["exp_avg"], alpha=beta1)
+        return grad
+
+    def apply(self, params):
+        """The update from the mean momentum in ``p.grad`` (module docstring).  Returns
+        False, leaving everything as it was, when the aggregate has NaN/Inf."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            self.journal.rollback()
+            self.skipped += 1
+            logger.warning("compressed_momentum: NaN/Inf in the aggregated momentum; step "
+                           "skipped (momentum, variance, parameters and error feedback "
+                           "unchanged; %d skipped so far)", self.skipped)
+            return False
+        step = None
+        with torch.no_grad():
+            for p in params:
+                if p.grad is None:
+                    continue
+                group, state = self.group_of[p], self.opt.state[p]
+                state["step"] += 1
+                step = float(state["step"])
+                beta1, beta2 = group["betas"]
+                lr, wd = group["lr"], group["weight_decay"]
+                if wd and self.decoupled:
+                    p.mul_(1.0 - lr * wd)
+                step_size, scale, eps = coefficients(
+                    lr, beta1, beta2, group["eps"], step, self.schedule.variance_step)
+                v = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+                m = state["exp_avg"]
+                m.copy_(p.grad)
+                p.addcdiv_(m, (v.sqrt() / scale).add_(eps), value=-step_size)
+        self.journal.clear()
+        self.schedule.step_done(False, step)
+        return True
+
+    # -- a dense step -------------------------------------------------------------
+    def after_dense(self, params, agree):
+        """After the wrapped optimizer's own step on the dense average: count it, and in
+        the warm-up decide whether the variance freezes now (``agree(flag)``: rank 0's
+        flag, broadcast)."""
+        self.journal.clear()
+        state = self.opt.state[params[0]] if params else {}
+        step = float(state.get("step", self.schedule.steps + 1))
+        self.schedule.step_done(True, step)
+        if not self.schedule.warming_up:
+            return
+        variance_sum = None
+        if self.schedule.wants_check():
+            with torch.no_grad():
+                variance_sum = float(sum(self.opt.state[p]["exp_avg_sq"].double().sum()
+                                         for p in params if "exp_avg_sq" in self.opt.state[p]))
+        beta2 = self.opt.param_groups[0]["betas"][1]
+        if agree(self.schedule.observe(variance_sum, beta2, step)):
+            missing = [p for p in params if "exp_avg" not in self.opt.state[p]]
+            if missing:           # a parameter that never had a gradient: start its state
+                for p in missing:
+                    self.opt.state[p].update(step=torch.tensor(step),
+                                             exp_avg=torch.zeros_like(p),
+                                             exp_avg_sq=torch.zeros_like(p))
+                    if self.group_of[p].get("amsgrad"):
+                        self.opt.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+            self.schedule.freeze()
+            info_rank0(self.rank(), "compressed_momentum: variance frozen after %d dense steps; the "
+                        "momentum is compressed from now on", self.schedule.steps)
+
+    # -- checkpoints --------------------------------------------------------------
+    def state_dict(self):
+        return {**self.schedule.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        self.skipped = state.pop("skipped", 0)
+        self.schedule.load_state_dict(state)
+        self.journal.clear()
+
+
+def momentum_optimizer(optimizer, owner, schedule, rank=lambda: 0):
+    """For the DDP hook: an :class:`AdamMomentum` for ``optimizer``, whose ``step()``
+    from now on applies the rule (the plain step in dense steps, then the warm-up
+    decision; :meth:`AdamMomentum.apply` in compressed steps).  The optimizer object is
+    kept (so whoever holds it keeps working); its class becomes a subclass of its own,
+    made on the fly as Horovod's DistributedOptimizer does.  ``owner``: what holds the
+    compression and ``agree(flag)`` (rank 0's flag, broadcast)."""
+    momentum = AdamMomentum(optimizer, schedule, owner.compression, rank)
+    base = type(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def step(self, closure=None):
+        if momentum.dense:
+            loss = base.step(self, closure)
+            momentum.after_dense(params, owner.agree)
+            return loss
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        momentum.apply(params)
+        return loss
+
+    optimizer.__class__ = type(base.__name__, (base,), {"step": step,
+                                                        "__module__": base.__module__})
+    return momentum
