@@ -1,0 +1,192 @@
+"""Time to a target loss: a small GPT-2 (Hugging Face ``transformers``, 4 layers, 256
+wide, random init) trained byte-level with AdamW under ``horovodrun -np 2 --gloo``, per
+method, on plain loopback and on two hosts joined by 1 Gbit/s and 100 Mbit/s links.
+
+    python benchmarks/time_to_loss.py                        # everything (~40 minutes)
+    python benchmarks/time_to_loss.py --links plain --steps 200 --quick-methods
+    python benchmarks/time_to_loss.py --links 100mbit-2host --steps 300 \\
+        --methods "none;cm:laplace_topk:density=0.01"
+
+Methods: a compressor spec compresses the gradients (what AdamW users get from plain
+gradient compression); ``cm:<spec>`` is compressed-momentum Adam
+(``compressed_momentum=``: dense warm-up, frozen variance, momentum through the
+compressor with error feedback; hvd_compress/strategies/momentum.py).  Every method of a
+link runs in one launch, one after the other on the same processes
+(benchmarks/time_to_loss_worker.py: the text, the batches and the clock).
+
+Reported per link: the validation loss at the last step and its ratio to dense
+(``none``); the bytes sent per step after the warm-up and the ratio to dense; the
+*target* = dense's validation loss at ``--target-step``, and the training seconds each
+method needs to reach it (first evaluation at or below it; "never" if it does not within
+the run) and the speed-up over dense.  Writes
+benchmarks/results/time_to_loss_<date>.json and .png (validation loss against seconds,
+one curve per method, a panel per link; and against steps).  Shaped links need root
+(hvd_compress/tools/shaped_link.py); without it only plain loopback is measured.  The
+two workers share this machine's cores (one thread each): absolute seconds are CPU
+seconds, the ratios between methods of one run are the result.
+"""
+import sys
+from pathlib import Path
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from hvd_compress.tools.shaped_link import shaped_link, two_hosts  # noqa: E402
+from step_time import horovodrun_launch, hosts_launch  # noqa: E402
+
+METHODS = ["none", "laplace_topk:density=0.01", "topk:density=0.1", "powersgd:rank=4",
+           "cm:laplace_topk:density=0.01", "cm:onebit"]
+QUICK = ["none", "laplace_topk:density=0.01", "cm:laplace_topk:density=0.01", "cm:onebit"]
+LINKS = {"plain": None, "1gbit-2host": "1gbit", "100mbit-2host": "100mbit"}
+
+
+def run_link(link, methods, args):
+    rate = LINKS[link]
+    setup = two_hosts(rate, n=2) if rate else shaped_link(None)
+    with setup as where, tempfile.TemporaryDirectory() as tmp:
+        launch = hosts_launch(where) if rate else horovodrun_launch(where, 2)
+        out = os.path.join(tmp, "rows.json")
+        argv = [sys.executable, str(ROOT / "benchmarks" / "time_to_loss_worker.py"),
+                "--methods", ";".join(methods), "--steps", str(args.steps),
+                "--eval-every", str(args.eval_every), "--warmup", args.warmup, "--out", out]
+        rc, stdout, stderr = launch(argv, args.timeout)
+        for line in stdout.splitlines():
+            if "<stdout>:" in line:
+                print(f"  [{link}]" + line.split("<stdout>:", 1)[1], flush=True)
+        if rc != 0 or not os.path.exists(out):
+            raise RuntimeError(f"the job failed ({rc}) on {link}:\n{stderr[-3000:]}")
+        with open(out) as f:
+            rows = json.load(f)
+    for r in rows:
+        r["link"] = link
+    return rows
+
+
+def time_to(curve, target):
+    """Training seconds of the first evaluation at or below ``target`` (None: never)."""
+    return next((s for _, s, loss in curve if loss <= target), None)
+
+
+def summarise(rows, target_step):
+    """Per link: target from dense, then each method's figures (mutates rows)."""
+    for link in {r["link"] for r in rows}:
+        sel = [r for r in rows if r["link"] == link]
+        dense = next((r for r in sel if r["method"] == "none"), None)
+        if dense is None:
+            continue
+        target = next(loss for step, _, loss in dense["curve"] if step >= target_step)
+        base_t = time_to(dense["curve"], target)
+        for r in sel:
+            r["target_loss"], r["target_step"] = target, target_step
+            r["final_loss"] = r["curve"][-1][2]
+            r["final_vs_dense"] = r["final_loss"] / dense["curve"][-1][2]
+            r["time_to_target_s"] = t = time_to(r["curve"], target)
+            r["speedup_vs_dense"] = base_t / t if t else None
+            sent = r["sent_per_step_after_warmup"] or r["total_sent"] / len(r["step_s"])
+            r["bytes_ratio_after_warmup"] = r["dense_bytes_per_step"] / sent if sent else None
+            r["median_step_s"] = sorted(r["step_s"])[len(r["step_s"]) // 2]
+
+
+def table(rows, link):
+    sel = [r for r in rows if r["link"] == link]
+    if not sel:
+        return ""
+    t = sel[0].get("target_loss")
+    lines = [f"\n### {link} (target: dense loss at step {sel[0].get('target_step')} = "
+             f"{t:.4f})\n" if t else f"\n### {link}\n",
+             "| method | warm-up steps | val loss at end | × dense | bytes/step after warm-up "
+             "| × fewer | median step ms | s to target | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sel:
+        ttt = r.get("time_to_target_s")
+        sp = r.get("speedup_vs_dense")
+        lines.append(
+            f"| {r['method']} | {r['warmup_steps'] or '-'} | {r['final_loss']:.4f} | "
+            f"{r['final_vs_dense']:.3f} | {(r['sent_per_step_after_warmup'] or r['total_sent'] / len(r['step_s'])):,.0f} | "
+            f"{r['bytes_ratio_after_warmup']:.1f} | {1000 * r['median_step_s']:.0f} | "
+            f"{'never' if ttt is None else f'{ttt:.1f}'} | {'-' if sp is None else f'{sp:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def plot(rows, links, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, len(links), figsize=(6 * len(links), 8), squeeze=False)
+    for j, link in enumerate(links):
+        for r in [r for r in rows if r["link"] == link]:
+            steps, secs, loss = zip(*r["curve"])
+            axes[0][j].plot(secs, loss, marker=".", label=r["method"])
+            axes[1][j].plot(steps, loss, marker=".", label=r["method"])
+        t = next((r.get("target_loss") for r in rows if r["link"] == link), None)
+        for i, xl in enumerate(("training seconds", "step")):
+            ax = axes[i][j]
+            if t:
+                ax.axhline(t, color="gray", linestyle=":", label="target")
+            ax.set_xlabel(xl)
+            ax.set_ylabel("validation loss")
+            ax.set_title(link)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--methods", default=None, help="separated by ';' (default: all)")
+    p.add_argument("--quick-methods", action="store_true", help=f"only {';'.join(QUICK)}")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps-100mbit", type=int, default=300,
+                   help="steps on 100mbit-2host (dense takes ~1 s a step there)")
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--target-step", type=int, default=250,
+                   help="the target is dense's validation loss at this step")
+    p.add_argument("--warmup", default="auto", help="compressed_momentum's warm-up")
+    p.add_argument("--timeout", type=int, default=3600)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="time_to_loss")
+    args = p.parse_args()
+    links = [link for link in args.links.split(",") if link]
+    bad = [link for link in links if link not in LINKS]
+    if bad:
+        p.error(f"unknown link(s) {bad}: use {','.join(LINKS)}")
+    methods = args.methods.split(";") if args.methods else (QUICK if args.quick_methods
+                                                             else METHODS)
+    if any(LINKS[link] for link in links) and os.geteuid() != 0:
+        print("not root: shaped links need network namespaces and tc; plain loopback only")
+        links = ["plain"]
+    rows = []
+    steps = args.steps
+    for link in links:
+        args.steps = args.steps_100mbit if link == "100mbit-2host" else steps
+        rows += run_link(link, methods, args)
+    summarise(rows, args.target_step)
+    import torch
+    import transformers
+    info = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
+                transformers=transformers.__version__, cpus=os.cpu_count(), workers=2,
+                threads_per_worker=1, links=links, steps=steps,
+                steps_100mbit=args.steps_100mbit, warmup=args.warmup,
+                target_step=args.target_step, rows=rows)
+    for link in links:
+        print(table(rows, link))
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{args.name}_{info['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(info, f, indent=1)
+    plot(rows, links, stem + ".png")
+    print(f"\nwrote {stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
