@@ -37,7 +37,8 @@ import os  # noqa: E402
 import tempfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))      # last: benchmarks/select.py is no stdlib
 from hvd_compress.tools.shaped_link import shaped_link, two_hosts  # noqa: E402
 from step_time import horovodrun_launch, hosts_launch  # noqa: E402
 
@@ -151,7 +152,8 @@ def main():
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--target-step", type=int, default=250,
                    help="the target is dense's validation loss at this step")
-    p.add_argument("--warmup", default="auto", help="compressed_momentum's warm-up")
+    p.add_argument("--warmup", default="100",
+                   help="compressed_momentum's warm-up: dense steps, or 'auto'")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="time_to_loss")

@@ -61,9 +61,10 @@ def run(method, args, train, val_batch):
     spec = method[3:] if momentum else method
     model = make_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = dict(json.loads(args.momentum_args),
+                    warmup=int(args.warmup) if args.warmup.isdigit() else args.warmup)
     opt = hct.DistributedOptimizer(opt, model.named_parameters(), compression=spec,
-                                   compressed_momentum=(int(args.warmup) if args.warmup.isdigit()
-                                                        else args.warmup) if momentum else None)
+                                   compressed_momentum=schedule if momentum else None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def validate():
@@ -116,6 +117,8 @@ def main():
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--warmup", default="auto", help="compressed_momentum: steps or 'auto'")
+    p.add_argument("--momentum-args", default="{}",
+                   help="compressed_momentum: more MomentumSchedule arguments, as JSON")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)

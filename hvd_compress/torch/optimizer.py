@@ -20,12 +20,11 @@ import torch
 from .. import buckets
 from ..compressors.dense import NoneCompressor
 from ..exchange import Driver, find_auto
-from ..log import logger
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
 from . import collectives
-from .momentum import ADAM_FAMILY, AdamMomentum
+from .momentum import ADAM_FAMILY, AdamMomentum, adam_defaults
 
 
 class CompressedOptimizer:
@@ -38,6 +37,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  op, process_set, bucket_mb=None, compressed_momentum=None):
         super(self.__class__, self).__init__(params)
         self.compression = resolve(compression)
+        if compressed_momentum is False:
+            compressed_momentum = None
+        if compressed_momentum is None and isinstance(self, ADAM_FAMILY):
+            adam_defaults(self.compression, type(self).__name__)
         self.op = collectives.check_op(op)
         self.process_set = process_set
         if int(backward_passes_per_step) < 1:
@@ -89,17 +92,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               auto=find_auto([e[2] for e in entries]))
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         self._momentum = None
-        if compressed_momentum is not None and compressed_momentum is not False:
+        if compressed_momentum is not None:
             self._momentum = AdamMomentum(self, compressed_momentum, self.compression,
                                           process_set.rank)
             self._dense = NoneCompressor()
             self._dense_driver = Driver(self._driver.transport, self.stats,
                                         average=self.op == hvd.Average)
-        elif isinstance(self, ADAM_FAMILY) and self.compression.name not in ("none", "fp16"):
-            logger.warning("hvd_compress: %s with gradient compression (%s) converges more "
-                           "slowly than dense Adam; compressed_momentum=True keeps Adam's "
-                           "convergence (see the README)", type(self).__name__,
-                           self.compression.spec)
         if process_set.included():
             for p in self._params:
                 self._delay[p] = self.backward_passes_per_step

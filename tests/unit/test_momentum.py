@@ -190,3 +190,16 @@ def test_an_optimizer_outside_the_adam_family_is_refused_by_name():
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="compressed_momentum.*Adam.*SGD"):
         AdamMomentum(torch.optim.SGD([p], lr=0.1), True, from_spec("topk:density=0.5"))
+
+
+def test_auto_for_adam_keeps_only_lossless_defaults_and_what_the_user_listed():
+    from hvd_compress.strategies.auto.candidates import ADAM_CANDIDATES, for_adam
+    from hvd_compress.strategies.policy import Policy
+    auto = from_spec("auto")
+    assert for_adam(auto) == [auto]
+    assert auto.specs == [from_spec(c).spec for c in ADAM_CANDIDATES]
+    listed = from_spec("auto:candidates=none|topk:density=0.01")
+    assert for_adam(listed) == [] and len(listed.specs) == 2
+    inner = from_spec("auto")
+    assert for_adam(Policy({"w": inner}, default="none")) == [inner]
+    assert for_adam(from_spec("topk:density=0.01")) == []

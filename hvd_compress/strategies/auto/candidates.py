@@ -7,6 +7,12 @@ DEFAULT_CANDIDATES = ("none", "fp16", "laplace_topk:density=0.01",
                       "laplace_topk:density=0.01,values=rangefloat8")
 
 
+#: auto's default candidates for an Adam-family optimizer that compresses gradients (not
+#: its momentum): compressed gradients slow Adam's convergence (compressed_momentum is
+#: the way to send fewer bytes with Adam), so only the lossless-enough ones
+ADAM_CANDIDATES = ("none", "fp16")
+
+
 def split(text):
     """``"none|laplace_topk:density=0.01+values=rangefloat8"`` -> specs."""
     return [c.strip().replace("+", ",") for c in text.split("|") if c.strip()]
@@ -48,3 +54,24 @@ def label(specs):
     from ...spec import from_spec
     default = [from_spec(c).spec for c in DEFAULT_CANDIDATES]
     return None if specs == default else "|".join(s.replace(",", "+") for s in specs)
+
+
+def for_adam(compression):
+    """The wrapped optimizer is of the Adam family and sends its *gradients* (no
+    compressed momentum): an auto among ``compression`` (alone or in a Policy) that has
+    the default candidates keeps only :data:`ADAM_CANDIDATES` (a list the user gave is
+    kept: auto chooses among what the user accepted).  Before the first step only.
+    Returns the autos changed."""
+    members = compression.compressors() if hasattr(compression, "compressors") \
+        else [compression]
+    changed = []
+    for auto in members:
+        if not getattr(auto, "adaptive", False) or auto.candidates is not None or auto.steps:
+            continue
+        auto.members, auto.names = parse(ADAM_CANDIDATES)
+        auto.specs = [m.spec for m in auto.members]
+        auto.candidates = label(auto.specs)
+        auto.calibrate = max(auto.calibrate, len(auto.members))
+        auto.reset()
+        changed.append(auto)
+    return changed
