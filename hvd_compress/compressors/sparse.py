@@ -15,7 +15,7 @@ Imports: the standard library, ``hvd_compress.ops``; and modules of its own pack
 import math
 
 from ..ops import ops_for
-from . import aggregation
+from . import aggregation, dgc_recipe
 from .base import Compressor, Ctx, register
 
 
@@ -104,11 +104,23 @@ class DensitySparsifier(Sparsifier):
     allgathered), ``union``, ``leader`` or ``hint`` (a two-round exchange whose values
     are summed by an allreduce; ``beta`` and ``hint`` tune ``agg=hint``).  See
     :mod:`hvd_compress.compressors.aggregation`.
+
+    DGC's training recipe for SGD-momentum (:mod:`.dgc_recipe`): ``momentum`` (momentum
+    correction; use the optimizer without momentum), ``clip`` (local gradient
+    clipping, per tensor), ``mask`` (momentum factor masking), ``warmup_steps``
+    (density warm-up from 25%).
     """
 
-    def __init__(self, density=0.01, ef=None, values=None, agg=None, beta=None, hint=None):
+    def __init__(self, density=0.01, ef=None, values=None, agg=None, beta=None, hint=None,
+                 momentum=None, clip=None, mask=None, warmup_steps=None):
         super().__init__(ef=ef, values=values)
         self.density = check_density(density)
+        self.momentum, self.clip, self.mask, self.warmup_steps = dgc_recipe.check(
+            momentum, clip, mask, warmup_steps, agg)
+        if self.momentum and self.mask is None:
+            self.mask = True                  # DGC masks by default
+        if self.warmup_steps:
+            self.uses_step = True
         agg, self.beta, self.hint = aggregation.check_agg(agg, beta, hint, self.values)
         self.agg = None if agg == "local" else agg
         if self.agg is not None:
@@ -117,6 +129,12 @@ class DensitySparsifier(Sparsifier):
 
     def k(self, n):
         return max(1, min(n, math.ceil(self.density * n)))
+
+    def _compress_flat(self, flat, ctx, ops, step, parts, own=False):
+        if not (self.momentum or self.clip or self.warmup_steps):
+            return super()._compress_flat(flat, ctx, ops, step, parts, own)
+        return dgc_recipe.compress(self, flat, ctx, ops, step, parts, own,
+                                   super()._compress_flat)
 
     # -- aggregation-aware exchange (agg=union/leader/hint): two rounds ----------------
     def compress(self, tensor, name=None):

@@ -87,7 +87,7 @@ from ..compressors.dense import NoneCompressor
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats, ring_received
-from .momentum import ADAM_FAMILY, adam_defaults, momentum_optimizer
+from .momentum import ADAM_FAMILY, adam_defaults, check_dgc, momentum_optimizer
 
 OPS = ("average", "sum")
 
@@ -110,6 +110,8 @@ class CompressionState:
         if (compressed_momentum is None or compressed_momentum is False) and \
                 isinstance(optimizer, ADAM_FAMILY):
             adam_defaults(self.compression, type(optimizer).__name__)
+        if optimizer is not None:
+            check_dgc(self.compression, optimizer, compressed_momentum)
         self.process_group = process_group if process_group is not None else \
             getattr(ddp_model, "process_group", None) or dist.group.WORLD
         self.op = op

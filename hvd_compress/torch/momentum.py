@@ -27,6 +27,27 @@ from ..strategies.momentum import MomentumSchedule, coefficients
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 
 
+def check_dgc(compression, optimizer, compressed_momentum):
+    """A sparsifier with DGC's momentum correction (``momentum=``) applies SGD's momentum
+    inside the exchange: ValueError when the optimizer has its own momentum too, or with
+    ``compressed_momentum``."""
+    members = compression.compressors() if hasattr(compression, "compressors") \
+        else [compression]
+    members = members + [m for c in members for m in getattr(c, "members", [])]
+    dgc = [c for c in members if getattr(c, "momentum", None)]
+    if not dgc:
+        return
+    spec = dgc[0].spec
+    if compressed_momentum not in (None, False):
+        raise ValueError(f"compression {spec!r} has DGC's momentum correction (momentum=); "
+                         "compressed_momentum compresses Adam's momentum: use one of them")
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0)
+                                                      for g in optimizer.param_groups):
+        raise ValueError(f"compression {spec!r} applies the momentum inside the exchange "
+                         "(DGC's momentum correction): wrap SGD with momentum=0, not "
+                         f"momentum={optimizer.param_groups[0]['momentum']}")
+
+
 def adam_defaults(compression, optimizer_name):
     """An Adam-family optimizer that compresses its *gradients*: ``auto`` with default
     candidates keeps only the ones that keep Adam's convergence

@@ -24,7 +24,7 @@ from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
 from . import collectives
-from .momentum import ADAM_FAMILY, AdamMomentum, adam_defaults
+from .momentum import ADAM_FAMILY, AdamMomentum, adam_defaults, check_dgc
 
 
 class CompressedOptimizer:
@@ -41,6 +41,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             compressed_momentum = None
         if compressed_momentum is None and isinstance(self, ADAM_FAMILY):
             adam_defaults(self.compression, type(self).__name__)
+        check_dgc(self.compression, self, compressed_momentum)
         self.op = collectives.check_op(op)
         self.process_set = process_set
         if int(backward_passes_per_step) < 1:

@@ -88,7 +88,8 @@ def test_coefficients_are_adams_bias_corrections():
 
 SPECS = ["laplace_topk:density=0.1", "topk:density=0.1", "onebit", "twobit",
          "rangefloat:bits=8", "dct:density=0.1", "topk:density=0.1,values=rangefloat8",
-         "randomk:density=0.1", "fp16"]
+         "randomk:density=0.1", "fp16", "topk:density=0.1,momentum=0.9,clip=1.0",
+         "laplace_topk:density=0.1,momentum=0.9,warmup_steps=3"]
 
 
 def _state(c):
