@@ -26,10 +26,13 @@ def main():
     x_test, y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
 
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    compression = build_compression(args.compression, model, verbose=hvd.rank() == 0)
+    # DGC's recipe (a sparsifier's momentum=, e.g. "topk:density=0.01,momentum=0.9")
+    # applies SGD's momentum inside the exchange: the optimizer then has none of its own
+    dgc = bool(getattr(compression, "momentum", None))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if dgc else 0.9)
     opt = hct.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=build_compression(args.compression, model,
-                                                                 verbose=hvd.rank() == 0))
+                                   compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     report = Report(args, "pytorch", hvd.size())
     if hvd.rank() == 0:

@@ -31,28 +31,24 @@ class Journal:
     A glue that may have to drop a step after its exchange (the aggregate had NaN/Inf:
     compressed-momentum Adam skips the step as a GradScaler would) attaches a journal to
     its compressor (``compressor.attach_journal(journal)``); every store then records,
-    the first time a key is replaced in the step, the value it had (a reference, not a
-    copy: stores replace tensors, they never write into a stored one).  ``rollback()``
-    puts them back, bit for bit; ``clear()`` starts the next step.
+    the first time a key is written in the step, what it takes to restore it (PyTorch: a
+    reference, since stores replace tensors and never write into a stored one;
+    TensorFlow: a copy of the variable's value).  ``rollback()`` puts every key back,
+    bit for bit; ``clear()`` starts the next step.
     """
 
     def __init__(self):
-        self.entries = {}        # (id(store), table, key) -> (store, table, had, old)
+        self.entries = {}        # (id(store), table, key) -> (store, table, key, token)
 
     def record(self, store, table, key):
         mark = (id(store), table, key)
         if mark not in self.entries:
-            values = getattr(store, table)
-            self.entries[mark] = (store, table, key in values, values.get(key))
+            self.entries[mark] = (store, table, key, store.snapshot(table, key))
 
     def rollback(self):
         """Every recorded key back to the value it had when first written this step."""
-        for (_, table, key), (store, _, had, old) in self.entries.items():
-            values = getattr(store, table)
-            if had:
-                values[key] = old
-            else:
-                values.pop(key, None)
+        for store, table, key, token in self.entries.values():
+            store.restore(table, key, token)
         self.entries = {}
 
     def clear(self):
@@ -72,6 +68,19 @@ class TorchStore:
     def _record(self, table, key):
         if self.journal is not None:
             self.journal.record(self, table, key)
+
+    def snapshot(self, table, key):
+        """For a :class:`Journal`: (had it, its tensor)."""
+        values = getattr(self, table)
+        return key in values, values.get(key)
+
+    def restore(self, table, key, token):
+        had, old = token
+        values = getattr(self, table)
+        if had:
+            values[key] = old
+        else:
+            values.pop(key, None)
 
     def get(self, key, init):
         """Current value of ``key``; ``init()`` creates it the first time."""
@@ -126,21 +135,39 @@ class TFStore:
     """Named state ``tf.Variable``s for TensorFlow, created outside any graph."""
 
     loaded = frozenset()     #: the residual keys of the last load_state_dict
+    journal = None           #: a :class:`Journal` recording this step's writes (eager)
 
     def __init__(self):
         self._vars = {}
         self._inits = {}
 
+    def _record(self, key):
+        if self.journal is not None:
+            self.journal.record(self, "_vars", key)
+
+    def snapshot(self, table, key):
+        """For a :class:`Journal` (eager): a copy of the variable's value, or None."""
+        var = self._vars.get(key)
+        return None if var is None else var.read_value() + 0
+
+    def restore(self, table, key, token):
+        var = self._vars.get(key)
+        if var is None:
+            return
+        var.assign(self._inits[key]() if token is None else token)
+
     def get(self, key, init):
         import tensorflow as tf
         self._inits.setdefault(key, init)
         if key not in self._vars:
+            self._record(key)
             with tf.init_scope():
                 self._vars[key] = tf.Variable(init(), trainable=False,
                                               name="hvd_compress_state")
         return self._vars[key]
 
     def set(self, key, value):
+        self._record(key)
         self._vars[key].assign(value)
 
     def pop(self, key):
@@ -158,6 +185,7 @@ class TFStore:
         import tensorflow as tf
         var = self.get(key, lambda: tf.zeros((), dtype=tf.int64))
         value = var.read_value()
+        self._record(key)
         var.assign_add(1)
         return value
 

@@ -27,8 +27,10 @@ import tensorflow as tf
 
 from .. import buckets
 from ..spec import resolve
+from ..compressors.dense import NoneCompressor
 from . import collectives
 from . import tape as _tape
+from .momentum import KerasAdamMomentum
 
 # Horovod's keras.DistributedOptimizer arguments that hvd_compress does not implement,
 # with the values that mean "off": code written for horovod.keras that passes them
@@ -42,7 +44,8 @@ _CLASSES = {}
 
 
 def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
-                         process_set=hvd.global_process_set, bucket_mb=None, **horovod_kwargs):
+                         process_set=hvd.global_process_set, bucket_mb=None,
+                         compressed_momentum=None, **horovod_kwargs):
     """A copy of the Keras 3 ``optimizer`` whose updates use gradients compressed and
     aggregated over the Horovod ranks.
 
@@ -74,6 +77,12 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     ranks configured differently (compressor, op, bucket size, variable paths, shapes or
     dtypes) raise ValueError on every rank at the first step.  Every rank must run the
     same number of steps (shard the data evenly), as with any allreduce.
+
+    ``compressed_momentum`` (Keras ``Adam``/``AdamW``; eager only: ``run_eagerly=True``):
+    dense Adam for a warm-up, then the variance frozen and the momentum sent through
+    ``compression`` (:mod:`hvd_compress.strategies.momentum`; values as for the PyTorch
+    optimizer).  ``opt.momentum.state_dict()`` is its schedule, to checkpoint beside the
+    optimizer's variables and ``opt.compression.state_dict()``.
     """
     for key, value in horovod_kwargs.items():
         if key not in _HOROVOD_DEFAULTS:
@@ -96,6 +105,11 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     wrapped.op = collectives.check_op(op)
     wrapped.process_set = process_set
     wrapped.bucket_mb = buckets.bucket_mb(bucket_mb, wrapped.compression)
+    wrapped.momentum = None
+    if compressed_momentum is not None and compressed_momentum is not False:
+        wrapped.momentum = KerasAdamMomentum(wrapped, compressed_momentum, wrapped.compression,
+                                             process_set.rank)
+        wrapped.dense_compression = NoneCompressor()
     return wrapped
 
 
@@ -113,6 +127,8 @@ def _distributed_class(base):
         if variables is None or len(variables) != len(grads):
             return base.apply(self, grads, trainable_variables)   # Keras raises its error
         _check_not_xla()
+        if getattr(self, "momentum", None) is not None:
+            return _apply_momentum(self, base, grads, variables, trainable_variables)
         grads = _tape.reduce_gradients(grads, variables, self.compression, self.op,
                                        self.process_set, self.bucket_mb)
         return base.apply(self, grads, trainable_variables)
@@ -127,6 +143,31 @@ def _distributed_class(base):
                                         "__doc__": base.__doc__})
     _CLASSES[base] = cls
     return cls
+
+
+def _apply_momentum(self, base, grads, variables, trainable_variables):
+    """A step of compressed-momentum Adam (:mod:`hvd_compress.tensorflow.momentum`)."""
+    mom = self.momentum
+    if not tf.executing_eagerly():
+        raise ValueError("compressed_momentum decides between dense and compressed steps "
+                         "in Python: it needs eager execution (Keras: model.compile(..., "
+                         "run_eagerly=True))")
+    if not getattr(self, "_momentum_checked", False):
+        collectives.check_same_config(f"{self.compression.spec} {mom.spec}", self.process_set)
+        self._momentum_checked = True
+    if mom.dense:
+        grads = _tape.reduce_gradients(grads, variables, self.dense_compression, self.op,
+                                       self.process_set, self.bucket_mb, count_as=self.compression)
+        out = base.apply(self, grads, trainable_variables)
+        mom.after_dense(variables, lambda flag: bool(hvd.broadcast(
+            tf.constant([int(bool(flag))]), root_rank=0, name="hvd_compress.momentum.freeze",
+            process_set=self.process_set).numpy()[0]))
+        return out
+    if not self.built:
+        self.build(variables)
+    means = _tape.reduce_gradients(mom.local_momentum(grads, variables), variables,
+                                   self.compression, self.op, self.process_set, self.bucket_mb)
+    mom.apply(means, variables)
 
 
 def _check_not_xla():

@@ -143,7 +143,7 @@ class DistributedGradientTape:
 
 
 @tf.autograph.experimental.do_not_convert
-def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
+def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, count_as=None):
     """Compressed, aggregated ``grads`` (a list, one per variable of the list ``sources``;
     None stays None): what :class:`DistributedGradientTape` and
     :func:`hvd_compress.keras.DistributedOptimizer` both do with local gradients.
@@ -152,7 +152,8 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
     updated), ``bucket_mb`` a number (:func:`hvd_compress.buckets.bucket_mb`).  Names
     of the collectives come from :func:`variable_names`.  The first call per compressor
     and bucket size checks that every rank has the same configuration (ValueError on
-    every rank otherwise).  Eager or inside ``tf.function``.
+    every rank otherwise).  Eager or inside ``tf.function``.  ``count_as``: the
+    compressor whose :func:`stats` count the bytes (default ``compression``).
     """
     grads = list(grads)
     names = variable_names(sources)
@@ -180,7 +181,7 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb):
             "in Python: it needs eager execution. A tf.function (and Keras' compiled "
             "train step) would fix the choice when traced; run eagerly (Keras: "
             "model.compile(..., run_eagerly=True)) or choose a fixed compressor.")
-    driver = Driver(collectives.HorovodTF(process_set), stats(compression),
+    driver = Driver(collectives.HorovodTF(process_set), stats(count_as or compression),
                     average=op == hvd.Average, auto=auto)
     driver.backward_done()
     out = list(grads)
