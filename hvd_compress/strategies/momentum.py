@@ -44,7 +44,8 @@ exponentially spaced steps): dense Adam steps at ``T_w + R, T_w + 3R, T_w + 7R, 
 ``m``, ``v``, the parameters, the step count and every error-feedback residual stay as
 they were (the glue undoes the residual writes with a :class:`hvd_compress.memory.Journal`).
 
-This module imports nothing: the frameworks' glue (``hvd_compress.torch.momentum``) does
+This module imports only the standard library (and, lazily, ``hvd_compress.log`` and
+``auto``'s candidates): the frameworks' glue (``hvd_compress.torch.momentum``) does
 the tensor arithmetic with the coefficients :func:`coefficients` returns.
 """
 import math
@@ -166,6 +167,23 @@ class MomentumSchedule:
         for k in self._FIELDS:
             setattr(self, k, state[k])
         self.history = [tuple(h) for h in self.history]
+
+
+def adam_defaults(compression, optimizer_name):
+    """An Adam-family optimizer that compresses its *gradients*: ``auto`` with default
+    candidates keeps only the ones that keep Adam's convergence
+    (:func:`hvd_compress.strategies.auto.candidates.for_adam`); any other lossy
+    compressor gets a warning pointing at ``compressed_momentum``."""
+    from ..log import logger
+    from .auto.candidates import ADAM_CANDIDATES, for_adam
+    if for_adam(compression):
+        logger.info("hvd_compress: %s sends gradients: auto chooses among %s (pass "
+                    "compressed_momentum=True to let it compress the momentum)",
+                    optimizer_name, "|".join(ADAM_CANDIDATES))
+    elif compression.name not in ("none", "fp16", "bf16", "auto"):
+        logger.warning("hvd_compress: %s with gradient compression (%s) converges more "
+                       "slowly than dense Adam; compressed_momentum=True keeps Adam's "
+                       "convergence (see the README)", optimizer_name, compression.spec)
 
 
 def coefficients(lr, beta1, beta2, eps, step, variance_step):

@@ -30,6 +30,7 @@ from ..spec import resolve
 from ..compressors.dense import NoneCompressor
 from . import collectives
 from . import tape as _tape
+from ..strategies.momentum import adam_defaults
 from .momentum import KerasAdamMomentum
 
 # Horovod's keras.DistributedOptimizer arguments that hvd_compress does not implement,
@@ -106,6 +107,9 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     wrapped.process_set = process_set
     wrapped.bucket_mb = buckets.bucket_mb(bucket_mb, wrapped.compression)
     wrapped.momentum = None
+    if (compressed_momentum is None or compressed_momentum is False) and \
+            isinstance(optimizer, keras.optimizers.Adam):
+        adam_defaults(wrapped.compression, type(optimizer).__name__)
     if compressed_momentum is not None and compressed_momentum is not False:
         wrapped.momentum = KerasAdamMomentum(wrapped, compressed_momentum, wrapped.compression,
                                              process_set.rank)

@@ -87,7 +87,8 @@ from ..compressors.dense import NoneCompressor
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats, ring_received
-from .momentum import ADAM_FAMILY, adam_defaults, check_dgc, momentum_optimizer
+from ..strategies.momentum import adam_defaults
+from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer
 
 OPS = ("average", "sum")
 

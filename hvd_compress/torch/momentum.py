@@ -48,22 +48,6 @@ def check_dgc(compression, optimizer, compressed_momentum):
                          f"momentum={optimizer.param_groups[0]['momentum']}")
 
 
-def adam_defaults(compression, optimizer_name):
-    """An Adam-family optimizer that compresses its *gradients*: ``auto`` with default
-    candidates keeps only the ones that keep Adam's convergence
-    (:func:`hvd_compress.strategies.auto.candidates.for_adam`); any other lossy
-    compressor gets a warning pointing at ``compressed_momentum``."""
-    from ..strategies.auto.candidates import ADAM_CANDIDATES, for_adam
-    if for_adam(compression):
-        logger.info("hvd_compress: %s sends gradients: auto chooses among %s (pass "
-                    "compressed_momentum=True to let it compress the momentum)",
-                    optimizer_name, "|".join(ADAM_CANDIDATES))
-    elif compression.name not in ("none", "fp16", "bf16", "auto"):
-        logger.warning("hvd_compress: %s with gradient compression (%s) converges more "
-                       "slowly than dense Adam; compressed_momentum=True keeps Adam's "
-                       "convergence (see the README)", optimizer_name, compression.spec)
-
-
 class AdamMomentum:
     """Compressed momentum for ``optimizer`` (an Adam or AdamW, or a subclass made by
     our glue) under ``schedule`` (a :class:`MomentumSchedule` or what

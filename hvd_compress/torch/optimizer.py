@@ -11,8 +11,9 @@ exchange is an :class:`hvd_compress.exchange.Exchange` started by this optimizer
 this module holds only the hooks into backward and Horovod's optimizer API.
 
 Imports: torch, Horovod, ``hvd_compress.exchange``, ``hvd_compress.ops``,
-``hvd_compress.spec``, ``hvd_compress.stats``, ``hvd_compress.buckets``; and modules of its own
-package.
+``hvd_compress.spec``, ``hvd_compress.stats``, ``hvd_compress.buckets``,
+``hvd_compress.compressors.dense``, ``hvd_compress.strategies.momentum``; and modules of
+its own package.
 """
 import horovod.torch as hvd
 import torch
@@ -24,7 +25,8 @@ from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
 from . import collectives
-from .momentum import ADAM_FAMILY, AdamMomentum, adam_defaults, check_dgc
+from ..strategies.momentum import adam_defaults
+from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc
 
 
 class CompressedOptimizer:
