@@ -160,3 +160,11 @@ def test_ranks_with_different_settings_get_a_clear_error(ranks):
     for r in ranks:
         msg = str(r["mismatch/error"])
         assert "configured differently" in msg and "warmup=3" in msg and "warmup=4" in msg
+
+
+def test_dgc_recipe_trains_with_plain_sgd_and_refuses_a_second_momentum(ranks):
+    assert np.array_equal(ranks[0]["dgc/param"], ranks[1]["dgc/param"])
+    assert np.isfinite(ranks[0]["dgc/loss"]).all()
+    assert list(ranks[0]["dgc/velocity_keys"]) == [f"velocity/{n}" for n in sorted(SIZES)]
+    for r in ranks:
+        assert "momentum=0" in str(r["dgc/error"])

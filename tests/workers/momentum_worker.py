@@ -207,6 +207,35 @@ def gpt2():
     OUT["gpt2/dense"] = np.array(sum(p.numel() for p in model.parameters()) * 4)
 
 
+def dgc():
+    """SGD without momentum + a sparsifier with DGC's recipe; and the refusal of SGD
+    with a momentum of its own."""
+    spec = "topk:density=0.1,momentum=0.9,clip=5.0,warmup_steps=3"
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if HOROVOD:
+        opt = hc.DistributedOptimizer(opt, model.named_parameters(), compression=spec)
+        ddp, owner = model, opt
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        owner = hddp.register(ddp, compression=spec, optimizer=opt)
+    losses = [one_step(model, ddp, opt, step) for step in range(1, 7)]
+    OUT["dgc/param"] = flat(model.parameters())
+    OUT["dgc/loss"] = np.array(losses)
+    state = owner.compression.state_dict()["state"]
+    OUT["dgc/velocity_keys"] = np.array(sorted(k for k in state if k.startswith("velocity/")))
+    try:
+        bad = torch.optim.SGD(Net().parameters(), lr=0.1, momentum=0.9)
+        if HOROVOD:
+            hc.DistributedOptimizer(bad, Net().named_parameters(), compression=spec)
+        else:
+            hddp.register(torch.nn.parallel.DistributedDataParallel(Net()), compression=spec,
+                          optimizer=bad)
+        OUT["dgc/error"] = np.array("")
+    except ValueError as e:
+        OUT["dgc/error"] = np.array(str(e))
+
+
 def mismatch():
     try:
         model, ddp, opt, owner = build(warmup=3 + RANK)
@@ -223,6 +252,7 @@ if __name__ == "__main__":
     nan()
     each_spec()
     gpt2()
+    dgc()
     mismatch()                         # last: a failed configuration check ends the job
     mode = "horovod" if HOROVOD else "ddp"
     np.savez(os.path.join(os.environ["OUT_DIR"], f"momentum_{mode}_rank{RANK}.npz"), **OUT)
