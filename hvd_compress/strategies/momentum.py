@@ -169,6 +169,71 @@ class MomentumSchedule:
         self.history = [tuple(h) for h in self.history]
 
 
+class MomentumGlue:
+    """What every framework's compressed-momentum adapter shares (each subclass adds its
+    tensor arithmetic): the :class:`MomentumSchedule`, the journal that undoes a skipped
+    step's error-feedback writes, the count of skipped steps, the warm-up decision and
+    the checkpoint.  ``compression``: the compressor whose writes are journaled;
+    ``rank()``: this rank (rank 0 logs the phase change)."""
+
+    def __init__(self, schedule, compression, rank=lambda: 0):
+        from ..memory import Journal
+        self.schedule = MomentumSchedule.build(schedule)
+        self.journal = Journal()
+        compression.attach_journal(self.journal)
+        self.skipped = 0          #: compressed steps skipped for NaN/Inf
+        self.rank = rank
+
+    @property
+    def dense(self):
+        """True when the coming step is a dense Adam step (warm-up or refresh)."""
+        return self.schedule.dense()
+
+    @property
+    def spec(self):
+        return self.schedule.spec
+
+    def skip(self):
+        """The aggregate had NaN/Inf: undo the step's state writes and count it."""
+        from ..log import logger
+        self.journal.rollback()
+        self.skipped += 1
+        logger.warning("compressed_momentum: NaN/Inf in the aggregated momentum; step "
+                       "skipped (momentum, variance, parameters and error feedback "
+                       "unchanged; %d skipped so far)", self.skipped)
+
+    def compressed_done(self, optimizer_step):
+        self.journal.clear()
+        self.schedule.step_done(False, optimizer_step)
+
+    def dense_done(self, optimizer_step, beta2, variance_sum, agree):
+        """After a dense step at ``optimizer_step``: count it, and in the warm-up decide
+        whether the variance freezes now.  ``variance_sum()``: the sum of ``v`` (asked
+        on check steps only); ``agree(flag)``: rank 0's flag, broadcast.  True when the
+        variance froze now."""
+        from ..log import info_rank0
+        self.journal.clear()
+        self.schedule.step_done(True, optimizer_step)
+        if not self.schedule.warming_up:
+            return False
+        total = variance_sum() if self.schedule.wants_check() else None
+        if not agree(self.schedule.observe(total, beta2, optimizer_step)):
+            return False
+        self.schedule.freeze()
+        info_rank0(self.rank(), "compressed_momentum: variance frozen after %d dense steps; "
+                   "the momentum is compressed from now on", self.schedule.steps)
+        return True
+
+    def state_dict(self):
+        return {**self.schedule.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        self.skipped = state.pop("skipped", 0)
+        self.schedule.load_state_dict(state)
+        self.journal.clear()
+
+
 def adam_defaults(compression, optimizer_name):
     """An Adam-family optimizer that compresses its *gradients*: ``auto`` with default
     candidates keeps only the ones that keep Adam's convergence

@@ -13,18 +13,15 @@ is the schedule.  Keras' Adam puts ``eps`` outside the bias correction of ``v``:
 and its weight decay (AdamW, or ``weight_decay=`` on Adam) is decoupled:
 ``p <- p - p * wd * lr`` before the update; both are kept as Keras does them.
 
-Imports: TensorFlow, Keras, ``hvd_compress.log``, ``hvd_compress.memory``,
-``hvd_compress.strategies.momentum``.
+Imports: TensorFlow, Keras, ``hvd_compress.strategies.momentum``.
 """
 import keras
 import tensorflow as tf
 
-from ..log import info_rank0, logger
-from ..memory import Journal
-from ..strategies.momentum import MomentumSchedule
+from ..strategies.momentum import MomentumGlue
 
 
-class KerasAdamMomentum:
+class KerasAdamMomentum(MomentumGlue):
     """Compressed momentum for a Keras ``optimizer`` of the Adam family under
     ``schedule`` (what ``compressed_momentum=`` accepts); ``compression``: the
     compressor whose state writes a skipped step undoes."""
@@ -33,20 +30,8 @@ class KerasAdamMomentum:
         if not isinstance(optimizer, keras.optimizers.Adam):
             raise ValueError("compressed_momentum needs a Keras optimizer of the Adam family "
                              f"(keras.optimizers.Adam or AdamW), got {type(optimizer).__name__}")
+        super().__init__(schedule, compression, rank)
         self.opt = optimizer
-        self.schedule = MomentumSchedule.build(schedule)
-        self.journal = Journal()
-        compression.attach_journal(self.journal)
-        self.skipped = 0
-        self.rank = rank
-
-    @property
-    def dense(self):
-        return self.schedule.dense()
-
-    @property
-    def spec(self):
-        return self.schedule.spec
 
     def _slots(self, variable):
         i = self.opt._get_variable_index(variable)
@@ -70,11 +55,7 @@ class KerasAdamMomentum:
         False, leaving everything as it was, when the aggregate has NaN/Inf."""
         present = [(m, v) for m, v in zip(means, variables) if m is not None]
         if present and not all(bool(tf.reduce_all(tf.math.is_finite(m))) for m, _ in present):
-            self.journal.rollback()
-            self.skipped += 1
-            logger.warning("compressed_momentum: NaN/Inf in the aggregated momentum; step "
-                           "skipped (momentum, variance, weights and error feedback "
-                           "unchanged; %d skipped so far)", self.skipped)
+            self.skip()
             return False
         opt = self.opt
         step = float(opt.iterations.numpy()) + 1.0
@@ -87,32 +68,12 @@ class KerasAdamMomentum:
             m.assign(tf.cast(mean, m.dtype))
             var.assign_sub(m * alpha / (tf.sqrt(v) + opt.epsilon))
         opt.iterations.assign_add(1)
-        self.journal.clear()
-        self.schedule.step_done(False, step)
+        self.compressed_done(step)
         return True
 
     def after_dense(self, variables, agree):
         """After the wrapped optimizer's own step on the dense average: count it, and in
         the warm-up decide whether the variance freezes now (``agree(flag)``: rank 0's)."""
-        self.journal.clear()
-        step = float(self.opt.iterations.numpy())
-        self.schedule.step_done(True, step)
-        if not self.schedule.warming_up:
-            return
-        variance_sum = None
-        if self.schedule.wants_check():
-            variance_sum = float(sum(tf.reduce_sum(tf.cast(self._slots(v)[1], tf.float64))
-                                     for v in variables))
-        if agree(self.schedule.observe(variance_sum, self.opt.beta_2, step)):
-            self.schedule.freeze()
-            info_rank0(self.rank(), "compressed_momentum: variance frozen after %d dense "
-                       "steps; the momentum is compressed from now on", self.schedule.steps)
-
-    def state_dict(self):
-        return {**self.schedule.state_dict(), "skipped": self.skipped}
-
-    def load_state_dict(self, state):
-        state = dict(state)
-        self.skipped = state.pop("skipped", 0)
-        self.schedule.load_state_dict(state)
-        self.journal.clear()
+        self.dense_done(float(self.opt.iterations.numpy()), self.opt.beta_2,
+                        lambda: float(sum(tf.reduce_sum(tf.cast(self._slots(v)[1], tf.float64))
+                                          for v in variables)), agree)

@@ -15,14 +15,11 @@ The momentum ``m`` and variance ``v`` stay in the wrapped optimizer's own state
 (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad, ``step``), so its
 ``state_dict`` holds them; :meth:`state_dict` adds the schedule.
 
-Imports: torch, ``hvd_compress.log``, ``hvd_compress.memory``,
-``hvd_compress.strategies.momentum``.
+Imports: torch, ``hvd_compress.strategies.momentum``.
 """
 import torch
 
-from ..log import info_rank0, logger
-from ..memory import Journal
-from ..strategies.momentum import MomentumSchedule, coefficients
+from ..strategies.momentum import MomentumGlue, coefficients
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -48,7 +45,7 @@ def check_dgc(compression, optimizer, compressed_momentum):
                          f"momentum={optimizer.param_groups[0]['momentum']}")
 
 
-class AdamMomentum:
+class AdamMomentum(MomentumGlue):
     """Compressed momentum for ``optimizer`` (an Adam or AdamW, or a subclass made by
     our glue) under ``schedule`` (a :class:`MomentumSchedule` or what
     ``compressed_momentum=`` accepts); ``compression``: the compressor whose state
@@ -62,24 +59,11 @@ class AdamMomentum:
         for group in optimizer.param_groups:
             if group.get("differentiable"):
                 raise ValueError("compressed_momentum: differentiable=True is not supported")
+        super().__init__(schedule, compression, rank)
         self.opt = optimizer
-        self.schedule = MomentumSchedule.build(schedule)
         self.decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
             g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
         self.group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
-        self.journal = Journal()
-        compression.attach_journal(self.journal)
-        self.skipped = 0          #: compressed steps skipped for NaN/Inf
-        self.rank = rank          #: () -> this rank (rank 0 logs the phase changes)
-
-    @property
-    def dense(self):
-        """True when the coming step is a dense Adam step (warm-up or refresh)."""
-        return self.schedule.dense()
-
-    @property
-    def spec(self):
-        return self.schedule.spec
 
     # -- a compressed step --------------------------------------------------------
     def to_momentum(self, p, grad):
@@ -99,11 +83,7 @@ class AdamMomentum:
         False, leaving everything as it was, when the aggregate has NaN/Inf."""
         grads = [p.grad for p in params if p.grad is not None]
         if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-            self.journal.rollback()
-            self.skipped += 1
-            logger.warning("compressed_momentum: NaN/Inf in the aggregated momentum; step "
-                           "skipped (momentum, variance, parameters and error feedback "
-                           "unchanged; %d skipped so far)", self.skipped)
+            self.skip()
             return False
         step = None
         with torch.no_grad():
@@ -123,8 +103,7 @@ class AdamMomentum:
                 m = state["exp_avg"]
                 m.copy_(p.grad)
                 p.addcdiv_(m, (v.sqrt() / scale).add_(eps), value=-step_size)
-        self.journal.clear()
-        self.schedule.step_done(False, step)
+        self.compressed_done(step)
         return True
 
     # -- a dense step -------------------------------------------------------------
@@ -132,40 +111,23 @@ class AdamMomentum:
         """After the wrapped optimizer's own step on the dense average: count it, and in
         the warm-up decide whether the variance freezes now (``agree(flag)``: rank 0's
         flag, broadcast)."""
-        self.journal.clear()
         state = self.opt.state[params[0]] if params else {}
         step = float(state.get("step", self.schedule.steps + 1))
-        self.schedule.step_done(True, step)
-        if not self.schedule.warming_up:
-            return
-        variance_sum = None
-        if self.schedule.wants_check():
+
+        def variance_sum():
             with torch.no_grad():
-                variance_sum = float(sum(self.opt.state[p]["exp_avg_sq"].double().sum()
-                                         for p in params if "exp_avg_sq" in self.opt.state[p]))
+                return float(sum(self.opt.state[p]["exp_avg_sq"].double().sum()
+                                 for p in params if "exp_avg_sq" in self.opt.state[p]))
+
         beta2 = self.opt.param_groups[0]["betas"][1]
-        if agree(self.schedule.observe(variance_sum, beta2, step)):
-            missing = [p for p in params if "exp_avg" not in self.opt.state[p]]
-            if missing:           # a parameter that never had a gradient: start its state
-                for p in missing:
+        if self.dense_done(step, beta2, variance_sum, agree):
+            for p in params:          # a parameter that never had a gradient: start its state
+                if "exp_avg" not in self.opt.state[p]:
                     self.opt.state[p].update(step=torch.tensor(step),
                                              exp_avg=torch.zeros_like(p),
                                              exp_avg_sq=torch.zeros_like(p))
                     if self.group_of[p].get("amsgrad"):
                         self.opt.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
-            self.schedule.freeze()
-            info_rank0(self.rank(), "compressed_momentum: variance frozen after %d dense steps; the "
-                        "momentum is compressed from now on", self.schedule.steps)
-
-    # -- checkpoints --------------------------------------------------------------
-    def state_dict(self):
-        return {**self.schedule.state_dict(), "skipped": self.skipped}
-
-    def load_state_dict(self, state):
-        state = dict(state)
-        self.skipped = state.pop("skipped", 0)
-        self.schedule.load_state_dict(state)
-        self.journal.clear()
 
 
 def momentum_optimizer(optimizer, owner, schedule, rank=lambda: 0):
