@@ -238,17 +238,18 @@ def adam_defaults(compression, optimizer_name):
     """An Adam-family optimizer that compresses its *gradients*: ``auto`` with default
     candidates keeps only the ones that keep Adam's convergence
     (:func:`hvd_compress.strategies.auto.candidates.for_adam`); any other lossy
-    compressor gets a warning pointing at ``compressed_momentum``."""
+    compressor gets a warning pointing at the README's measurements."""
     from ..log import logger
     from .auto.candidates import ADAM_CANDIDATES, for_adam
     if for_adam(compression):
         logger.info("hvd_compress: %s sends gradients: auto chooses among %s (pass "
                     "compressed_momentum=True to let it compress the momentum)",
                     optimizer_name, "|".join(ADAM_CANDIDATES))
-    elif compression.name not in ("none", "fp16", "bf16", "auto"):
-        logger.warning("hvd_compress: %s with gradient compression (%s) converges more "
-                       "slowly than dense Adam; compressed_momentum=True keeps Adam's "
-                       "convergence (see the README)", optimizer_name, compression.spec)
+    elif compression.name not in ("none", "fp16", "bf16", "auto", "powersgd"):
+        logger.warning("hvd_compress: %s with lossy gradient compression (%s) may converge "
+                       "more slowly than dense Adam; see the README's 'Adam and AdamW' for "
+                       "what was measured (powersgd on the gradients, or compressed_momentum)",
+                       optimizer_name, compression.spec)
 
 
 def coefficients(lr, beta1, beta2, eps, step, variance_step):
