@@ -82,8 +82,9 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     ``compressed_momentum`` (Keras ``Adam``/``AdamW``; eager only: ``run_eagerly=True``):
     dense Adam for a warm-up, then the variance frozen and the momentum sent through
     ``compression`` (:mod:`hvd_compress.strategies.momentum`; values as for the PyTorch
-    optimizer).  ``opt.momentum.state_dict()`` is its schedule, to checkpoint beside the
-    optimizer's variables and ``opt.compression.state_dict()``.
+    optimizer).  ``opt.compressed_momentum`` (not ``opt.momentum``: that is SGD's own
+    hyperparameter) holds it; its ``state_dict()`` is the schedule, to checkpoint beside
+    the optimizer's variables and ``opt.compression.state_dict()``.
     """
     for key, value in horovod_kwargs.items():
         if key not in _HOROVOD_DEFAULTS:
@@ -106,13 +107,13 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     wrapped.op = collectives.check_op(op)
     wrapped.process_set = process_set
     wrapped.bucket_mb = buckets.bucket_mb(bucket_mb, wrapped.compression)
-    wrapped.momentum = None
+    wrapped.compressed_momentum = None
     if (compressed_momentum is None or compressed_momentum is False) and \
             isinstance(optimizer, keras.optimizers.Adam):
         adam_defaults(wrapped.compression, type(optimizer).__name__)
     if compressed_momentum is not None and compressed_momentum is not False:
-        wrapped.momentum = KerasAdamMomentum(wrapped, compressed_momentum, wrapped.compression,
-                                             process_set.rank)
+        wrapped.compressed_momentum = KerasAdamMomentum(
+            wrapped, compressed_momentum, wrapped.compression, process_set.rank)
         wrapped.dense_compression = NoneCompressor()
     return wrapped
 
@@ -131,7 +132,7 @@ def _distributed_class(base):
         if variables is None or len(variables) != len(grads):
             return base.apply(self, grads, trainable_variables)   # Keras raises its error
         _check_not_xla()
-        if getattr(self, "momentum", None) is not None:
+        if getattr(self, "compressed_momentum", None) is not None:
             return _apply_momentum(self, base, grads, variables, trainable_variables)
         grads = _tape.reduce_gradients(grads, variables, self.compression, self.op,
                                        self.process_set, self.bucket_mb)
@@ -151,7 +152,7 @@ def _distributed_class(base):
 
 def _apply_momentum(self, base, grads, variables, trainable_variables):
     """A step of compressed-momentum Adam (:mod:`hvd_compress.tensorflow.momentum`)."""
-    mom = self.momentum
+    mom = self.compressed_momentum
     if not tf.executing_eagerly():
         raise ValueError("compressed_momentum decides between dense and compressed steps "
                          "in Python: it needs eager execution (Keras: model.compile(..., "

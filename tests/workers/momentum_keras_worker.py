@@ -101,7 +101,7 @@ def resume(k=5):
         step(m, opt, t)
     saved = dict(weights=[w.numpy() for w in m.weights],
                  opt=[v.numpy() for v in opt.variables],
-                 compression=opt.compression.state_dict(), momentum=opt.momentum.state_dict())
+                 compression=opt.compression.state_dict(), momentum=opt.compressed_momentum.state_dict())
     m, opt = build()
     opt.build(m.trainable_variables)
     for w, value in zip(m.weights, saved["weights"]):
@@ -109,7 +109,7 @@ def resume(k=5):
     for v, value in zip(opt.variables, saved["opt"]):
         v.assign(value)
     opt.compression.load_state_dict(saved["compression"], framework="tensorflow")
-    opt.momentum.load_state_dict(saved["momentum"])
+    opt.compressed_momentum.load_state_dict(saved["momentum"])
     for t in range(k + 1, STEPS + 1):
         step(m, opt, t)
     OUT["resume/param"] = flat(m.trainable_variables)
@@ -126,7 +126,7 @@ def nan():
         OUT[f"nan/{name}/before"], OUT[f"nan/{name}/after"] = b, a
     step(m, opt, 5)
     OUT["nan/next_param"] = flat(m.trainable_variables)
-    OUT["nan/skipped"] = np.array(opt.momentum.skipped)
+    OUT["nan/skipped"] = np.array(opt.compressed_momentum.skipped)
 
 
 def fit():
@@ -140,7 +140,7 @@ def fit():
     hist = m.fit(x, y, batch_size=16, epochs=2, verbose=0)
     OUT["fit/loss"] = np.array(hist.history["loss"])
     OUT["fit/param"] = flat(m.trainable_variables)
-    OUT["fit/frozen_at"] = np.array(opt.momentum.schedule.frozen_at)
+    OUT["fit/frozen_at"] = np.array(opt.compressed_momentum.schedule.frozen_at)
 
 
 def mismatch():
