@@ -22,6 +22,10 @@ pair_sum = None
 if size > 2 and rank in (0, 1):          # a collective on the process set's own Gloo context
     pair_sum = float(hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum, name="two_host.pair",
                                    process_set=pair))
+# every rank waits here: a rank outside the pair that finished first shut Horovod down
+# under the pair's collective ("Horovod has been shut down ... after one of the ranks
+# finished execution")
+hvd.allreduce(torch.zeros(1), name="two_host.done")
 out = dict(rank=rank, size=size, local_rank=hvd.local_rank(), local_size=hvd.local_size(),
            cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(),
            summed=[float(summed.min()), float(summed.max())],
