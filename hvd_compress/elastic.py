@@ -46,8 +46,7 @@ class CompressionCommit:
 
     def sync(self):
         """Agree the counters, then account for the lost ranks; returns the lost norm."""
-        members = self.compression.compressors() if hasattr(self.compression, "compressors") \
-            else [self.compression]
+        members = self.compression.compressors()
         states = [c.state_dict() for c in members]
         counters = [{k: v for k, v in s["state"].items() if k.startswith(COUNTER_PREFIXES)}
                     for s in states]

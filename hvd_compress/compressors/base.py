@@ -220,6 +220,11 @@ class Compressor:
                             f"{self._ops.__name__}; use one compressor per framework")
         return self._store
 
+    def compressors(self):
+        """The distinct compressors this one stands for: itself (a
+        :class:`~hvd_compress.strategies.policy.Policy` lists its members)."""
+        return [self]
+
     def attach_journal(self, journal):
         """Record every state write of this compressor (and of the compressors it holds)
         in ``journal`` (a :class:`~hvd_compress.memory.Journal`; None: stop), so that a

@@ -206,18 +206,20 @@ class MomentumGlue:
         self.journal.clear()
         self.schedule.step_done(False, optimizer_step)
 
-    def dense_done(self, optimizer_step, beta2, variance_sum, agree):
+    def dense_done(self, optimizer_step, beta2, variance_sum, transport):
         """After a dense step at ``optimizer_step``: count it, and in the warm-up decide
         whether the variance freezes now.  ``variance_sum()``: the sum of ``v`` (asked
-        on check steps only); ``agree(flag)``: rank 0's flag, broadcast.  True when the
-        variance froze now."""
+        on check steps only); ``transport``: the glue's
+        :class:`~hvd_compress.exchange.Transport`, whose ``broadcast_floats`` gives every
+        rank rank 0's decision.  True when the variance froze now."""
         from ..log import info_rank0
         self.journal.clear()
         self.schedule.step_done(True, optimizer_step)
         if not self.schedule.warming_up:
             return False
         total = variance_sum() if self.schedule.wants_check() else None
-        if not agree(self.schedule.observe(total, beta2, optimizer_step)):
+        flag = float(self.schedule.observe(total, beta2, optimizer_step))
+        if transport.broadcast_floats([flag], "momentum.freeze")[0] < 0.5:
             return False
         self.schedule.freeze()
         info_rank0(self.rank(), "compressed_momentum: variance frozen after %d dense steps; "
@@ -227,7 +229,12 @@ class MomentumGlue:
     def state_dict(self):
         return {**self.schedule.state_dict(), "skipped": self.skipped}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, entry="compressed_momentum"):
+        """Restore :meth:`state_dict`; ``state`` None (the checkpoint has no ``entry``)
+        is a ValueError naming it."""
+        if state is None:
+            raise ValueError("load_state_dict: this optimizer uses compressed_momentum but "
+                             f"the state_dict has no {entry!r} entry")
         state = dict(state)
         self.skipped = state.pop("skipped", 0)
         self.schedule.load_state_dict(state)

@@ -30,7 +30,7 @@ from ..spec import resolve
 from ..compressors.dense import NoneCompressor
 from . import collectives
 from . import tape as _tape
-from ..strategies.momentum import adam_defaults
+from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .momentum import KerasAdamMomentum
 
 # Horovod's keras.DistributedOptimizer arguments that hvd_compress does not implement,
@@ -108,12 +108,12 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     wrapped.process_set = process_set
     wrapped.bucket_mb = buckets.bucket_mb(bucket_mb, wrapped.compression)
     wrapped.compressed_momentum = None
-    if (compressed_momentum is None or compressed_momentum is False) and \
-            isinstance(optimizer, keras.optimizers.Adam):
+    schedule = MomentumSchedule.build(compressed_momentum)
+    if schedule is None and isinstance(optimizer, keras.optimizers.Adam):
         adam_defaults(wrapped.compression, type(optimizer).__name__)
-    if compressed_momentum is not None and compressed_momentum is not False:
+    if schedule is not None:
         wrapped.compressed_momentum = KerasAdamMomentum(
-            wrapped, compressed_momentum, wrapped.compression, process_set.rank)
+            wrapped, schedule, wrapped.compression, process_set.rank)
         wrapped.dense_compression = NoneCompressor()
     return wrapped
 
@@ -164,9 +164,7 @@ def _apply_momentum(self, base, grads, variables, trainable_variables):
         grads = _tape.reduce_gradients(grads, variables, self.dense_compression, self.op,
                                        self.process_set, self.bucket_mb, count_as=self.compression)
         out = base.apply(self, grads, trainable_variables)
-        mom.after_dense(variables, lambda flag: bool(hvd.broadcast(
-            tf.constant([int(bool(flag))]), root_rank=0, name="hvd_compress.momentum.freeze",
-            process_set=self.process_set).numpy()[0]))
+        mom.after_dense(variables, collectives.HorovodTF(self.process_set))
         return out
     if not self.built:
         self.build(variables)

@@ -71,9 +71,10 @@ class KerasAdamMomentum(MomentumGlue):
         self.compressed_done(step)
         return True
 
-    def after_dense(self, variables, agree):
+    def after_dense(self, variables, transport):
         """After the wrapped optimizer's own step on the dense average: count it, and in
-        the warm-up decide whether the variance freezes now (``agree(flag)``: rank 0's)."""
+        the warm-up decide whether the variance freezes now (rank 0's decision, through
+        ``transport``)."""
         self.dense_done(float(self.opt.iterations.numpy()), self.opt.beta_2,
                         lambda: float(sum(tf.reduce_sum(tf.cast(self._slots(v)[1], tf.float64))
-                                          for v in variables)), agree)
+                                          for v in variables)), transport)

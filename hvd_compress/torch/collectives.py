@@ -123,13 +123,6 @@ def allreduce(tensor, name, compression=None, op=hvd.Average,
     return synchronize(allreduce_async(tensor, name, compression, op, process_set))
 
 
-def broadcast_flag(flag, name, process_set=hvd.global_process_set):
-    """Rank 0's boolean ``flag`` on every rank (one named broadcast)."""
-    out = hvd.broadcast(torch.tensor([int(bool(flag))], dtype=torch.int32), root_rank=0,
-                        name=PREFIX + name, process_set=process_set)
-    return bool(out.item())
-
-
 def _allgather_strings(text, name, process_set):
     # horovod.torch.allgather_object takes no process_set in 0.28.1: two named allgathers.
     data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)

@@ -87,7 +87,7 @@ from ..compressors.dense import NoneCompressor
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats, ring_received
-from ..strategies.momentum import adam_defaults
+from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer
 
 OPS = ("average", "sum")
@@ -108,11 +108,11 @@ class CompressionState:
         if op not in OPS:
             raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
         self.compression = resolve(compression)
-        if (compressed_momentum is None or compressed_momentum is False) and \
-                isinstance(optimizer, ADAM_FAMILY):
+        schedule = MomentumSchedule.build(compressed_momentum)
+        if schedule is None and isinstance(optimizer, ADAM_FAMILY):
             adam_defaults(self.compression, type(optimizer).__name__)
         if optimizer is not None:
-            check_dgc(self.compression, optimizer, compressed_momentum)
+            check_dgc(self.compression, optimizer, schedule)
         self.process_group = process_group if process_group is not None else \
             getattr(ddp_model, "process_group", None) or dist.group.WORLD
         self.op = op
@@ -134,24 +134,15 @@ class CompressionState:
         self.auto_names = {}     # auto: key -> the names of its tensors
         #: compressed-momentum Adam (:mod:`hvd_compress.torch.momentum`), or None
         self.momentum = None
-        if compressed_momentum is not None and compressed_momentum is not False:
+        if schedule is not None:
             if optimizer is None:
                 raise ValueError("compressed_momentum needs optimizer= (the Adam or AdamW "
                                  "that steps ddp_model's parameters)")
-            self.momentum = momentum_optimizer(optimizer, self, compressed_momentum,
+            self.momentum = momentum_optimizer(optimizer, self, schedule,
                                                lambda: dist.get_rank(self.process_group))
             self.description += f" | {self.momentum.spec}"
             self.dense_driver = Driver(self.transport, self.stats, average=False)
             self.dense = NoneCompressor()
-
-    def agree(self, flag):
-        """Rank 0's boolean ``flag`` on every rank (one broadcast)."""
-        t = torch.tensor([int(bool(flag))], dtype=torch.int32,
-                         device=getattr(self.transport, "device", None) or "cpu")
-        dist.broadcast(t, src=dist.get_global_rank(self.process_group, 0)
-                       if self.process_group is not dist.group.WORLD else 0,
-                       group=self.process_group)
-        return bool(t.item())
 
     def step_driver(self):
         """This step's driver: the dense one in compressed momentum's dense steps."""
@@ -178,10 +169,7 @@ class CompressionState:
         mapping = state_dict.pop("ddp_auto", None)
         momentum = state_dict.pop("ddp_momentum", None)
         if self.momentum is not None:
-            if momentum is None:
-                raise ValueError("load_state_dict: this state uses compressed_momentum but "
-                                 "the state_dict has no 'ddp_momentum' entry")
-            self.momentum.load_state_dict(momentum)
+            self.momentum.load_state_dict(momentum, "ddp_momentum")
         self.compression.load_state_dict(state_dict, "torch", strict)
         if self.auto is not None and mapping is not None:
             self.auto_key = dict(mapping["key"])

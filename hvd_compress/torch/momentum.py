@@ -5,7 +5,7 @@ there), shared by the Horovod optimizer and the DDP hook.
 The glue calls, per step::
 
     if momentum.dense:                       # warm-up or refresh: plain Adam, dense
-        <exchange p.grad uncompressed>; wrapped.step(); momentum.after_dense(agree)
+        <exchange p.grad uncompressed>; wrapped.step(); momentum.after_dense(transport)
     else:
         momentum.to_momentum(p, p.grad)      # each gradient -> this rank's momentum
         <exchange p.grad with the compressor>    # p.grad = the ranks' mean momentum
@@ -24,18 +24,17 @@ from ..strategies.momentum import MomentumGlue, coefficients
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def check_dgc(compression, optimizer, compressed_momentum):
+def check_dgc(compression, optimizer, schedule):
     """A sparsifier with DGC's momentum correction (``momentum=``) applies SGD's momentum
     inside the exchange: ValueError when the optimizer has its own momentum too, or with
-    ``compressed_momentum``."""
-    members = compression.compressors() if hasattr(compression, "compressors") \
-        else [compression]
+    compressed momentum (``schedule`` not None)."""
+    members = compression.compressors()
     members = members + [m for c in members for m in getattr(c, "members", [])]
     dgc = [c for c in members if getattr(c, "momentum", None)]
     if not dgc:
         return
     spec = dgc[0].spec
-    if compressed_momentum not in (None, False):
+    if schedule is not None:
         raise ValueError(f"compression {spec!r} has DGC's momentum correction (momentum=); "
                          "compressed_momentum compresses Adam's momentum: use one of them")
     if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0)
@@ -107,10 +106,10 @@ class AdamMomentum(MomentumGlue):
         return True
 
     # -- a dense step -------------------------------------------------------------
-    def after_dense(self, params, agree):
+    def after_dense(self, params, transport):
         """After the wrapped optimizer's own step on the dense average: count it, and in
-        the warm-up decide whether the variance freezes now (``agree(flag)``: rank 0's
-        flag, broadcast)."""
+        the warm-up decide whether the variance freezes now (rank 0's decision, through
+        ``transport``)."""
         state = self.opt.state[params[0]] if params else {}
         step = float(state.get("step", self.schedule.steps + 1))
 
@@ -120,7 +119,7 @@ class AdamMomentum(MomentumGlue):
                                  for p in params if "exp_avg_sq" in self.opt.state[p]))
 
         beta2 = self.opt.param_groups[0]["betas"][1]
-        if self.dense_done(step, beta2, variance_sum, agree):
+        if self.dense_done(step, beta2, variance_sum, transport):
             for p in params:          # a parameter that never had a gradient: start its state
                 if "exp_avg" not in self.opt.state[p]:
                     self.opt.state[p].update(step=torch.tensor(step),
@@ -136,7 +135,7 @@ def momentum_optimizer(optimizer, owner, schedule, rank=lambda: 0):
     decision; :meth:`AdamMomentum.apply` in compressed steps).  The optimizer object is
     kept (so whoever holds it keeps working); its class becomes a subclass of its own,
     made on the fly as Horovod's DistributedOptimizer does.  ``owner``: what holds the
-    compression and ``agree(flag)`` (rank 0's flag, broadcast)."""
+    compression and the ``transport``."""
     momentum = AdamMomentum(optimizer, schedule, owner.compression, rank)
     base = type(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -144,7 +143,7 @@ def momentum_optimizer(optimizer, owner, schedule, rank=lambda: 0):
     def step(self, closure=None):
         if momentum.dense:
             loss = base.step(self, closure)
-            momentum.after_dense(params, owner.agree)
+            momentum.after_dense(params, owner.transport)
             return loss
         with torch.enable_grad():
             loss = closure() if closure is not None else None

@@ -25,7 +25,7 @@ from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats
 from . import collectives
-from ..strategies.momentum import adam_defaults
+from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc
 
 
@@ -39,11 +39,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  op, process_set, bucket_mb=None, compressed_momentum=None):
         super(self.__class__, self).__init__(params)
         self.compression = resolve(compression)
-        if compressed_momentum is False:
-            compressed_momentum = None
-        if compressed_momentum is None and isinstance(self, ADAM_FAMILY):
+        schedule = MomentumSchedule.build(compressed_momentum)
+        if schedule is None and isinstance(self, ADAM_FAMILY):
             adam_defaults(self.compression, type(self).__name__)
-        check_dgc(self.compression, self, compressed_momentum)
+        check_dgc(self.compression, self, schedule)
         self.op = collectives.check_op(op)
         self.process_set = process_set
         if int(backward_passes_per_step) < 1:
@@ -95,8 +94,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               auto=find_auto([e[2] for e in entries]))
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         self._momentum = None
-        if compressed_momentum is not None:
-            self._momentum = AdamMomentum(self, compressed_momentum, self.compression,
+        if schedule is not None:
+            self._momentum = AdamMomentum(self, schedule, self.compression,
                                           process_set.rank)
             self._dense = NoneCompressor()
             self._dense_driver = Driver(self._driver.transport, self.stats,
@@ -218,12 +217,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._momentum.apply(self._params)
             return loss
         loss = super(self.__class__, self).step(closure)
-        self._momentum.after_dense(self._params, self._agree)
+        self._momentum.after_dense(self._params, self._driver.transport)
         return loss
-
-    def _agree(self, flag):
-        """Rank 0's ``flag``, on every rank (one named broadcast)."""
-        return bool(collectives.broadcast_flag(flag, "momentum.freeze", self.process_set))
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
@@ -235,10 +230,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         momentum = state_dict.pop("hvd_compress_momentum", None)
         if self._momentum is not None:
-            if momentum is None:
-                raise ValueError("load_state_dict: this optimizer uses compressed_momentum "
-                                 "but the state_dict has no 'hvd_compress_momentum' entry")
-            self._momentum.load_state_dict(momentum)
+            self._momentum.load_state_dict(momentum, "hvd_compress_momentum")
         return super(self.__class__, self).load_state_dict(state_dict)
 
     def zero_grad(self, *args, **kwargs):

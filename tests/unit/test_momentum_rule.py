@@ -169,7 +169,9 @@ def test_local_momentum_has_adams_l2_term_and_maximize():
 def test_apply_is_adamw_with_the_frozen_variance_and_skips_nonfinite():
     p, opt = _adam(torch.optim.AdamW, weight_decay=0.1, amsgrad=True)
     m = AdamMomentum(opt, 1, from_spec("topk:density=0.5"))
-    m.after_dense([p], agree=lambda flag: flag)
+    from hvd_compress.exchange.in_process import World
+    from hvd_compress.ops import torch_ops
+    m.after_dense([p], World(1, torch_ops).transport(0))     # one rank: its own decision
     assert not m.dense
     v = opt.state[p]["max_exp_avg_sq"].clone()
     p0 = p.detach().clone()

@@ -62,10 +62,8 @@ def for_adam(compression):
     the default candidates keeps only :data:`ADAM_CANDIDATES` (a list the user gave is
     kept: auto chooses among what the user accepted).  Before the first step only.
     Returns the autos changed."""
-    members = compression.compressors() if hasattr(compression, "compressors") \
-        else [compression]
     changed = []
-    for auto in members:
+    for auto in compression.compressors():
         if not getattr(auto, "adaptive", False) or auto.candidates is not None or auto.steps:
             continue
         auto.members, auto.names = parse(ADAM_CANDIDATES)
