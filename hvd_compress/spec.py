@@ -69,6 +69,34 @@ def from_env(default="none"):
     return from_spec(os.environ.get(ENV_VAR) or default)
 
 
+#: Horovod's own compression objects (``hvd.Compression.none`` / ``.fp16``, PyTorch's and
+#: TensorFlow's: classes used without instantiating) -> the spec of ours that does the same
+HOROVOD_COMPRESSION = {"NoneCompressor": "none", "FP16Compressor": "fp16"}
+
+
+def from_horovod(compression):
+    """The spec of ours for Horovod's ``hvd.Compression.none`` / ``hvd.Compression.fp16``
+    (the class or an instance of it); None when ``compression`` is not Horovod's.  Any
+    other Horovod compressor (a subclass of Horovod's ``Compressor``) is a ValueError
+    naming ``compression``: ours need the tensor's name and, for most, an allgather."""
+    cls = compression if isinstance(compression, type) else type(compression)
+    horovod = [k for k in getattr(cls, "__mro__", ())
+               if (getattr(k, "__module__", "") or "").startswith("horovod.")]
+    if not horovod:
+        return None
+    name = getattr(cls, "__name__", "")
+    if horovod[0] is cls and name in HOROVOD_COMPRESSION:
+        return HOROVOD_COMPRESSION[name]
+    raise ValueError(f"compression={cls.__module__}.{name} is a Horovod compressor "
+                     "hvd_compress has no counterpart for; pass hvd.Compression.none or "
+                     "hvd.Compression.fp16, a spec string like 'topk:density=0.01' or an "
+                     "hvd_compress compressor")
+
+
 def resolve(compression):
-    """What the glue layers accept: a Compressor, a spec string, or None (= from_env)."""
-    return from_env() if compression is None else from_spec(compression)
+    """What the glue layers accept: a Compressor, a spec string, Horovod's
+    ``hvd.Compression.none``/``fp16`` (our ``none``/``fp16``), or None (= from_env)."""
+    if compression is None:
+        return from_env()
+    horovod = from_horovod(compression)
+    return from_spec(horovod if horovod is not None else compression)

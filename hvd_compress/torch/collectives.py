@@ -18,9 +18,9 @@ from ..spec import resolve
 
 
 def check_op(op):
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
-    return op
+    """``op`` (``hvd.Average`` or ``hvd.Sum``), else ValueError naming it."""
+    from .horovod_surface import check_op as check
+    return check(op, hvd)
 
 
 def _to_wire(t):

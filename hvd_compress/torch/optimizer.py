@@ -15,6 +15,8 @@ Imports: torch, Horovod, ``hvd_compress.exchange``, ``hvd_compress.ops``,
 ``hvd_compress.compressors.dense``, ``hvd_compress.strategies.momentum``; and modules of
 its own package.
 """
+from contextlib import contextmanager
+
 import horovod.torch as hvd
 import torch
 
@@ -23,8 +25,10 @@ from ..compressors.dense import NoneCompressor
 from ..exchange import Driver, find_auto
 from ..ops import torch_ops
 from ..spec import resolve
+from ..log import logger
 from ..stats import Stats
-from . import collectives
+from . import collectives, horovod_surface as surface
+from .amp import GradientUnits
 from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc
 
@@ -36,19 +40,22 @@ class CompressedOptimizer:
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 op, process_set, bucket_mb=None, compressed_momentum=None):
+                 op, process_set, bucket_mb=None, compressed_momentum=None,
+                 gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 grad_scaler=None):
         super(self.__class__, self).__init__(params)
         self.compression = resolve(compression)
         schedule = MomentumSchedule.build(compressed_momentum)
         if schedule is None and isinstance(self, ADAM_FAMILY):
             adam_defaults(self.compression, type(self).__name__)
         check_dgc(self.compression, self, schedule)
-        self.op = collectives.check_op(op)
+        self.op = surface.check_op(op, hvd)
+        self.gradient_predivide_factor = surface.predivide_factor(gradient_predivide_factor,
+                                                                  op, hvd)
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self._units = GradientUnits(grad_scaler, self.gradient_predivide_factor)
         self.process_set = process_set
-        if int(backward_passes_per_step) < 1:
-            raise ValueError("backward_passes_per_step must be >= 1, "
-                             f"got {backward_passes_per_step!r}")
-        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.backward_passes_per_step = _passes(backward_passes_per_step)
         self.stats = Stats()
 
         if named_parameters is not None:
@@ -75,17 +82,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._checked = False
         self._synchronized = False
+        self._should_synchronize = True
+        self._warned = False
+        self._was_sparse = set()
         self._step_driver = None
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         # hvd.broadcast_optimizer_state initialises an empty optimizer state with a step on
         # zero gradients; for Horovod's own DistributedOptimizer (recognised by __module__)
         # it takes the wrapped optimizer's plain step, without collectives.  Ours is one
         # too: no compressed exchange, and error feedback untouched.
         self.__module__ = hvd.DistributedOptimizer.__module__
-        self.bucket_mb = buckets.bucket_mb(bucket_mb, self.compression)
+        self._groups = groups
+        self.bucket_mb = buckets.bucket_mb(bucket_mb, self.compression) if groups is None \
+            else float("inf")
         entries = [(self._names[p], tuple(p.shape), self.compression.for_tensor(self._names[p], p),
                     p.dtype, p.element_size()) for p in self._params]
-        self._buckets = [[self._params[i] for i in b] for b in buckets.plan(entries, self.bucket_mb)]
+        plan = buckets.plan(entries, self.bucket_mb) if groups is None else \
+            surface.plan_groups(groups, self._params, entries)
+        self._buckets = [[self._params[i] for i in b] for b in plan]
         self._layouts = [buckets.layout([self._names[p] for p in b], [p.shape for p in b])
                          for b in self._buckets]
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
@@ -126,19 +141,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         layout = ";".join(f"{self._names[p]}:{tuple(p.shape)}:{p.dtype}" for p in self._params)
         momentum = self._momentum.spec if self._momentum is not None else ""
+        plan = buckets.describe(self.bucket_mb, self._buckets) if self._groups is None else \
+            surface.describe_groups(self._groups, self._buckets)
         collectives.check_same_config(f"{self.compression.spec} op={self.op} {momentum} "
-                                      f"{buckets.describe(self.bucket_mb, self._buckets)} | {layout}",
-                                      self.process_set)
+                                      f"predivide={self.gradient_predivide_factor:g} "
+                                      f"{plan} | {layout}", self.process_set)
         self._checked = True
 
     def _launch(self, b):
         self._check_config()
+        self._units.journal_of(self.compression, self._momentum)   # before any state write
         params, layout = self._buckets[b], self._layouts[b]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             elif p.grad.is_sparse:
+                if self.sparse_as_dense:
+                    self._was_sparse.add(p)
                 p.grad = p.grad.to_dense()
+            self._units.unscale_(p.grad)     # loss scale and predivide factor out
         driver, compressor = self._driver_now(), None
         if driver is not self._driver:       # compressed momentum: a dense Adam step
             compressor = self._dense
@@ -171,9 +192,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._checked = False
         self._driver_now().abort()
+        self._units.abort()
+        self._was_sparse.clear()
         self._step_driver = None
         if self._momentum is not None:
             self._momentum.journal.rollback()
+
+    def _check_unfrozen(self):
+        thawed = [p for p in self._frozen if p.grad is not None]
+        if thawed:                         # as Horovod: only the wrapped-time trainables
+            logger.warning("hvd_compress: %d parameter(s) (%s, ...) did not require grad "
+                           "when the DistributedOptimizer was built and now have "
+                           "gradients: those are not exchanged (each rank keeps its own); "
+                           "build the DistributedOptimizer after setting requires_grad",
+                           len(thawed), self._names.get(thawed[0], "?"))
+            self._frozen = [p for p in self._frozen if p.grad is None]
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
@@ -183,6 +216,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         driver = self._driver_now()
         driver.backward_done()
+        self._check_unfrozen()
         for b in range(len(self._buckets)):  # buckets with a gradient that did not arrive
             if b not in self._handles:
                 self._handles[b] = self._launch(b)
@@ -190,12 +224,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         outs = driver.finish([self._handles[b] for b in order])
         for b, out in zip(order, outs):
             params = self._buckets[b]
+            self._units.rescale_(out)        # the loss scale (and predivide factor) back
             parts = [out] if len(params) == 1 else self._layouts[b].split(out, torch_ops)
             for p, o in zip(params, parts):
                 if p.grad.is_sparse:
                     p.grad = o.reshape(p.shape)
                 elif o.data_ptr() != p.grad.data_ptr():     # in place already: no copy
                     p.grad.copy_(o.reshape(p.shape))
+                if p in self._was_sparse:     # sparse_as_dense: sparse again, as Horovod
+                    p.grad = p.grad.to_sparse()
+        self._was_sparse.clear()
+        # an overflow step (Inf/NaN) with a loss scale: undo its error-feedback writes
+        self._units.end(outs, self._units.journal_of(self.compression, self._momentum))
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
         self._waiting = [len(b) for b in self._buckets]
@@ -203,9 +243,55 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         driver.end_step()
         self._synchronized = True
 
+    @contextmanager
+    def skip_synchronize(self):
+        """A context manager in which ``step()`` does not synchronize (Horovod's)::
+
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def set_backward_passes_per_step(self, passes):
+        """Expect ``passes`` backward passes before each ``step()`` from now on."""
+        passes = _passes(passes)
+        if self._handles:
+            raise AssertionError("set_backward_passes_per_step() was called after "
+                                 "loss.backward() but before optimizer.step() or "
+                                 "optimizer.synchronize(): gradients are in flight")
+        self.backward_passes_per_step = passes
+        for p in self._params:
+            self._delay[p] = passes
+
+    def set_loss_scale(self, scale):
+        """The loss scale the coming steps' gradients carry (a number or a one-element
+        tensor; None: no scale), for a loss scaler other than a ``torch.amp.GradScaler``
+        passed as ``grad_scaler``.  Call it before ``backward()``; see
+        :func:`DistributedOptimizer`, "Mixed precision"."""
+        self._units.set_loss_scale(scale)
+
+    @property
+    def overflow_steps(self):
+        """Steps whose aggregate had Inf/NaN under a loss scale (their error-feedback
+        writes undone)."""
+        return self._units.overflow_steps
+
     def step(self, closure=None):
-        if not self._synchronized:
-            self.synchronize()
+        if self._should_synchronize:
+            if self._synchronized and not self._warned:
+                logger.warning("optimizer.step() called without optimizer.skip_synchronize() "
+                               "context after optimizer.synchronize(): the gradients are "
+                               "not exchanged again (compressed gradients and their error "
+                               "feedback would be); use optimizer.skip_synchronize()")
+                self._warned = True
+            if not self._synchronized:
+                self.synchronize()
         self._synchronized = False
         dense = self._driver_now() is not self._driver
         self._step_driver = None
@@ -231,24 +317,46 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         momentum = state_dict.pop("hvd_compress_momentum", None)
         if self._momentum is not None:
             self._momentum.load_state_dict(momentum, "hvd_compress_momentum")
+        if not self._handles:         # as Horovod: the next backward starts a new step
+            self._synchronized = False
+            for p in self._params:
+                self._delay[p] = self.backward_passes_per_step
+            self._waiting = [len(b) for b in self._buckets]
         return super(self.__class__, self).load_state_dict(state_dict)
 
     def zero_grad(self, *args, **kwargs):
         if self._handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize().")
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=hvd.Average,
-                         process_set=hvd.global_process_set, bucket_mb=None,
-                         compressed_momentum=None):
+                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=hvd.global_process_set,
+                         bucket_mb=None, compressed_momentum=None, grad_scaler=None):
     """Wrap ``optimizer`` so that ``step()`` uses compressed, aggregated gradients.
 
-    Arguments follow ``horovod.torch.DistributedOptimizer``; ``compression`` is a
-    hvd_compress compressor, a spec string (``"topk:density=0.01"``) or None for
-    ``$HVD_COMPRESS`` (default ``none``).  ``op`` is ``hvd.Average`` or ``hvd.Sum``.
+    Arguments follow ``horovod.torch.DistributedOptimizer`` (0.28.1), in its order, and
+    so do its methods (``synchronize()``, ``skip_synchronize()``,
+    ``set_backward_passes_per_step()``) and its AssertionErrors (``zero_grad()`` or
+    another backward while gradients are in flight).  ``compression`` is a hvd_compress
+    compressor, a spec string (``"topk:density=0.01"``), Horovod's
+    ``hvd.Compression.none``/``hvd.Compression.fp16`` (our ``none``/``fp16``) or None for
+    ``$HVD_COMPRESS`` (default ``none``).  ``op`` is ``hvd.Average`` or ``hvd.Sum``
+    (``hvd.Adasum``: ValueError).  ``gradient_predivide_factor`` (``op=hvd.Average``
+    only): gradients are divided by it before the exchange and the average multiplied by
+    it after, as Horovod's ``1/factor`` before the sum and ``factor/size`` after.
+    ``groups`` (or its deprecated spelling ``num_groups``): Horovod's explicit groups
+    become the buckets: an int splits the parameters into that many buckets, a list of
+    lists of parameters makes each list a bucket (a parameter in none is a bucket of its
+    own); not together with ``bucket_mb``.  Sparse gradients are exchanged dense (the
+    compressors work on dense tensors); ``sparse_as_dense=True`` makes the aggregate
+    sparse again before the update, as Horovod does, ``False`` (the default) leaves it
+    dense.
+
     ``bucket_mb``: gradients are compressed and sent in buckets of about this many MB
     (default ``$HVD_COMPRESS_BUCKET_MB``, else 25; 0: tensor by tensor; see
     :mod:`hvd_compress.buckets`); a bucket is launched as soon as its last gradient is
@@ -263,13 +371,53 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     warm-up steps; a dict: :class:`~hvd_compress.strategies.momentum.MomentumSchedule`'s
     arguments (``warmup``, ``refresh``, ``tol``, ...).  Default: ``$HVD_COMPRESS_MOMENTUM``
     (same values), else off.
+
+    **Mixed precision** (Horovod's recipe, with any compressor)::
+
+        scaler = torch.amp.GradScaler("cuda")
+        opt = hvd_compress.torch.DistributedOptimizer(opt, model.named_parameters(),
+                                                      compression=..., grad_scaler=scaler)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+
+    ``grad_scaler``: the ``torch.amp.GradScaler`` whose scale the gradients carry.  Each
+    step's gradients are divided by its scale before compression and the aggregate is
+    multiplied by it again (exact: the scale is a power of two), so error feedback,
+    thresholds and PowerSGD's state are kept in unscaled units and a change of scale
+    changes nothing; ``p.grad`` after ``synchronize()`` holds the scaled average, as
+    with Horovod.  A step whose aggregate has Inf/NaN (an overflow, which GradScaler
+    skips on every rank) leaves every residual and counter as it was before the step
+    (``opt.overflow_steps`` counts them).  Without ``grad_scaler`` the gradients are
+    compressed as they come (today's behaviour): a scaler that changes its scale then
+    mixes residuals of different scales.  Another loss scaler: ``opt.set_loss_scale(s)``
+    before each ``backward()`` (or when ``s`` changes) does the same; ``None`` stops.
     """
     if compressed_momentum is None:
         compressed_momentum = _momentum_from_env()
+    groups = surface.groups_from(num_groups, groups, bucket_mb)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, CompressedOptimizer),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
-               backward_passes_per_step, op, process_set, bucket_mb, compressed_momentum)
+               backward_passes_per_step, op, process_set, bucket_mb, compressed_momentum,
+               gradient_predivide_factor, groups, sparse_as_dense, grad_scaler)
+
+
+def _passes(passes):
+    """``backward_passes_per_step`` as an int >= 1, or ValueError naming it."""
+    try:
+        value = int(passes)
+    except (TypeError, ValueError):
+        value = 0
+    if isinstance(passes, bool) or value < 1 or value != passes:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+    return value
 
 
 def _momentum_from_env():

@@ -1,0 +1,157 @@
+"""Mixed precision (loss scaling) for :mod:`hvd_compress.torch.optimizer`.
+
+With a loss scaler (``torch.amp.GradScaler``) the gradients that reach the optimizer's
+hooks are ``S * g``, and ``S`` changes during training (it grows every
+``growth_interval`` clean steps and halves at an overflow).  A compressor with error
+feedback keeps what it did not send, ``r``, and adds it to the next gradient: kept in
+scaled units, ``r`` from a step at ``S`` lands on a gradient at ``2 S`` or ``S / 2``, and
+an absolute threshold means something else at every scale.
+
+So this glue takes the scale out around the exchange: each gradient is divided by the
+step's ``S`` when it is launched (the compressor, its residuals, thresholds, PowerSGD's
+``Q`` all see and keep unscaled gradients), and the aggregate is multiplied by ``S``
+again when it is written into ``p.grad``; ``p.grad`` after ``synchronize()`` holds the
+scaled average, as with Horovod, so ``scaler.unscale_(opt)``, clipping and
+``scaler.step(opt)`` work unchanged.  ``S`` is a power of two for GradScaler: dividing
+and multiplying are exact.  ``gradient_predivide_factor`` is the same kind of factor and
+is taken out the same way (:class:`GradientUnits` holds both).
+
+An *overflow step* (a gradient with Inf/NaN on any rank: the aggregate is non-finite on
+every rank, every compressor passes non-finite values through, so GradScaler skips the
+step everywhere): every state write the compressors made in that step (residuals, step
+counters, PowerSGD's ``Q``) is undone (:class:`hvd_compress.memory.Journal`), so the
+step leaves error feedback exactly as it was.
+
+Imports: torch, ``hvd_compress.memory``, ``hvd_compress.log``.
+"""
+import math
+
+import torch
+
+from ..log import logger
+from ..memory import Journal
+
+
+def _check_scaler(scaler):
+    if scaler is None:
+        return None
+    if not (callable(getattr(scaler, "get_scale", None)) and callable(getattr(scaler, "scale", None))):
+        raise ValueError("grad_scaler must be a torch.amp.GradScaler (or an object with its "
+                         f"get_scale() and scale()), got {type(scaler).__name__}")
+    return scaler
+
+
+def _check_scale(scale):
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise ValueError("set_loss_scale: scale must be a number or a one-element "
+                             f"floating tensor, got a tensor of shape {tuple(scale.shape)} "
+                             f"and dtype {scale.dtype}")
+        value = float(scale)
+    else:
+        try:
+            value = float(scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"set_loss_scale: scale must be a number > 0, got {scale!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"set_loss_scale: scale must be a finite number > 0, got {scale!r}")
+    return scale.detach().reshape(()) if isinstance(scale, torch.Tensor) else value
+
+
+class GradientUnits:
+    """The factor a step's gradients carry, taken out before compression and put back
+    after: the loss scale (from ``grad_scaler``, or set by :meth:`set_loss_scale`) times
+    ``predivide`` (``gradient_predivide_factor``).  ``journal_of()`` gives the
+    :class:`~hvd_compress.memory.Journal` that undoes an overflow step."""
+
+    def __init__(self, grad_scaler=None, predivide=1.0):
+        self.scaler = _check_scaler(grad_scaler)
+        self.manual = None
+        self.predivide = float(predivide)
+        self.now = None                  #: this step's divisor (None: not started / 1)
+        self.started = False
+        self.overflow_steps = 0          #: steps whose aggregate had Inf/NaN (undone)
+        self.journal = None
+
+    @property
+    def scaling(self):
+        """True when gradients carry a loss scale (overflow steps are then undone)."""
+        if self.manual is not None:
+            return True
+        if self.scaler is None:
+            return False
+        return bool(self.scaler.is_enabled()) if hasattr(self.scaler, "is_enabled") else True
+
+    def set_loss_scale(self, scale):
+        self.manual = _check_scale(scale)
+
+    def loss_scale(self):
+        """The scale the coming (or current) step's gradients carry: 1.0 without one."""
+        if self.manual is not None:
+            return self.manual
+        if not self.scaling:
+            return 1.0
+        scale = getattr(self.scaler, "_get_scale_async", lambda: None)()
+        if scale is None:                # no scale() call yet: its initial scale
+            return float(self.scaler.get_scale())
+        return scale.detach().reshape(())
+
+    def begin(self):
+        """At a step's first launch: fix its divisor."""
+        if self.started:
+            return self.now
+        self.started = True
+        scale = self.loss_scale()
+        if isinstance(scale, torch.Tensor):
+            self.now = scale * self.predivide if self.predivide != 1.0 else scale
+        else:
+            self.now = None if scale * self.predivide == 1.0 else scale * self.predivide
+        return self.now
+
+    def unscale_(self, grad):
+        """``grad`` divided by this step's factor, in place (nothing without one)."""
+        d = self.begin()
+        return grad if d is None else grad.div_(d)
+
+    def rescale_(self, out):
+        """The aggregate multiplied by this step's factor again, in place."""
+        return out if self.now is None else out.mul_(self.now)
+
+    def journal_of(self, compression, momentum):
+        """The journal that records this step's state writes when gradients carry a loss
+        scale (compressed momentum's own, if it is on), else None."""
+        if not self.scaling:
+            return None
+        if momentum is not None:
+            return momentum.journal
+        if self.journal is None:
+            self.journal = Journal()
+            compression.attach_journal(self.journal)
+        return self.journal
+
+    def end(self, outs, journal):
+        """After the exchange: undo the step's state writes when any aggregate in ``outs``
+        has Inf/NaN; True when the step was finite."""
+        self.started, self.now = False, None
+        if journal is None:
+            if self.journal is not None:     # a loss scale no more: stop keeping entries
+                self.journal.clear()
+            return True
+        finite = not outs or bool(torch.stack([torch.isfinite(o).all() for o in outs]).all())
+        if finite:
+            journal.clear()
+            return True
+        journal.rollback()
+        self.overflow_steps += 1
+        logger.debug("hvd_compress: Inf/NaN in the aggregated gradients (a loss-scale "
+                     "overflow): the step's error-feedback writes are undone (%d so far)",
+                     self.overflow_steps)
+        return False
+
+    def abort(self):
+        """A step that will not finish (Elastic reset): forget its divisor."""
+        self.started, self.now = False, None
+        if self.journal is not None:
+            self.journal.rollback()
