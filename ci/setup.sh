@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything hvd_compress needs, from nothing, on a fresh machine:
 #   .venv/ with pinned torch (CPU), tensorflow-cpu, triton, numpy, mlxtend, pytest,
+#   mkdocs + Material + mkdocstrings (ci/requirements-docs.txt: the docs site),
 #   Horovod 0.28.1 built from its source distribution (Gloo + PyTorch + TensorFlow)
 #   with the two build edits recorded in DESIGN.md, and hvd_compress in editable mode.
 #
@@ -18,7 +19,7 @@ HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
 TF_VERSION=2.21.0
 STAMP="$VENV/.hvd_compress_setup"
-WANT=$(cat ci/setup.sh ci/requirements.txt pyproject.toml | sha256sum | cut -c1-16)
+WANT=$(cat ci/setup.sh ci/requirements.txt ci/requirements-docs.txt pyproject.toml | sha256sum | cut -c1-16)
 
 step() { CURRENT_STEP="$*"; echo "==> [setup] $*"; }
 fail() { echo "!! [setup] step failed: ${CURRENT_STEP:-?} (line $1, exit $2)." >&2
@@ -36,7 +37,8 @@ PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade "pip>=23" "setuptools>=68,<81" wheel
 
 step "install torch==$TORCH_VERSION (CPU), tensorflow-cpu==$TF_VERSION and the pinned requirements"
-$PIP install -q "torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" -r ci/requirements.txt
+$PIP install -q "torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" -r ci/requirements.txt \
+    -r ci/requirements-docs.txt      # the docs site: mkdocs, Material, mkdocstrings
 
 HVD_TAG="horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-tf$TF_VERSION-$($VENV/bin/python -c 'import sys;print("cp%d%d"%sys.version_info[:2])')"
 WHEEL_DIR="$CACHE/$HVD_TAG"
