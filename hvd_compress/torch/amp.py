@@ -155,3 +155,51 @@ class GradientUnits:
         self.started, self.now = False, None
         if self.journal is not None:
             self.journal.rollback()
+
+
+# -- the DDP hook -----------------------------------------------------------------------
+class _DDPScaled:
+    """:func:`register_ddp`'s hook state: the :class:`~hvd_compress.torch.ddp.
+    CompressionState` and the step's :class:`GradientUnits`."""
+
+    def __init__(self, state, units):
+        self.state, self.units, self.futures = state, units, []
+
+
+def _ddp_hook(scaled, bucket):
+    """:func:`hvd_compress.torch.ddp.compression_hook` on the unscaled bucket; the result
+    multiplied by the scale again (no collective is started from the callback)."""
+    from .ddp import compression_hook
+    state, units = scaled.state, scaled.units
+    journal = units.journal_of(state.compression, state.momentum)
+    d = units.begin()
+    if d is not None:
+        bucket.buffer().div_(d)
+    fut = compression_hook(state, bucket)
+    if d is not None:
+        fut = fut.then(lambda f: f.value().mul_(d))
+    scaled.futures.append(fut)
+    if bucket.is_last():               # every bucket of the step is finished by now
+        outs = [f.wait() for f in scaled.futures]
+        scaled.futures = []
+        units.end(outs, journal)
+    return fut
+
+
+def register_ddp(ddp_model, grad_scaler, compression=None, process_group=None, op="average",
+                 optimizer=None, compressed_momentum=None):
+    """:func:`hvd_compress.ddp.register` for mixed precision: the same arguments, and
+    ``grad_scaler`` (a ``torch.amp.GradScaler``) whose scale the gradients carry.  Each
+    bucket is divided by the step's scale before compression and its aggregate multiplied
+    by it again, so error feedback is kept in unscaled units; a step whose aggregate has
+    Inf/NaN (GradScaler skips it on every rank) leaves every residual as it was.  Train
+    as usual: ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``.
+    Returns the :class:`~hvd_compress.torch.ddp.CompressionState`; its ``amp``
+    (a :class:`GradientUnits`) counts ``overflow_steps``; ``amp.set_loss_scale(s)`` for
+    another loss scaler (``grad_scaler=None``)."""
+    from .ddp import CompressionState
+    state = CompressionState(ddp_model, compression, process_group, op, optimizer,
+                             compressed_momentum)
+    state.amp = GradientUnits(grad_scaler)
+    ddp_model.register_comm_hook(_DDPScaled(state, state.amp), _ddp_hook)
+    return state
