@@ -8,9 +8,11 @@ there; images render, result files download, and ``mkdocs build --strict`` still
 a link to a file that does not exist.  Links to a folder, or to a Markdown file outside
 docs/, are left alone (MkDocs then reports them): write those as code spans.
 
-It also tidies the docstrings' Sphinx roles for the API reference pages:
-``:class:`~a.b.C``` is rendered by mkdocstrings as ``:class:<code>~a.b.C</code>``, and
-is shown as ``<code>C</code>`` (``~``: the last name; ``.x``: as written, without the dot).
+It also tidies two reStructuredText habits of the docstrings for the API reference
+pages: Sphinx roles (``:class:`~a.b.C``` is rendered by mkdocstrings as
+``:class:<code>~a.b.C</code>`` and is shown as ``<code>C</code>``; ``~``: the last name;
+``.x``: as written, without the dot), and simple tables (``=====  =====`` rules), which
+Markdown runs together into one paragraph: they are shown preformatted.
 """
 import os
 import posixpath
@@ -20,6 +22,7 @@ from mkdocs.structure.files import File
 
 LINK = re.compile(r"(\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
 ROLE = re.compile(r":(?:class|mod|meth|func|attr|data|exc|obj):<code>(~?)\.?([^<]*)</code>")
+RST_TABLE = re.compile(r"<p>(={3,}[ =]*\n.*?\n={3,}[ =]*)</p>", re.S)
 PREFIX = "_repo"
 
 
@@ -82,4 +85,4 @@ def on_page_content(html, page, config, files):
         name = m.group(2)
         return f"<code>{name.rsplit('.', 1)[-1] if m.group(1) else name}</code>"
 
-    return ROLE.sub(role, html)
+    return RST_TABLE.sub(r"<pre>\1</pre>", ROLE.sub(role, html))
