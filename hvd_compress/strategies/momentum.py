@@ -40,6 +40,15 @@ early; at most ``max_warmup`` steps).  Rank 0's decision is broadcast by the glu
 exponentially spaced steps): dense Adam steps at ``T_w + R, T_w + 3R, T_w + 7R, ...``
 (gaps ``R, 2R, 4R, ...``) update ``v`` (and ``T_v``) again; the residuals wait.
 
+**The warm-up's exchange** (``warmup_compression``, default ``"none"``): the dense
+Adam steps (warm-up and refreshes) send their *gradients* through this compressor
+instead of a plain allreduce, e.g. ``"powersgd:rank=4"`` (low-rank gradients with error
+feedback, which kept AdamW's loss per step in ``benchmarks/time_to_loss.py``) or
+``"fp16"``.  On a slow link the dense warm-up is what costs: at 100 Mbit/s a dense
+step of the benchmark's GPT-2 took 1134 ms against 200 ms for a compressed-momentum
+step, so a 100-step dense warm-up alone costs as long as 570 compressed steps.  The
+variance ``v`` is then Adam's variance of the aggregate this compressor delivers.
+
 **A step with NaN/Inf** in the aggregate momentum is skipped as a GradScaler skips one:
 ``m``, ``v``, the parameters, the step count and every error-feedback residual stay as
 they were (the glue undoes the residual writes with a :class:`hvd_compress.memory.Journal`).
@@ -60,11 +69,13 @@ class MomentumSchedule:
     ``warmup``: dense Adam steps before the variance freezes (int >= 1), or ``"auto"``
     (the variance-stability test of the module docstring: ``check``, ``tol``,
     ``min_warmup``, ``max_warmup``).  ``refresh``: 0 (never) or the first gap ``R`` of
-    the variance refreshes at ``T_w + R, T_w + 3R, ...``.
+    the variance refreshes at ``T_w + R, T_w + 3R, ...``.  ``warmup_compression``: a
+    compressor spec for the gradients of the dense steps (default ``"none"``: a plain
+    allreduce; the module docstring says why ``"powersgd:rank=4"`` pays on slow links).
     """
 
     def __init__(self, warmup="auto", refresh=0, tol=0.05, check=10, min_warmup=20,
-                 max_warmup=1000):
+                 max_warmup=1000, warmup_compression="none"):
         if warmup != "auto":
             if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
                 raise ValueError(f"compressed_momentum: warmup must be 'auto' or an int >= 1 "
@@ -77,6 +88,11 @@ class MomentumSchedule:
             raise ValueError("compressed_momentum: check and max_warmup must be >= 1")
         if not (isinstance(tol, (int, float)) and 0 < tol < 1):
             raise ValueError(f"compressed_momentum: tol must be in (0, 1), got {tol!r}")
+        if not isinstance(warmup_compression, str) or not warmup_compression.strip():
+            raise ValueError("compressed_momentum: warmup_compression must be a compressor "
+                             f"spec string such as 'none' or 'powersgd:rank=4', got "
+                             f"{warmup_compression!r}")
+        self.warmup_compression = warmup_compression.strip()
         self.warmup, self.refresh, self.tol, self.check = warmup, refresh, float(tol), check
         self.min_warmup, self.max_warmup = min_warmup, max_warmup
         self.steps = 0            #: steps taken under this schedule
@@ -104,7 +120,9 @@ class MomentumSchedule:
     def spec(self):
         """What every rank must agree on (for the glue's configuration check)."""
         return (f"momentum(warmup={self.warmup},refresh={self.refresh},tol={self.tol},"
-                f"check={self.check},min={self.min_warmup},max={self.max_warmup})")
+                f"check={self.check},min={self.min_warmup},max={self.max_warmup}"
+                + (f",warmup_compression={self.warmup_compression})"
+                   if self.warmup_compression != "none" else ")"))
 
     @property
     def warming_up(self):
@@ -173,12 +191,18 @@ class MomentumGlue:
     """What every framework's compressed-momentum adapter shares (each subclass adds its
     tensor arithmetic): the :class:`MomentumSchedule`, the journal that undoes a skipped
     step's error-feedback writes, the count of skipped steps, the warm-up decision and
-    the checkpoint.  ``compression``: the compressor whose writes are journaled;
+    the checkpoint, and :attr:`warmup_compressor` (what the dense steps send their
+    gradients through).  ``compression``: the compressor whose writes are journaled;
     ``rank()``: this rank (rank 0 logs the phase change)."""
+
+    framework = "torch"          #: for restoring the warm-up compressor's state
 
     def __init__(self, schedule, compression, rank=lambda: 0):
         from ..memory import Journal
+        from ..spec import resolve
         self.schedule = MomentumSchedule.build(schedule)
+        #: the compressor of the dense steps' gradients (``warmup_compression``)
+        self.warmup_compressor = resolve(self.schedule.warmup_compression)
         self.journal = Journal()
         compression.attach_journal(self.journal)
         self.skipped = 0          #: compressed steps skipped for NaN/Inf
@@ -227,7 +251,10 @@ class MomentumGlue:
         return True
 
     def state_dict(self):
-        return {**self.schedule.state_dict(), "skipped": self.skipped}
+        out = {**self.schedule.state_dict(), "skipped": self.skipped}
+        if self.schedule.warmup_compression != "none":
+            out["warmup_compression"] = self.warmup_compressor.state_dict()
+        return out
 
     def load_state_dict(self, state, entry="compressed_momentum"):
         """Restore :meth:`state_dict`; ``state`` None (the checkpoint has no ``entry``)
@@ -237,7 +264,10 @@ class MomentumGlue:
                              f"the state_dict has no {entry!r} entry")
         state = dict(state)
         self.skipped = state.pop("skipped", 0)
+        warm = state.pop("warmup_compression", None)
         self.schedule.load_state_dict(state)
+        if warm is not None:
+            self.warmup_compressor.load_state_dict(warm, self.framework)
         self.journal.clear()
 
 

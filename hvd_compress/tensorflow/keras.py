@@ -27,7 +27,6 @@ import tensorflow as tf
 
 from .. import buckets
 from ..spec import resolve
-from ..compressors.dense import NoneCompressor
 from . import collectives
 from . import tape as _tape
 from ..strategies.momentum import MomentumSchedule, adam_defaults
@@ -114,7 +113,7 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     if schedule is not None:
         wrapped.compressed_momentum = KerasAdamMomentum(
             wrapped, schedule, wrapped.compression, process_set.rank)
-        wrapped.dense_compression = NoneCompressor()
+        wrapped.dense_compression = wrapped.compressed_momentum.warmup_compressor
     return wrapped
 
 

@@ -26,6 +26,8 @@ class KerasAdamMomentum(MomentumGlue):
     ``schedule`` (what ``compressed_momentum=`` accepts); ``compression``: the
     compressor whose state writes a skipped step undoes."""
 
+    framework = "tensorflow"
+
     def __init__(self, optimizer, schedule, compression, rank=lambda: 0):
         if not isinstance(optimizer, keras.optimizers.Adam):
             raise ValueError("compressed_momentum needs a Keras optimizer of the Adam family "

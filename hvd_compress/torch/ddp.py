@@ -83,7 +83,6 @@ import torch.distributed as dist
 from .. import buckets
 from ..exchange import Driver, Transport, Wait, find_auto, finish_all, single_layout
 from ..compressors import payload_bytes
-from ..compressors.dense import NoneCompressor
 from ..ops import torch_ops
 from ..spec import resolve
 from ..stats import Stats, ring_received
@@ -142,7 +141,7 @@ class CompressionState:
                                                lambda: dist.get_rank(self.process_group))
             self.description += f" | {self.momentum.spec}"
             self.dense_driver = Driver(self.transport, self.stats, average=False)
-            self.dense = NoneCompressor()
+            self.dense = self.momentum.warmup_compressor
 
     def step_driver(self):
         """This step's driver: the dense one in compressed momentum's dense steps."""
@@ -374,7 +373,7 @@ class _Bucket:
             if g.numel():
                 if momentum is not None and not dense:   # send the momentum instead
                     momentum.to_momentum(p, g)
-                entries.append((name, g, at, state.dense if dense else
+                entries.append((name, g, at, state.dense.for_tensor(name, p) if dense else
                                 state.compression.for_tensor(name, p)))
             at += g.numel()
         if at != self.buffer.numel():

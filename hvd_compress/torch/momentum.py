@@ -44,6 +44,24 @@ def check_dgc(compression, optimizer, schedule):
                          f"momentum={optimizer.param_groups[0]['momentum']}")
 
 
+def warmup_entries(entries, params, schedule):
+    """Bucket-plan entries (:func:`hvd_compress.buckets.plan`'s, one per parameter of
+    ``params``) when compressed momentum's dense steps send the gradients through another
+    compressor (``schedule.warmup_compression``): a bucket then holds tensors that share
+    both compressors, and both must take several tensors in one call."""
+    if schedule is None or schedule.warmup_compression == "none":
+        return entries
+    from types import SimpleNamespace
+    from ..spec import resolve
+    warm, pairs, out = resolve(schedule.warmup_compression), {}, []
+    for (name, shape, c, dtype, size), p in zip(entries, params):
+        w = warm.for_tensor(name, p)
+        key = pairs.setdefault((id(c), id(w)),
+                               SimpleNamespace(segmented=c.segmented and w.segmented))
+        out.append((name, shape, key, dtype, size))
+    return out
+
+
 class AdamMomentum(MomentumGlue):
     """Compressed momentum for ``optimizer`` (an Adam or AdamW, or a subclass made by
     our glue) under ``schedule`` (a :class:`MomentumSchedule` or what

@@ -21,7 +21,6 @@ import horovod.torch as hvd
 import torch
 
 from .. import buckets
-from ..compressors.dense import NoneCompressor
 from ..exchange import Driver, find_auto
 from ..ops import torch_ops
 from ..spec import resolve
@@ -30,7 +29,7 @@ from ..stats import Stats
 from . import collectives, horovod_surface as surface
 from .amp import GradientUnits
 from ..strategies.momentum import MomentumSchedule, adam_defaults
-from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc
+from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc, warmup_entries
 
 
 class CompressedOptimizer:
@@ -98,8 +97,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else float("inf")
         entries = [(self._names[p], tuple(p.shape), self.compression.for_tensor(self._names[p], p),
                     p.dtype, p.element_size()) for p in self._params]
-        plan = buckets.plan(entries, self.bucket_mb) if groups is None else \
-            surface.plan_groups(groups, self._params, entries)
+        planned = warmup_entries(entries, self._params, schedule)
+        plan = buckets.plan(planned, self.bucket_mb) if groups is None else \
+            surface.plan_groups(groups, self._params, planned)
         self._buckets = [[self._params[i] for i in b] for b in plan]
         self._layouts = [buckets.layout([self._names[p] for p in b], [p.shape for p in b])
                          for b in self._buckets]
@@ -112,7 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if schedule is not None:
             self._momentum = AdamMomentum(self, schedule, self.compression,
                                           process_set.rank)
-            self._dense = NoneCompressor()
+            self._dense = self._momentum.warmup_compressor
             self._dense_driver = Driver(self._driver.transport, self.stats,
                                         average=self.op == hvd.Average)
         if process_set.included():
@@ -162,7 +162,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._units.unscale_(p.grad)     # loss scale and predivide factor out
         driver, compressor = self._driver_now(), None
         if driver is not self._driver:       # compressed momentum: a dense Adam step
-            compressor = self._dense
+            compressor = self._dense.for_tensor(self._names[params[0]], params[0])
         elif self._momentum is not None:     # the momentum goes instead of the gradient
             for p in params:
                 self._momentum.to_momentum(p, p.grad)

@@ -156,6 +156,21 @@ def test_transformers_gpt2_sends_compressed_momentum_after_warmup(ranks):
     assert all(0 < s <= math.ceil(0.05 * dense / 4 * 1.3) * 8 for s in sent[2:]), sent
 
 
+def test_warmup_compression_sends_low_rank_gradients_and_resumes_bit_for_bit(ranks):
+    assert np.array_equal(ranks[0]["warm/param"], ranks[1]["warm/param"])
+    sent, dense = ranks[0]["warm/sent"], int(ranks[0]["warm/dense"])
+    # the warm-up's dense Adam steps: PowerSGD rank 2 on fc1's 16x6 weight (P and Q,
+    # float32); fc2's 3x16 (its rank-2 factors would not save enough) and the biases as
+    # they are, instead of the whole dense float32 gradient
+    low_rank = 4 * (2 * (16 + 6) + 3 * 16 + 16 + 3)
+    assert list(sent[:3]) == [low_rank] * 3, sent
+    assert all(0 < s < dense for s in sent[3:]), sent
+    # the checkpoint at step 2 holds PowerSGD's state, and the run resumes bit for bit
+    assert "warmup_compression" in list(ranks[0]["warm/saved_keys"])
+    for r in ranks:
+        assert np.array_equal(r["warm/resumed"], r["warm/param"])
+
+
 def test_ranks_with_different_settings_get_a_clear_error(ranks):
     for r in ranks:
         msg = str(r["mismatch/error"])

@@ -80,6 +80,30 @@ def test_schedule_state_round_trips_and_refuses_another_configuration():
         MomentumSchedule(warmup=5).load_state_dict(s.state_dict())
 
 
+def test_warmup_compression_is_part_of_the_configuration_and_named_when_bad():
+    plain, low = MomentumSchedule(warmup=2), MomentumSchedule(warmup=2,
+                                                              warmup_compression="powersgd:rank=4")
+    assert "warmup_compression" not in plain.spec          # unchanged for old checkpoints
+    assert "warmup_compression=powersgd:rank=4" in low.spec
+    for bad in ("", 4, None):
+        with pytest.raises(ValueError, match="warmup_compression"):
+            MomentumSchedule(warmup=2, warmup_compression=bad)
+    with pytest.raises(ValueError, match="powersgd"):
+        plain.load_state_dict(low.state_dict())
+
+
+def test_warmup_compressor_state_is_in_the_checkpoint():
+    from hvd_compress.strategies.momentum import MomentumGlue
+    comp = from_spec("topk:density=0.5")
+    glue = MomentumGlue({"warmup": 2, "warmup_compression": "fp16"}, comp)
+    assert glue.warmup_compressor.name == "fp16"
+    assert glue.state_dict()["warmup_compression"]["spec"] == glue.warmup_compressor.spec
+    assert "warmup_compression" not in MomentumGlue(2, from_spec("topk:density=0.5")).state_dict()
+    other = MomentumGlue({"warmup": 2, "warmup_compression": "fp16"}, from_spec("topk:density=0.5"))
+    other.load_state_dict(glue.state_dict())
+    assert other.state_dict() == glue.state_dict()
+
+
 def test_coefficients_are_adams_bias_corrections():
     step_size, scale, eps = coefficients(0.1, 0.9, 0.99, 1e-8, step=7, variance_step=3)
     assert step_size == pytest.approx(0.1 / (1 - 0.9 ** 7))

@@ -236,6 +236,36 @@ def dgc():
         OUT["dgc/error"] = np.array(str(e))
 
 
+def warmup_exchange():
+    """warmup_compression: the dense steps send PowerSGD's low-rank gradients; a
+    checkpoint inside the warm-up (PowerSGD's residuals and warm start) resumes bit for
+    bit; the compressed steps after it are unchanged."""
+    schedule = {"warmup": 3, "warmup_compression": "powersgd:rank=2"}
+
+    def run(saved=None, start=1, stop=STEPS):
+        model, ddp, opt, owner = build(warmup=schedule, saved=saved)
+        sent = []
+        for step in range(start, stop + 1):
+            one_step(model, ddp, opt, step)
+            sent.append(owner.stats.as_dict()["last_sent"])
+        return model, opt, owner, sent
+
+    model, opt, owner, sent = run()
+    OUT["warm/param"] = flat(model.parameters())
+    OUT["warm/sent"] = np.array(sent)
+    OUT["warm/dense"] = np.array(sum(p.numel() for p in model.parameters()) * 4)
+    model, opt, owner, _ = run(stop=2)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "compression": compression_state(owner)}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    OUT["warm/saved_keys"] = np.array(sorted(saved["opt"]["hvd_compress_momentum"]
+                                             if HOROVOD else saved["compression"]["ddp_momentum"]))
+    model, opt, owner, _ = run(saved=saved, start=3)
+    OUT["warm/resumed"] = flat(model.parameters())
+
+
 def mismatch():
     try:
         model, ddp, opt, owner = build(warmup=3 + RANK)
@@ -253,6 +283,7 @@ if __name__ == "__main__":
     each_spec()
     gpt2()
     dgc()
+    warmup_exchange()
     mismatch()                         # last: a failed configuration check ends the job
     mode = "horovod" if HOROVOD else "ddp"
     np.savez(os.path.join(os.environ["OUT_DIR"], f"momentum_{mode}_rank{RANK}.npz"), **OUT)
