@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test test-fast demo demo-tf demo-keras demo-ddp demo-cssgd bench clean gpu-test
+.PHONY: setup test test-fast demo demo-tf demo-keras demo-ddp demo-lightning demo-cssgd bench clean gpu-test
 
 setup:
 	@bash ci/setup.sh
@@ -34,6 +34,11 @@ demo-keras: setup
 # PyTorch DDP without Horovod: hvd_compress as a DDP communication hook (torchrun, Gloo, CPU)
 demo-ddp: setup
 	$(VENV)/bin/torchrun --nproc_per_node 2 --standalone examples/ddp_mnist.py --compression topk:density=0.01
+
+# PyTorch Lightning: Trainer(devices=2) on the CPU starts its second process itself (DDP, Gloo)
+demo-lightning: setup
+	OMP_NUM_THREADS=1 $(PY) examples/lightning_mnist.py --compression topk:density=0.01 --epochs 5 \
+		--no-progress --log-dir $${TMPDIR:-/tmp}/hvd_compress_lightning_logs
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -84,6 +84,25 @@ class Stats:
             out["choices"] = dict(self.choices)
         return out
 
+    def scalars(self, prefix="compression/"):
+        """The last step's numbers as plain floats keyed ``<prefix><name>``, for a
+        metrics logger: ``sent_bytes``, ``dense_bytes``, ``received_bytes``,
+        ``total_sent_bytes``, ``total_dense_bytes``, ``ratio`` and ``total_ratio`` (dense /
+        sent; absent while nothing was sent), ``compress_s``, ``wait_s``,
+        ``decompress_s``.  TensorBoard, each step::
+
+            for k, v in opt.stats.scalars().items(): writer.add_scalar(k, v, step)
+        """
+        out = {"sent_bytes": self.last_sent, "dense_bytes": self.last_dense,
+               "received_bytes": self.last_exchange["received"],
+               "total_sent_bytes": self.total_sent, "total_dense_bytes": self.total_dense}
+        if self.last_sent:
+            out["ratio"] = self.last_dense / self.last_sent
+        if self.total_sent:
+            out["total_ratio"] = self.total_dense / self.total_sent
+        out.update(self.last_times)
+        return {prefix + k: float(v) for k, v in out.items()}
+
     def __repr__(self):
         d = self.as_dict()
         return (f"<Stats steps={d['steps']} sent={d['total_sent']}B "

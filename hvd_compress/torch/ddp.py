@@ -16,6 +16,12 @@ aggregated flat gradient, which DDP writes into ``p.grad``.  This module holds n
 compression algorithm: every compressor (or :class:`~hvd_compress.strategies.policy.Policy`) is
 used through the same contract as in the Horovod glue (:mod:`hvd_compress.compressors.base`).
 
+A state made without the model (``CompressionState(compression=...)``, for frameworks
+that wrap the model and register the hook themselves: PyTorch Lightning's
+``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``, :mod:`hvd_compress.lightning`)
+is bound to it at the hook's first bucket (:meth:`CompressionState.bind`,
+:func:`find_ddp_model`), before anything is compressed.
+
 Per bucket:
 
 1. **Compress.**  The bucket's parameters are mapped to their names (from
@@ -75,18 +81,19 @@ Works on the Gloo backend (CPU) and NCCL (GPU): everything stays on the bucket's
 device except the payload byte lengths and the configuration digest, which the host
 needs to cut the gathered bytes.
 """
+import gc
 import hashlib
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import buckets
-from ..exchange import Driver, Transport, Wait, find_auto, finish_all, single_layout
-from ..compressors import payload_bytes
-from ..ops import torch_ops
+from ..exchange import Driver, find_auto, finish_all
 from ..spec import resolve
-from ..stats import Stats, ring_received
+from ..stats import Stats
 from ..strategies.momentum import MomentumSchedule, adam_defaults
+from .ddp_bucket import TorchDistributed, _Bucket
 from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer
 
 OPS = ("average", "sum")
@@ -99,38 +106,44 @@ class CompressionState:
     per parameter name).  ``stats``: :class:`~hvd_compress.stats.Stats`, as ``opt.stats``
     of the Horovod glue (bytes sent vs a dense float32 allreduce, received; seconds
     compressing, blocked waiting inside the hook, decompressing).  Build it with
-    :func:`register`.
+    :func:`register`, or, where a framework registers the hook itself (PyTorch
+    Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``), without the
+    model: ``CompressionState(compression="topk:density=0.01")``.  Such a state is
+    *bound* to the model (:meth:`bind`) when the hook sees its first bucket: the DDP
+    model that registered it is found then, and the parameter names are its
+    ``module.named_parameters()`` names, as with :func:`register`.
     """
 
-    def __init__(self, ddp_model, compression=None, process_group=None, op="average",
+    def __init__(self, ddp_model=None, compression=None, process_group=None, op="average",
                  optimizer=None, compressed_momentum=None):
         if op not in OPS:
             raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+        if ddp_model is not None and not isinstance(ddp_model, torch.nn.Module):
+            raise ValueError("ddp_model must be a DistributedDataParallel model or None (bound "
+                             "at the hook's first bucket); for a state without the model "
+                             f"pass compression=... by name; got {type(ddp_model).__name__}")
         self.compression = resolve(compression)
         schedule = MomentumSchedule.build(compressed_momentum)
         if schedule is None and isinstance(optimizer, ADAM_FAMILY):
             adam_defaults(self.compression, type(optimizer).__name__)
         if optimizer is not None:
             check_dgc(self.compression, optimizer, schedule)
-        self.process_group = process_group if process_group is not None else \
-            getattr(ddp_model, "process_group", None) or dist.group.WORLD
+        self.process_group = process_group
         self.op = op
         self.stats = Stats()
-        named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
-        self.names = {id(p): n for n, p in named}     # bucket.parameters() -> names
-        self.description = (f"{self.compression.spec} op={op} "
-                            f"world={dist.get_world_size(self.process_group)} | " +
-                            ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named))
+        self.names = None        # bucket.parameters() -> names (id(p) -> name), once bound
+        self.description = None
         self.checked = False
         self.in_flight = []      # _Bucket of this step, in launch order
         #: the one :class:`~hvd_compress.strategies.auto.Auto` of the compression (or None)
-        self.auto = find_auto(self.compression.for_tensor(n, p) for n, p in named)
-        self.transport = TorchDistributed(self.process_group)
+        self.auto = None
+        self.transport = TorchDistributed(process_group)
         #: launches, advances and counts every exchange; drives auto (average: the
-        #: hook divides whole DDP buckets, in the buffer's dtype)
-        self.driver = Driver(self.transport, self.stats, average=False, auto=self.auto)
+        #: hook divides whole DDP buckets, in the buffer's dtype); made by :meth:`bind`
+        self.driver = None
         self.auto_key = {}       # auto: tensor name -> key of the auto bucket it is sent in
         self.auto_names = {}     # auto: key -> the names of its tensors
+        self._restored_auto = None   # load_state_dict's "ddp_auto" before bind()
         #: compressed-momentum Adam (:mod:`hvd_compress.torch.momentum`), or None
         self.momentum = None
         if schedule is not None:
@@ -139,9 +152,53 @@ class CompressionState:
                                  "that steps ddp_model's parameters)")
             self.momentum = momentum_optimizer(optimizer, self, schedule,
                                                lambda: dist.get_rank(self.process_group))
-            self.description += f" | {self.momentum.spec}"
             self.dense_driver = Driver(self.transport, self.stats, average=False)
             self.dense = self.momentum.warmup_compressor
+        if ddp_model is not None:
+            self.bind(ddp_model)
+
+    @property
+    def bound(self):
+        """True once :meth:`bind` has taken the model's parameter names."""
+        return self.names is not None
+
+    def bind(self, model):
+        """Take the parameter names (and, unless given, the process group) from ``model``:
+        the DistributedDataParallel model (names of its ``module``) or the module it
+        wraps.  :func:`register` and a constructor given the model call it; a state made
+        without the model is bound by the hook at its first bucket, or by whoever calls
+        this before (:class:`hvd_compress.lightning.CompressionStats` at ``on_fit_start``).
+        Binding again to a model with the same names, shapes and dtypes (a model wrapped
+        anew) only updates the parameters; to another, ValueError.  Returns ``self``."""
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError("bind: model must be a DistributedDataParallel model or the "
+                             f"module it wraps, got {type(model).__name__}")
+        ddp = model if isinstance(model, DistributedDataParallel) else None
+        module = model.module if ddp is not None else model
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if self.process_group is None:
+            self.process_group = getattr(ddp, "process_group", None) or dist.group.WORLD
+            self.transport.group = self.process_group
+        description = (f"{self.compression.spec} op={self.op} "
+                       f"world={dist.get_world_size(self.process_group)} | " +
+                       ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named))
+        if self.momentum is not None:
+            description += f" | {self.momentum.spec}"
+        if self.names is not None:
+            if description != self.description:
+                raise ValueError("bind: model has other parameters (names, shapes or dtypes) "
+                                 "than the model this CompressionState is bound to:\n  "
+                                 f"{description[:300]}\n  was {self.description[:300]}")
+            self.names = {id(p): n for n, p in named}
+            return self
+        self.names = {id(p): n for n, p in named}
+        self.description = description
+        self.auto = find_auto(self.compression.for_tensor(n, p) for n, p in named)
+        self.driver = Driver(self.transport, self.stats, average=False, auto=self.auto)
+        if self._restored_auto is not None:
+            self._restore_auto(self._restored_auto)
+            self._restored_auto = None
+        return self
 
     def step_driver(self):
         """This step's driver: the dense one in compressed momentum's dense steps."""
@@ -153,6 +210,8 @@ class CompressionState:
         """The compressor's error-feedback residuals and counters (per parameter name);
         with ``auto``, also which tensors form each auto bucket (``"ddp_auto"``)."""
         out = self.compression.state_dict()
+        if self._restored_auto is not None:           # restored, not bound yet
+            out = dict(out, ddp_auto=self._restored_auto)
         if self.momentum is not None:
             out = dict(out, ddp_momentum=self.momentum.state_dict())
         if self.auto is not None:
@@ -170,7 +229,13 @@ class CompressionState:
         if self.momentum is not None:
             self.momentum.load_state_dict(momentum, "ddp_momentum")
         self.compression.load_state_dict(state_dict, "torch", strict)
-        if self.auto is not None and mapping is not None:
+        if mapping is not None and not self.bound:   # auto is known once bound
+            self._restored_auto = mapping
+        elif mapping is not None:
+            self._restore_auto(mapping)
+
+    def _restore_auto(self, mapping):
+        if self.auto is not None:
             self.auto_key = dict(mapping["key"])
             self.auto_names = {k: tuple(v) for k, v in mapping["names"].items()}
 
@@ -239,6 +304,8 @@ def compression_hook(state, bucket):
     collective further; the step's last bucket finishes every bucket and closes the
     step (module docstring)."""
     device = bucket.buffer().device
+    if state.names is None:
+        state.bind(find_ddp_model(state, bucket))
     state.transport.device = device
     if not state.checked:
         state.check_config(device)
@@ -264,76 +331,28 @@ def compression_hook(state, bucket):
     return flight.future
 
 
-class TorchDistributed(Transport):
-    """``torch.distributed`` collectives on ``group`` (Gloo or NCCL), started with
-    ``async_op=True``; ``device``: where the small tensors of auto's decisions live (the
-    hook sets it to its bucket's device)."""
-
-    ops = torch_ops
-
-    def __init__(self, group):
-        self.group, self.device = group, None
-
-    @property
-    def rank(self):
-        return dist.get_rank(self.group)
-
-    @property
-    def size(self):
-        return dist.get_world_size(self.group)
-
-    def allreduce(self, tensor, name, inplace_of=None):
-        """Sum ``tensor`` over the ranks (in place)."""
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        yield Wait(work.wait)
-        nbytes = payload_bytes(tensor, torch_ops)
-        return tensor, nbytes, ring_received(nbytes, self.size)
-
-    def allgather(self, tensors, name):
-        """Each tensor of ``tensors`` concatenated over the ranks in rank order (first
-        dimensions may differ between ranks), as Horovod's allgather: the parts travel as
-        one byte buffer, padded to the longest rank's.  Sent and received bytes count
-        the padded buffer and the lengths."""
-        size, group = self.size, self.group
-        parts = [t.contiguous() for t in tensors]
-        device = parts[0].device
-        raw = [t.reshape(-1).view(torch.uint8) for t in parts]
-        lengths = torch.tensor([r.numel() for r in raw], dtype=torch.int64, device=device)
-        everyone = [torch.empty_like(lengths) for _ in range(size)]
-        yield Wait(dist.all_gather(everyone, lengths, group=group, async_op=True).wait)
-        table = torch.stack(everyone).tolist()         # [rank][part] bytes: to the host
-        longest = max(sum(row) for row in table)
-        own = sum(r.numel() for r in raw)
-        mine = torch.cat(raw + [torch.zeros(longest - own, dtype=torch.uint8, device=device)])
-        gathered = [torch.empty_like(mine) for _ in range(size)]
-        yield Wait(dist.all_gather(gathered, mine, group=group, async_op=True).wait)
-        out = []
-        for i, t in enumerate(parts):
-            pieces = []
-            for r in range(size):
-                at = sum(table[r][:i])
-                pieces.append(gathered[r][at:at + table[r][i]])
-            out.append(torch.cat(pieces).view(t.dtype).reshape(-1, *t.shape[1:]))
-        sent = longest + lengths.numel() * 8
-        return tuple(out), sent, (size - 1) * sent
-
-    def divide(self, out, size):
-        return out.div_(size)
-
-    def broadcast_floats(self, values, name):
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return t.tolist()
-
-    def allgather_floats(self, values, name):
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
-        return [o.tolist() for o in out]
+def find_ddp_model(state, bucket):
+    """The DistributedDataParallel model that called the hook with ``bucket`` for
+    ``state`` (an unbound :class:`CompressionState`): the live DDP model that registered
+    ``state`` as its hook state (directly, or inside a wrapper state's ``.state``, as
+    :func:`hvd_compress.torch.amp.register_ddp`), else the only one holding the bucket's
+    parameters.  A scan of the garbage collector's objects, once per state."""
+    models = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+    for m in models:
+        if any(s is state or getattr(s, "state", None) is state
+               for _, s in getattr(m, "_comm_hooks", ())):
+            return m
+    ids = {id(p) for p in bucket.parameters()}
+    holders = [m for m in models if ids <= {id(p) for p in m.parameters()}]
+    if len(holders) == 1:
+        return holders[0]
+    raise ValueError("hvd_compress.ddp: CompressionState was made without its model and the "
+                     f"DDP model of the bucket cannot be told ({len(holders)} hold its "
+                     "parameters): call state.bind(ddp_model) before the first step")
 
 
 def register(ddp_model, compression=None, process_group=None, op="average", optimizer=None,
-             compressed_momentum=None):
+             compressed_momentum=None, grad_scaler=None):
     """Register :func:`compression_hook` on ``ddp_model`` (a DistributedDataParallel)
     and return its :class:`CompressionState`.
 
@@ -346,99 +365,19 @@ def register(ddp_model, compression=None, process_group=None, op="average", opti
     (:mod:`hvd_compress.strategies.momentum`; values as for the Horovod optimizer).  The
     optimizer object is kept, and its ``step()`` applies the rule: its class becomes a
     subclass of its own made on the fly, as Horovod's DistributedOptimizer does.
+
+    ``grad_scaler`` (a ``torch.amp.GradScaler``): mixed precision, exactly
+    :func:`hvd_compress.torch.amp.register_ddp` (error feedback in unscaled units,
+    overflow steps undone; the state's ``amp`` counts them).
     """
+    if grad_scaler is not None:
+        from .amp import register_ddp
+        return register_ddp(ddp_model, grad_scaler, compression, process_group, op,
+                            optimizer, compressed_momentum)
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise ValueError("ddp_model must be a torch.nn.parallel.DistributedDataParallel "
+                         f"(register_comm_hook), got {type(ddp_model).__name__}")
     state = CompressionState(ddp_model, compression, process_group, op, optimizer,
                              compressed_momentum)
     ddp_model.register_comm_hook(state, compression_hook)
     return state
-
-
-class _Bucket:
-    """One DDP bucket in flight: its exchanges (one per compress call, started by the
-    driver), advanced one collective at a time by the hook; sets :attr:`future` when
-    all are done."""
-
-    def __init__(self, state, bucket):
-        self.state, self.buffer = state, bucket.buffer()
-        self.future = torch.futures.Future(
-            devices=[self.buffer.device] if self.buffer.is_cuda else None)
-        grads = bucket.gradients()
-        momentum, dense = state.momentum, state.momentum is not None and state.momentum.dense
-        entries, at = [], 0            # (name, gradient view, offset, compressor)
-        for p, g in zip(bucket.parameters(), grads):
-            if id(p) not in state.names:
-                raise ValueError("hvd_compress.ddp: a parameter of a DDP bucket is not in "
-                                 "ddp_model.module.named_parameters()")
-            name = state.names[id(p)]
-            if g.numel():
-                if momentum is not None and not dense:   # send the momentum instead
-                    momentum.to_momentum(p, g)
-                entries.append((name, g, at, state.dense.for_tensor(name, p) if dense else
-                                state.compression.for_tensor(name, p)))
-            at += g.numel()
-        if at != self.buffer.numel():
-            raise ValueError(f"hvd_compress.ddp: bucket {bucket.index()} holds {at} gradient "
-                             f"values but its buffer {self.buffer.numel()}")
-        autos = [e for e in entries if getattr(e[3], "adaptive", False)]
-        auto_key = state.auto_keys([e[0] for e in autos], [e[1].shape for e in autos]) \
-            if autos else {}
-        groups = {}                    # tensors sharing a segmented compressor: one call
-        for e in entries:
-            if e[0] in auto_key:       # auto: one call per auto bucket
-                key = ("auto", auto_key[e[0]])
-            else:
-                key = id(e[3]) if e[3].segmented else ("alone", e[0])
-            groups.setdefault(key, []).append(e)
-        for key, g in groups.items():  # an auto bucket's tensors in its key's order
-            if isinstance(key, tuple) and key[0] == "auto":
-                order = {n: i for i, n in enumerate(state.auto_names[key[1]])}
-                g.sort(key=lambda e: order[e[0]])
-        self.whole = len(groups) == 1 and [e[0] for g in groups.values() for e in g] == \
-            [e[0] for e in entries]
-        self.groups, self.exchanges = list(groups.values()), []
-        for key, g in groups.items():
-            auto_bucket = key[1] if isinstance(key, tuple) and key[0] == "auto" else None
-            self.exchanges.append(self._launch(g, auto_bucket))
-        self.done = False
-        self._finish_if_done()
-
-    def _launch(self, entries, auto_key):
-        """One compress call for ``entries``: a bucket of several tensors, or an auto
-        bucket, on a copy of their gradients end to end (error feedback keeps the buffer
-        it is given as the residuals' storage, and DDP reuses its bucket buffer every
-        step); a tensor alone on its own path."""
-        driver, compressor = self.state.step_driver(), entries[0][3]
-        if len(entries) == 1 and auto_key is None:
-            name, grad = entries[0][0], entries[0][1]
-            return driver.launch(compressor, single_layout(name, grad.shape), tensor=grad)
-        lay = buckets.layout([e[0] for e in entries], [e[1].shape for e in entries])
-        flat = torch.cat([g.reshape(-1) for _, g, _, _ in entries])
-        if len(entries) == 1:
-            return driver.launch(compressor, lay, tensor=flat.view(entries[0][1].shape),
-                                 key=auto_key)
-        return driver.launch(compressor, lay, flat=flat, key=auto_key)
-
-    def advance(self):
-        """Every exchange of the bucket one collective further (waiting for the last)."""
-        for ex in self.exchanges:
-            if not ex.done:
-                self.state.step_driver().advance(ex)
-        self._finish_if_done()
-
-    def _finish_if_done(self):
-        if self.done or any(not ex.done for ex in self.exchanges):
-            return
-        if self.whole:
-            out = self.exchanges[0].result.reshape(-1)
-        else:
-            out = torch.zeros_like(self.buffer)
-            for g, ex in zip(self.groups, self.exchanges):
-                result, at = ex.result.reshape(-1), 0
-                for _, grad, offset, _ in g:
-                    out[offset:offset + grad.numel()] = result[at:at + grad.numel()]
-                    at += grad.numel()
-        out = out.to(self.buffer.dtype)
-        if self.state.op == "average":
-            out = out.div_(dist.get_world_size(self.state.process_group))
-        self.done = True
-        self.future.set_result(out)
