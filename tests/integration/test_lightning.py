@@ -99,12 +99,14 @@ def test_callback_logged_every_step(job):
 def test_state_without_model_on_plain_ddp(job):
     """CompressionState(compression=...) registered by hand on a plain DDP model: the hook
     found the model at its first bucket, took its names, and both ranks got the same
-    aggregate."""
+    aggregate; its state_dict loaded into another unbound state, on a copy of the model,
+    gives the same next step bit for bit."""
     a, b = job[1]
     for i in (a, b):
         assert i["unbound_names"] == ["0.bias", "0.weight", "1.bias", "1.weight"]
         assert i["unbound_steps"] == 1
     assert a["unbound_grad"] == b["unbound_grad"]
+    assert a["restored_equal"] and b["restored_equal"]       # checkpoint keyed by name
 
 
 def test_register_grad_scaler(job):
@@ -136,3 +138,27 @@ def test_stats_scalars_and_tensorboard(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert acc.Scalars("compression/ratio")[0].value == 10.0
+
+
+def test_stats_callback_warns_without_hook_and_checks_state(caplog):
+    """Lightning's own DDPStrategy skips the comm hook on CPU: after an optimizer step with
+    no bucket through the hook CompressionStats warns (once) and logs nothing; a state
+    that is not a CompressionState is a ValueError naming state."""
+    import logging
+    from types import SimpleNamespace
+    from hvd_compress.ddp import CompressionState
+    from hvd_compress.lightning import CompressionStats
+
+    logged = []
+    module = SimpleNamespace(log_dict=lambda *a, **k: logged.append(a),
+                             log=lambda *a, **k: logged.append(a))
+    state = CompressionState(compression="topk:density=0.1")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(_ddp_comm_state=state), global_step=1)
+    cb = CompressionStats()
+    with caplog.at_level(logging.WARNING, logger="hvd_compress"):
+        cb.on_train_batch_end(trainer, module, None, None, 0)
+        cb.on_train_batch_end(trainer, module, None, None, 1)
+    warnings = [r for r in caplog.records if "registers ddp_comm_hook only on CUDA" in r.message]
+    assert len(warnings) == 1 and logged == [] and cb.state is state
+    with pytest.raises(ValueError, match="state"):
+        CompressionStats(state="topk")

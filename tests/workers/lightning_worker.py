@@ -81,6 +81,21 @@ def plain_ddp_paths(rank):
     out["unbound_steps"] = state.stats.steps
     out["unbound_grad"] = [p.grad.reshape(-1).tolist() for p in model.parameters()]
 
+    # its checkpoint, loaded into another state made without its model (before it is
+    # bound) on a copy of the model: the next step's aggregates are the same bits
+    copy = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    copy.load_state_dict(model.state_dict())
+    ddp_copy = torch.nn.parallel.DistributedDataParallel(copy)
+    restored = CompressionState(compression="topk:density=0.5")
+    restored.load_state_dict(state.state_dict())
+    ddp_copy.register_comm_hook(restored, compression_hook)
+    x2 = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + rank))
+    for m, d in ((model, ddp), (copy, ddp_copy)):
+        m.zero_grad()
+        d(x2).square().sum().backward()
+    out["restored_equal"] = all(torch.equal(p.grad, q.grad)
+                                for p, q in zip(model.parameters(), copy.parameters()))
+
     model2 = torch.nn.Linear(6, 3)
     ddp2 = torch.nn.parallel.DistributedDataParallel(model2)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
