@@ -77,6 +77,18 @@ def test_model_fit_runs_eagerly_with_compressed_momentum(ranks):
     assert np.isfinite(ranks[0]["fit/loss"]).all() and int(ranks[0]["fit/frozen_at"]) == 2
 
 
+def test_warmup_compression_sends_low_rank_gradients_and_resumes_bit_for_bit(ranks):
+    assert np.array_equal(ranks[0]["warm/param"], ranks[1]["warm/param"])
+    sent = ranks[0]["warm/sent"]
+    # warm-up: PowerSGD rank 2 on fc1's 6x16 kernel, fc2's 16x3 kernel and the biases as
+    # they are (a rank-2 factorisation of 16x3 would not save enough)
+    assert list(sent[:3]) == [4 * (2 * (6 + 16) + 16 * 3 + 16 + 3)] * 3, sent
+    assert all(0 < s < 4 * sum(SIZES) for s in sent[3:]), sent
+    assert "warmup_compression" in list(ranks[0]["warm/saved_keys"])
+    for r in ranks:
+        assert np.array_equal(r["warm/resumed"], r["warm/param"])
+
+
 def test_ranks_with_different_settings_get_a_clear_error(ranks):
     for r in ranks:
         msg = str(r["mismatch/error"])

@@ -5,7 +5,9 @@ $OUT_DIR for tests/integration/test_momentum_keras.py, which computes the expect
 Scenarios: ``trace`` (local gradients, weights and Adam slots per step, and a plain
 Keras AdamW stepped on the dense average for the warm-up), ``resume`` (a checkpoint after
 a compressed step restored into fresh objects), ``nan`` (one rank's NaN at a compressed
-step), ``fit`` (model.fit with run_eagerly=True), ``mismatch`` (different warm-ups).
+step), ``fit`` (model.fit with run_eagerly=True), ``warm``
+(``warmup_compression``: PowerSGD's gradients in the warm-up, a checkpoint inside it),
+``mismatch`` (different warm-ups).
 """
 import os
 import sys
@@ -17,7 +19,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvd_compress.keras as hk  # noqa: E402
-from hvd_compress.tensorflow.tape import variable_names  # noqa: E402
+from hvd_compress.tensorflow.tape import stats, variable_names  # noqa: E402
 
 hvd.init()
 RANK = hvd.rank()
@@ -143,6 +145,37 @@ def fit():
     OUT["fit/frozen_at"] = np.array(opt.compressed_momentum.schedule.frozen_at)
 
 
+def warm():
+    schedule = {"warmup": 3, "warmup_compression": "powersgd:rank=2"}
+
+    def run(start, stop, saved=None):
+        m = model()
+        opt = hk.DistributedOptimizer(adamw(), compression=SPEC, compressed_momentum=schedule)
+        if saved is not None:
+            opt.build(m.trainable_variables)
+            for w, value in zip(m.weights, saved["weights"]):
+                w.assign(value)
+            for v, value in zip(opt.variables, saved["opt"]):
+                v.assign(value)
+            opt.compression.load_state_dict(saved["compression"], framework="tensorflow")
+            opt.compressed_momentum.load_state_dict(saved["momentum"])
+        sent = []
+        for t in range(start, stop + 1):
+            step(m, opt, t)
+            sent.append(stats(opt.compression).as_dict()["last_sent"])
+        return m, opt, sent
+
+    m, opt, sent = run(1, STEPS)
+    OUT["warm/param"], OUT["warm/sent"] = flat(m.trainable_variables), np.array(sent)
+    m, opt, _ = run(1, 2)
+    saved = dict(weights=[w.numpy() for w in m.weights], opt=[v.numpy() for v in opt.variables],
+                 compression=opt.compression.state_dict(),
+                 momentum=opt.compressed_momentum.state_dict())
+    OUT["warm/saved_keys"] = np.array(sorted(saved["momentum"]))
+    m, opt, _ = run(3, STEPS, saved)
+    OUT["warm/resumed"] = flat(m.trainable_variables)
+
+
 def mismatch():
     try:
         m, opt = build(warmup=3 + RANK)
@@ -157,6 +190,7 @@ if __name__ == "__main__":
     resume()
     nan()
     fit()
+    warm()
     mismatch()
     np.savez(os.path.join(os.environ["OUT_DIR"], f"momentum_keras_rank{RANK}.npz"), **OUT)
     print(f"rank {RANK} done", flush=True)
