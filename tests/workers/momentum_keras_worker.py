@@ -97,6 +97,18 @@ def trace():
             OUT[f"trace/{t}/residual"] = residuals(opt, m)
 
 
+def restore(m, opt, saved):
+    """Load a checkpoint (weights, optimizer variables, compressor and momentum state)
+    into a fresh model and optimizer."""
+    opt.build(m.trainable_variables)
+    for w, value in zip(m.weights, saved["weights"]):
+        w.assign(value)
+    for v, value in zip(opt.variables, saved["opt"]):
+        v.assign(value)
+    opt.compression.load_state_dict(saved["compression"], framework="tensorflow")
+    opt.compressed_momentum.load_state_dict(saved["momentum"])
+
+
 def resume(k=5):
     m, opt = build()
     for t in range(1, k + 1):
@@ -105,13 +117,7 @@ def resume(k=5):
                  opt=[v.numpy() for v in opt.variables],
                  compression=opt.compression.state_dict(), momentum=opt.compressed_momentum.state_dict())
     m, opt = build()
-    opt.build(m.trainable_variables)
-    for w, value in zip(m.weights, saved["weights"]):
-        w.assign(value)
-    for v, value in zip(opt.variables, saved["opt"]):
-        v.assign(value)
-    opt.compression.load_state_dict(saved["compression"], framework="tensorflow")
-    opt.compressed_momentum.load_state_dict(saved["momentum"])
+    restore(m, opt, saved)
     for t in range(k + 1, STEPS + 1):
         step(m, opt, t)
     OUT["resume/param"] = flat(m.trainable_variables)
@@ -152,13 +158,7 @@ def warm():
         m = model()
         opt = hk.DistributedOptimizer(adamw(), compression=SPEC, compressed_momentum=schedule)
         if saved is not None:
-            opt.build(m.trainable_variables)
-            for w, value in zip(m.weights, saved["weights"]):
-                w.assign(value)
-            for v, value in zip(opt.variables, saved["opt"]):
-                v.assign(value)
-            opt.compression.load_state_dict(saved["compression"], framework="tensorflow")
-            opt.compressed_momentum.load_state_dict(saved["momentum"])
+            restore(m, opt, saved)
         sent = []
         for t in range(start, stop + 1):
             step(m, opt, t)
