@@ -21,10 +21,14 @@ with DDP's plain allreduce and the hook is never called.  Ours registers it on e
 device (and binds the state at once).  On GPUs Lightning's ``DDPStrategy`` works as
 well.  :class:`CompressionStats` warns when a step ended with no bucket through the hook.
 
-Imports: ``lightning`` (``lightning.pytorch``), torch, :mod:`hvd_compress.torch.ddp`.
+Imports: torch, :mod:`hvd_compress.torch.ddp`; ``lightning.pytorch`` only when
+:class:`DDPStrategy` or :class:`CompressionStats` is first used (the classes are made
+then, as subclasses of Lightning's).  Importing Lightning imports ``torch._dynamo`` and
+with it Triton, which aborts a process that has loaded TensorFlow before (both register
+LLVM's options): importing this module alone stays safe, as every other module is.
 """
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+import importlib.util
+import sys
 
 from ..log import logger
 from .ddp import CompressionState
@@ -38,80 +42,106 @@ def _compression_state(state):
     return inner if isinstance(inner, CompressionState) else None
 
 
-class DDPStrategy(_LightningDDPStrategy):
-    """``lightning.pytorch.strategies.DDPStrategy`` (same arguments) that registers
-    ``ddp_comm_hook`` with ``ddp_comm_state`` on every device, CPU included, and binds a
-    :class:`~hvd_compress.torch.ddp.CompressionState` to the wrapped model there."""
+def _build():
+    """Make :class:`DDPStrategy` and :class:`CompressionStats` (Lightning imported now)."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 
-    def __init__(self, *args, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                 **kwargs):
-        super().__init__(*args, ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
-                         ddp_comm_wrapper=ddp_comm_wrapper, **kwargs)
-        self.hvd_comm = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
+    class DDPStrategy(_LightningDDPStrategy):
+        """``lightning.pytorch.strategies.DDPStrategy`` (same arguments) that registers
+        ``ddp_comm_hook`` with ``ddp_comm_state`` on every device, CPU included, and binds a
+        :class:`~hvd_compress.torch.ddp.CompressionState` to the wrapped model there."""
 
-    def _register_ddp_hooks(self):
-        state, hook, wrapper = self.hvd_comm
-        if self.root_device.type == "cuda" or hook is None:
-            super()._register_ddp_hooks()          # Lightning registers it on CUDA
-        else:
-            self.model.register_comm_hook(state, wrapper(hook) if wrapper is not None else hook)
-        compression = _compression_state(state)
-        if compression is not None and hook is not None:
-            compression.bind(self.model)
+        def __init__(self, *args, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+                     **kwargs):
+            super().__init__(*args, ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook,
+                             ddp_comm_wrapper=ddp_comm_wrapper, **kwargs)
+            self.hvd_comm = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
+
+        def _register_ddp_hooks(self):
+            state, hook, wrapper = self.hvd_comm
+            if self.root_device.type == "cuda" or hook is None:
+                super()._register_ddp_hooks()          # Lightning registers it on CUDA
+            else:
+                self.model.register_comm_hook(state, wrapper(hook) if wrapper is not None else hook)
+            compression = _compression_state(state)
+            if compression is not None and hook is not None:
+                compression.bind(self.model)
 
 
-class CompressionStats(Callback):
-    """Logs the hook's bytes each training step through ``pl_module.log_dict``, so they
-    reach whatever logger the Trainer has (TensorBoard, CSV, W&B...):
-    ``<prefix>sent_bytes``, ``dense_bytes`` (the same gradients as a float32 allreduce),
-    ``ratio`` (dense / sent), ``received_bytes``, ``total_sent_bytes``,
-    ``total_dense_bytes``, ``total_ratio`` and the step's seconds compressing, waiting and
-    decompressing (:meth:`hvd_compress.stats.Stats.scalars`).  Each rank logs its own
-    (the logger writes rank 0's).
+    class CompressionStats(Callback):
+        """Logs the hook's bytes each training step through ``pl_module.log_dict``, so they
+        reach whatever logger the Trainer has (TensorBoard, CSV, W&B...):
+        ``<prefix>sent_bytes``, ``dense_bytes`` (the same gradients as a float32 allreduce),
+        ``ratio`` (dense / sent), ``received_bytes``, ``total_sent_bytes``,
+        ``total_dense_bytes``, ``total_ratio`` and the step's seconds compressing, waiting and
+        decompressing (:meth:`hvd_compress.stats.Stats.scalars`).  Each rank logs its own
+        (the logger writes rank 0's).
 
-    ``state``: the :class:`~hvd_compress.torch.ddp.CompressionState`; default the
-    strategy's ``ddp_comm_state``.  ``prog_bar``: show the ratio in the progress bar.
-    At ``on_fit_start`` an unbound state is bound to the strategy's DDP model."""
+        ``state``: the :class:`~hvd_compress.torch.ddp.CompressionState`; default the
+        strategy's ``ddp_comm_state``.  ``prog_bar``: show the ratio in the progress bar.
+        At ``on_fit_start`` an unbound state is bound to the strategy's DDP model."""
 
-    def __init__(self, state=None, prefix="compression/", prog_bar=False):
-        if state is not None and _compression_state(state) is None:
-            raise ValueError("CompressionStats: state must be an hvd_compress.ddp."
-                             f"CompressionState, got {type(state).__name__}")
-        self.state = _compression_state(state) if state is not None else None
-        self.prefix, self.prog_bar = prefix, prog_bar
-        self._warned, self._logged = False, 0
+        def __init__(self, state=None, prefix="compression/", prog_bar=False):
+            if state is not None and _compression_state(state) is None:
+                raise ValueError("CompressionStats: state must be an hvd_compress.ddp."
+                                 f"CompressionState, got {type(state).__name__}")
+            self.state = _compression_state(state) if state is not None else None
+            self.prefix, self.prog_bar = prefix, prog_bar
+            self._warned, self._logged = False, 0
 
-    def _find(self, trainer):
-        if self.state is None:
-            found = _compression_state(getattr(trainer.strategy, "_ddp_comm_state", None))
-            if found is None:
-                found = _compression_state(getattr(trainer.strategy, "hvd_comm", (None,))[0])
-            if found is None:
-                raise ValueError("CompressionStats: no state= given and the trainer's strategy "
-                                 "has no hvd_compress CompressionState as ddp_comm_state")
-            self.state = found
-        return self.state
+        def _find(self, trainer):
+            if self.state is None:
+                found = _compression_state(getattr(trainer.strategy, "_ddp_comm_state", None))
+                if found is None:
+                    found = _compression_state(getattr(trainer.strategy, "hvd_comm", (None,))[0])
+                if found is None:
+                    raise ValueError("CompressionStats: no state= given and the trainer's strategy "
+                                     "has no hvd_compress CompressionState as ddp_comm_state")
+                self.state = found
+            return self.state
 
-    def on_fit_start(self, trainer, pl_module):
-        state = self._find(trainer)
-        model = getattr(trainer.strategy, "model", None)
-        if not state.bound and model is not None and hasattr(model, "register_comm_hook"):
-            state.bind(model)
+        def on_fit_start(self, trainer, pl_module):
+            state = self._find(trainer)
+            model = getattr(trainer.strategy, "model", None)
+            if not state.bound and model is not None and hasattr(model, "register_comm_hook"):
+                state.bind(model)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        stats = self._find(trainer).stats
-        if stats.steps == 0 and trainer.global_step > 0 and not self._warned:
-            self._warned = True
-            logger.warning(
-                "hvd_compress.lightning.CompressionStats: an optimizer step went by and the "
-                "comm hook has seen no bucket (Lightning's DDPStrategy registers "
-                "ddp_comm_hook only on CUDA: use hvd_compress.lightning.DDPStrategy)")
-        if stats.steps <= self._logged:          # no new exchange (accumulating batches)
-            return
-        self._logged = stats.steps
-        values = stats.scalars(self.prefix)
-        ratio = values.pop(self.prefix + "ratio", None)
-        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        if ratio is not None:
-            pl_module.log(self.prefix + "ratio", ratio, on_step=True, on_epoch=False,
-                          prog_bar=self.prog_bar, batch_size=1)
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            stats = self._find(trainer).stats
+            if stats.steps == 0 and trainer.global_step > 0 and not self._warned:
+                self._warned = True
+                logger.warning(
+                    "hvd_compress.lightning.CompressionStats: an optimizer step went by and the "
+                    "comm hook has seen no bucket (Lightning's DDPStrategy registers "
+                    "ddp_comm_hook only on CUDA: use hvd_compress.lightning.DDPStrategy)")
+            if stats.steps <= self._logged:          # no new exchange (accumulating batches)
+                return
+            self._logged = stats.steps
+            values = stats.scalars(self.prefix)
+            ratio = values.pop(self.prefix + "ratio", None)
+            pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+            if ratio is not None:
+                pl_module.log(self.prefix + "ratio", ratio, on_step=True, on_epoch=False,
+                              prog_bar=self.prog_bar, batch_size=1)
+
+    return DDPStrategy, CompressionStats
+
+
+def __getattr__(name):
+    if name in ("DDPStrategy", "CompressionStats"):
+        if ("tensorflow" in sys.modules and "triton" not in sys.modules
+                and importlib.util.find_spec("triton") is not None):
+            raise ImportError(
+                f"hvd_compress.lightning.{name}: TensorFlow is loaded and Triton is not; "
+                "Lightning imports torch._dynamo, which loads Triton, and the process would "
+                "abort (both register LLVM's options): import lightning before tensorflow")
+        module = sys.modules[__name__]
+        for cls in _build():
+            cls.__module__, cls.__qualname__ = __name__, cls.__name__
+            setattr(module, cls.__name__, cls)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CompressionStats", "DDPStrategy"]
