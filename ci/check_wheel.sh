@@ -97,7 +97,7 @@ editable = [repr(f) for f in sys.meta_path + sys.path_hooks
 if editable:
     sys.exit(f"!! [wheel] an editable finder is active: {editable}")
 
-OPTIONAL = {"horovod", "tensorflow", "keras", "tf_keras"}
+OPTIONAL = {"horovod", "tensorflow", "keras", "tf_keras", "lightning", "accelerate"}
 absent = {m for m in OPTIONAL if importlib.util.find_spec(m) is None}
 failed, skipped, imported = [], [], []
 
