@@ -2,7 +2,8 @@
 
 Syntax: ``name[:param=value[,param=value...]]``, e.g. ``"topk:density=0.01,ef=0"``.
 Values are converted to the type of the parameter's default (bool accepts
-0/1/true/false).  ``HVD_COMPRESS`` holds a spec in the same syntax; the glue layers
+0/1/true/false).  ``hier:<spec>`` (or the key ``hier=1``) wraps the compressor for the
+hierarchical exchange (:mod:`hvd_compress.compressors.hierarchical`).  ``HVD_COMPRESS`` holds a spec in the same syntax; the glue layers
 use it when no ``compression`` argument is given.
 
 Imports: the standard library, ``hvd_compress.compressors``.
@@ -11,6 +12,7 @@ import os
 
 from .compressors import REGISTRY
 from .compressors.base import Compressor
+from .compressors.hierarchical import PREFIX as HIER, Hierarchical
 
 ENV_VAR = "HVD_COMPRESS"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -52,7 +54,18 @@ def from_spec(spec):
     """
     if isinstance(spec, Compressor):
         return spec
+    if isinstance(spec, str) and spec.strip().startswith(HIER):
+        inner = spec.strip()[len(HIER):]
+        if not inner.strip():
+            raise ValueError(f"spec {spec!r}: 'hier:' wraps a compressor spec, e.g. "
+                             "'hier:laplace_topk:density=0.01'")
+        return Hierarchical(from_spec(inner))
     name, raw = parse(spec)
+    if "hier" in raw:                      # "topk:density=0.01,hier=1" == "hier:topk:..."
+        hier = _convert(name, "hier", raw.pop("hier"), False)
+        inner = from_spec(name + "".join(f"{',' if i else ':'}{k}={v}"
+                                         for i, (k, v) in enumerate(raw.items())))
+        return Hierarchical(inner) if hier else inner
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; valid: {', '.join(sorted(REGISTRY))}")
     cls = REGISTRY[name]

@@ -24,9 +24,16 @@ What the driver does besides the protocol (:mod:`.protocol`):
   decisions use the transport's float broadcasts: :class:`.protocol.AutoComm`).  No glue
   calls into auto.
 
+- **hier:** (:mod:`.hierarchical`): a compressor marked ``hierarchical`` is sent by a
+  :class:`~.hierarchical.HierarchicalExchange` over the ``hierarchy`` the glue gave
+  (local and cross transports); before the first one, :func:`~.hierarchical.check_hosts`
+  checks the hosts once (ValueError on every rank for uneven hosts or differing specs).
+  Without a hierarchy, a ValueError naming ``hier:``.
+
 This module imports no framework and no Horovod.
 """
 from ..buckets import layout as make_layout
+from .hierarchical import HierarchicalExchange, check_hosts
 from .protocol import AutoComm, Exchange, finish_all
 
 
@@ -46,11 +53,28 @@ class Driver:
     ``transport``: the glue's :class:`~.protocol.Transport`; ``stats``: a
     :class:`hvd_compress.stats.Stats` (or the TensorFlow one: ``add``, ``add_time``,
     ``end_step``, ``choices``); ``average``: divide sums by the number of ranks;
-    ``auto``: the Auto among the compressors the glue planned (:func:`find_auto`)."""
+    ``auto``: the Auto among the compressors the glue planned (:func:`find_auto`);
+    ``hierarchy``: a :class:`~.hierarchical.Hierarchy` (the worker's local and cross
+    transports) for ``hier:`` compressors, or None."""
 
-    def __init__(self, transport, stats, average, auto=None):
+    def __init__(self, transport, stats, average, auto=None, hierarchy=None):
         self.transport, self.stats, self.average, self.auto = transport, stats, average, auto
+        self.hierarchy = hierarchy
+        self.hosts = None              #: (H, L) once check_hosts has run
         self.in_flight = []            #: exchanges launched this step, not yet finished
+
+    def check_hosts(self, compressor):
+        """Check the hosts once (:func:`~.hierarchical.check_hosts`, a blocking global
+        collective: every rank calls it at its first ``hier:`` launch, or the glue calls
+        it at set-up); returns ``(H, L)``."""
+        if self.hierarchy is None:
+            raise ValueError(f"compression {compressor.spec!r}: 'hier:' needs the hosts' "
+                             "local and cross transports (Driver(hierarchy=...)), which this "
+                             "glue did not give (no hosts information); drop 'hier:' for the "
+                             "flat exchange")
+        if self.hosts is None:
+            self.hosts = check_hosts(self.transport, self.hierarchy, compressor.spec)
+        return self.hosts
 
     @property
     def blocking(self):
@@ -78,7 +102,13 @@ class Driver:
                                      layout.shapes[0])
             else:
                 flat = auto.carry(layout, flat, compressor, ops)
-        if tensor is not None:
+        if getattr(compressor, "hierarchical", False):
+            self.check_hosts(compressor)
+            name = layout.names[0] if tensor is not None else layout.key
+            c = compressor.for_tensor(name, tensor) if tensor is not None else compressor
+            ex = HierarchicalExchange(c, self.hierarchy, name, tensor=tensor, flat=flat,
+                                      layout=layout, inplace=inplace, average=self.average)
+        elif tensor is not None:
             name = layout.names[0]
             ex = Exchange(compressor.for_tensor(name, tensor), self.transport, name,
                           tensor=tensor, inplace=inplace, average=self.average)
@@ -115,6 +145,9 @@ class Driver:
         ex.counted = True
         self.stats.add(ex.sent, ex.dense, ex.received, ex.received_local, ex.union, ex.k)
         self.stats.add_time(ex.compress_s, ex.wait_s, ex.decompress_s)
+        add_local = getattr(self.stats, "add_local", None)
+        if ex.hierarchical and add_local is not None:     # the fast link's dense bytes
+            add_local(ex.local_sent, ex.local_received)
         if ex.auto is not None:
             auto, index, key = ex.auto
             auto.record(key, index, ex.compress_s, ex.wait_s, ex.decompress_s,

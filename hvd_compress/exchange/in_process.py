@@ -13,6 +13,7 @@ Imports: the framework-free parts of hvd_compress; tensors go through :mod:`hvd_
 """
 import threading
 
+from .hierarchical import Hierarchy
 from .protocol import Exchange, Transport, Wait, finish_all, standard_traffic
 
 
@@ -89,6 +90,16 @@ class LocalTransport(Transport):
         out = yield Wait(self.world._complete, self.rank, key, self.world.concat)
         return (out,) + standard_traffic(self.ops, "allgather", tensors, out, self.size)
 
+    def reducescatter(self, tensor, name, sizes):
+        """Rank ``rank``'s piece of the sum (in rank order); traffic as a ring
+        reduce-scatter moves it: ``(P-1)/P`` of the tensor sent and received."""
+        from ..compressors import payload_bytes
+        key = self.world._put(self.rank, name, tensor)
+        out = yield Wait(self.world._complete, self.rank, key,
+                         lambda every: self.ops.split(self.world.sum(every), list(sizes))[self.rank])
+        moved = payload_bytes(tensor, self.ops) * (self.size - 1) // self.size
+        return out, moved, moved
+
     def divide(self, out, size):
         return out / size
 
@@ -99,6 +110,24 @@ class LocalTransport(Transport):
     def allgather_floats(self, values, name):
         key = self.world._put(self.rank, name, list(values))
         return self.world._complete(self.rank, key, lambda every: [list(v) for v in every])
+
+
+def hosts(sizes, ops, timeout=0.0):
+    """Hosts of ``sizes[h]`` workers (global ranks host by host): a global :class:`World`,
+    one per host (the local transports) and one per local rank (the cross transports:
+    the hosts that have that local rank, in host order).  Returns, per global rank,
+    ``(global transport, Hierarchy(local, cross))``; uneven ``sizes`` give what uneven
+    hosts would (for :func:`~.hierarchical.check_hosts` to refuse)."""
+    world = World(sum(sizes), ops, timeout)
+    local = [World(n, ops, timeout) for n in sizes]
+    cross = [World(sum(1 for n in sizes if n > lr), ops, timeout) for lr in range(max(sizes))]
+    out = []
+    for h, n in enumerate(sizes):
+        for lr in range(n):
+            host_index = sum(1 for m in sizes[:h] if m > lr)
+            out.append((world.transport(len(out)),
+                        Hierarchy(local[h].transport(lr), cross[lr].transport(host_index))))
+    return out
 
 
 def run(compressors, tensors, name, world=None):

@@ -82,6 +82,15 @@ class Transport:
         """Each tensor of ``tensors`` concatenated over the ranks in rank order."""
         raise NotImplementedError
 
+    def reducescatter(self, tensor, name, sizes):
+        """This rank's piece of the sum over the ranks of the 1-D ``tensor``, cut into
+        contiguous pieces of ``sizes`` (one per rank, in rank order; the hierarchical
+        exchange's step 1).  A generator like :meth:`allreduce`, returning ``(piece,
+        sent, received)``.  Default: the whole :meth:`allreduce`, then this rank's slice
+        (what it moves is counted); a glue with a native reduce-scatter overrides it."""
+        out, sent, received = yield from _collective(self.allreduce(tensor, name))
+        return self.ops.split(out, list(sizes))[self.rank], sent, received
+
     def broadcast_floats(self, values, name):
         """Rank 0's list of floats (one named collective)."""
         raise NotImplementedError
@@ -153,7 +162,8 @@ class Exchange:
     bucket: ``compress_bucket``/``propose_bucket``).  ``name``: the tensor's name or the
     bucket's key.  ``inplace``: an uncompressed payload may be reduced in ``tensor``'s
     memory.  ``average``: divide the sum by the number of ranks.  Starting it runs up to
-    its first collective.
+    its first collective (``start=False``: not started; whoever holds it drives
+    ``_gen``, as :class:`.hierarchical.HierarchicalExchange` drives its cross exchange).
 
     When :attr:`done`: :attr:`result` (the sum or average over the ranks: shaped like
     ``tensor``, or flat), :attr:`sent`, :attr:`received`, :attr:`received_local`,
@@ -162,8 +172,14 @@ class Exchange:
     agreeing), :attr:`wait_s` (blocked on collectives), :attr:`decompress_s`.
     """
 
+    hierarchical = False       #: :class:`.hierarchical.HierarchicalExchange` says True
+
     def __init__(self, compressor, transport, name, tensor=None, flat=None, layout=None,
-                 inplace=False, average=False):
+                 inplace=False, average=False, start=True):
+        if getattr(compressor, "hierarchical", False) and not self.hierarchical:
+            raise ValueError(f"compression {compressor.spec!r}: 'hier:' compressors need the "
+                             "hosts' local and cross transports (hvd_compress.exchange.Driver("
+                             "hierarchy=...)); this path exchanges flat: drop 'hier:'")
         self.compressor, self.transport, self.name = compressor, transport, name
         self.tensor, self.flat, self.layout = tensor, flat, layout
         self.inplace, self.average = inplace, average
@@ -178,7 +194,8 @@ class Exchange:
         #: ``auto``: (the Auto, candidate index, bucket key) that chose the compressor
         self.auto = None
         self._gen = self._steps()
-        self._resume(None)
+        if start:                      # else the caller drives ``_gen`` (an inner exchange)
+            self._resume(None)
 
     # -- driving ------------------------------------------------------------------------
     def advance(self):

@@ -1,0 +1,82 @@
+"""``hier:<spec>``: the marker that sends a compressor through the hierarchical exchange.
+
+:class:`Hierarchical` wraps any compressor (``hier:laplace_topk:density=0.01``, or the
+key ``hier=1`` in the inner spec) and delegates to it; it only says *how* the payload
+travels: :class:`hvd_compress.exchange.driver.Driver` starts a
+:class:`hvd_compress.exchange.hierarchical.HierarchicalExchange` for it (a dense
+reduce-scatter inside the host, the inner compressor across hosts on the shard each
+local rank owns, a dense allgather inside the host).  It holds no state of its own: the
+inner compressor's residuals (keyed by shard piece, see the exchange) are its state, and
+``state_dict`` carries the ``hier:`` spec so a checkpoint is not restored into a flat
+compressor.
+
+Imports: modules of its own package.
+"""
+from .base import Compressor
+
+PREFIX = "hier:"
+
+
+class Hierarchical(Compressor):
+    """``inner`` sent hierarchically (module docstring).  ``collective``, ``segmented``,
+    ``biased`` are the inner compressor's, so buckets are planned as for it."""
+
+    name = "hier"
+    hierarchical = True        #: the Driver starts a HierarchicalExchange for it
+
+    def __init__(self, inner):
+        if not isinstance(inner, Compressor):
+            raise TypeError(f"inner must be a compressor, got {inner!r}")
+        if getattr(inner, "hierarchical", False):
+            raise ValueError(f"inner={inner.spec!r} is already hierarchical ('hier:' once)")
+        if getattr(inner, "adaptive", False) or len(inner.compressors()) != 1 or \
+                inner.compressors()[0] is not inner:
+            raise ValueError(f"inner={inner.spec!r}: 'hier:' wraps one compressor (not auto or "
+                             "a Policy; give a Policy hier: members instead)")
+        super().__init__(ef=False)
+        self.inner = inner
+        self.collective, self.rounds = inner.collective, inner.rounds
+        self.segmented, self.biased = inner.segmented, inner.biased
+        self.ef, self.uses_step = inner.ef, inner.uses_step
+        self._for = {}
+
+    @property
+    def spec(self):
+        return PREFIX + self.inner.spec
+
+    def for_tensor(self, name, tensor):
+        """The inner compressor's choice, still hierarchical (integer tensors: ``none``,
+        summed densely through the same hierarchy)."""
+        chosen = self.inner.for_tensor(name, tensor)
+        if chosen is self.inner:
+            return self
+        key = id(chosen)
+        if key not in self._for:
+            self._for[key] = Hierarchical(chosen)
+        return self._for[key]
+
+    # -- never sent flat: the Driver routes it (protocol.Exchange refuses it) ------------
+    def _flat(self, *_, **__):
+        raise ValueError(f"compression {self.spec!r}: 'hier:' compressors are exchanged by "
+                         "hvd_compress.exchange.Driver with the hosts' local and cross "
+                         "transports, not compressed flat")
+
+    compress = compress_bucket = propose = propose_bucket = _flat
+
+    # -- state: the inner compressor's --------------------------------------------------
+    def residual(self, name):
+        return self.inner.residual(name)
+
+    def state_dict(self):
+        return {"spec": self.spec, "state": self.inner.state_dict()["state"]}
+
+    def load_state_dict(self, state_dict, framework="torch", strict=True):
+        if state_dict.get("spec") != self.spec:
+            raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
+                             f"not {self.spec!r}")
+        self.inner.load_state_dict({"spec": self.inner.spec, "state": state_dict["state"]},
+                                   framework=framework, strict=strict)
+
+    @classmethod
+    def params(cls):
+        return {}
