@@ -3,8 +3,9 @@
 Syntax: ``name[:param=value[,param=value...]]``, e.g. ``"topk:density=0.01,ef=0"``.
 Values are converted to the type of the parameter's default (bool accepts
 0/1/true/false).  ``hier:<spec>`` (or the key ``hier=1``) wraps the compressor for the
-hierarchical exchange (:mod:`hvd_compress.compressors.hierarchical`).  ``HVD_COMPRESS`` holds a spec in the same syntax; the glue layers
-use it when no ``compression`` argument is given.
+hierarchical exchange (:mod:`hvd_compress.compressors.hierarchical`).  ``HVD_COMPRESS``
+holds a spec in the same syntax; the glue layers use it when no ``compression`` argument
+is given.
 
 Imports: the standard library, ``hvd_compress.compressors``.
 """

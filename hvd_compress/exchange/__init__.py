@@ -4,7 +4,8 @@
 bucket; allreduce, allgather or two rounds), through a :class:`~.protocol.Transport`
 that each glue implements.  :mod:`.driver`: a step's exchanges (launch, advance in the
 same order on every rank, stats, ``auto``).  :mod:`.hierarchical`: the hierarchical
-exchange (``hier:``: dense inside a host, compressed across hosts).  Imports no framework and no Horovod.
+exchange (``hier:``: dense inside a host, compressed across hosts).  Imports no
+framework and no Horovod.
 """
 from .hierarchical import HierarchicalExchange, Hierarchy, check_hosts  # noqa: F401
 from .driver import Driver, find_auto, single_layout  # noqa: F401

@@ -42,6 +42,7 @@ import hashlib
 from typing import Any, NamedTuple
 
 from ..buckets import layout as make_layout
+from ..log import info_rank0
 from .protocol import Exchange, _collective
 
 #: inner compressors whose tensors keep their shapes (shard on tensor boundaries)
@@ -131,6 +132,8 @@ def check_hosts(transport, hierarchy, spec=""):
                         f"between ranks (this rank: {spec!r})")
     if problems:
         raise ValueError("hvd_compress hierarchical exchange (hier:): " + "; ".join(problems))
+    info_rank0(transport.rank, "hierarchical exchange: %d hosts x %d workers, %s across hosts",
+               rows[0][2], rows[0][0], spec)
     return rows[0][2], rows[0][0]
 
 

@@ -95,8 +95,8 @@ class LocalTransport(Transport):
         reduce-scatter moves it: ``(P-1)/P`` of the tensor sent and received."""
         from ..compressors import payload_bytes
         key = self.world._put(self.rank, name, tensor)
-        out = yield Wait(self.world._complete, self.rank, key,
-                         lambda every: self.ops.split(self.world.sum(every), list(sizes))[self.rank])
+        out = yield Wait(self.world._complete, self.rank, key, lambda every: self.ops.split(
+            self.world.sum(every), list(sizes))[self.rank])
         moved = payload_bytes(tensor, self.ops) * (self.size - 1) // self.size
         return out, moved, moved
 

@@ -198,8 +198,9 @@ def test_powersgd_shards_follow_tensor_boundaries():
         np.testing.assert_allclose(per_rank[0][0], np.concatenate(want), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec,lay", [("topk:density=0.05", LAY), ("laplace_topk:density=0.02", LAY),
-                                      ("twobit", LAY), ("powersgd:rank=2", MATRICES),
+@pytest.mark.parametrize("spec,lay", [("topk:density=0.05", LAY),
+                                      ("laplace_topk:density=0.02", LAY), ("twobit", LAY),
+                                      ("powersgd:rank=2", MATRICES),
                                       ("topk:density=0.1,agg=union", LAY)])
 def test_one_worker_per_host_is_the_flat_exchange_bit_for_bit(spec, lay):
     steps = 3
@@ -357,7 +358,10 @@ def test_slow_link_bytes_are_the_cross_transport_and_a_host_sends_l_times_fewer(
 def test_every_rank_of_a_set_starts_the_same_collectives_in_the_same_order():
     transports = hosts([2, 2], torch_ops, timeout=30)
     comps = [hvd_compress.from_spec("hier:topk:density=0.1,agg=union") for _ in range(4)]
-    _run(transports, comps, 2)
+    got = _run(transports, comps, 2)
+    for r in range(4):                         # agg=union: two rounds across hosts
+        assert all(np.array_equal(got[r][s][0], got[0][s][0]) for s in range(2))
+        assert got[r][1][1].cross.compressor.collective == "two_round"
     for group in ([transports[0][1].local, transports[1][1].local],
                   [transports[0][1].cross, transports[2][1].cross]):
         logs = [[n for kind, n in t.world.log[t.rank] if kind == "start"] for t in group]
