@@ -51,6 +51,10 @@ def main():
         json.dump(dict(stats=state.stats.as_dict(), rank=rank, world=acc.num_processes,
                        distributed_type=str(acc.distributed_type),
                        names=sorted(state.names.values())), f)
+    acc.wait_for_everyone()
+    # leave no Gloo thread running into interpreter shutdown: without this, a rank
+    # sometimes aborted at exit ("terminate called without an active exception")
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
