@@ -20,6 +20,10 @@ class Stats:
     ``received`` for other strategies and compressors); ``union`` and ``k``: the
     aggregated index count and the target k of aggregation-aware selection
     (``union_over_k``; 0 and None where no union is formed).
+
+    With the hierarchical exchange (``hier:``), ``sent`` and ``received`` count the slow
+    link between hosts only; ``host_sent``/``host_received`` count the dense traffic
+    inside the host (the reduce-scatter and allgather among its workers).
     """
 
     TIMES = ("compress_s", "wait_s", "decompress_s")
@@ -35,6 +39,8 @@ class Stats:
         #: Elastic Horovod: L2 norm of the residuals lost with lost workers (at the commit)
         self.lost_residual_norm = 0.0
         self._times = [0.0, 0.0, 0.0]
+        self._host = [0, 0]
+        self.last_host = self.total_host = (0, 0)
         self.last_times = dict.fromkeys(self.TIMES, 0.0)
         self.total_times = dict.fromkeys(self.TIMES, 0.0)
         #: ``auto``: bucket key -> the spec of the candidate that sends it now
@@ -46,6 +52,10 @@ class Stats:
         self._dense += int(dense)
         for key, v in zip(EXCHANGE, (received, received_local, union, k)):
             self._exchange[key] += int(v)
+
+    def add_local(self, sent, received):
+        """Count one hierarchical exchange's dense bytes inside the host."""
+        self._host = [self._host[0] + int(sent), self._host[1] + int(received)]
 
     def add_time(self, compress_s, wait_s, decompress_s):
         """Add one tensor's seconds (PyTorch glue: wall clock of the calling thread)."""
@@ -67,6 +77,9 @@ class Stats:
         for k, t in self.last_times.items():
             self.total_times[k] += t
         self._times = [0.0, 0.0, 0.0]
+        self.last_host = tuple(self._host)
+        self.total_host = tuple(a + b for a, b in zip(self.total_host, self._host))
+        self._host = [0, 0]
 
     def as_dict(self):
         """Bytes (``last_*``, ``total_*``, ``ratio``) and, where the glue measures them
@@ -80,6 +93,8 @@ class Stats:
             out["last_" + k] = self.last_times[k]
             out["total_" + k] = self.total_times[k]
         out["lost_residual_norm"] = self.lost_residual_norm
+        for when, (sent, received) in (("last", self.last_host), ("total", self.total_host)):
+            out[f"{when}_host_sent"], out[f"{when}_host_received"] = sent, received
         if self.choices:
             out["choices"] = dict(self.choices)
         return out

@@ -10,12 +10,22 @@ ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 
 
-def horovodrun(args, out_dir, timeout=600, env=None, np_=2):
-    """Run ``horovodrun -np 2 -H localhost:2 --gloo python <args>``; return (rc, output)."""
+#: Gloo's timeout for one collective (Horovod's default is 30 s): on CI's two cores,
+#: four TensorFlow workers once left a rank more than 30 s behind the others
+GLOO_TIMEOUT_S = 300
+
+
+def horovodrun(args, out_dir, timeout=600, env=None, np_=2, hosts=None,
+               gloo_timeout=GLOO_TIMEOUT_S):
+    """Run ``horovodrun -np 2 -H localhost:2 --gloo python <args>``; return (rc, output).
+    ``hosts``: another ``-H`` (``"localhost:2,127.0.0.1:2"`` is two hosts of two workers,
+    both this machine: Horovod sets local and cross ranks as for two machines).
+    ``gloo_timeout``: seconds a rank waits in one collective (a job meant to fail by
+    timing out passes Horovod's own 30)."""
     full_env = dict(os.environ, OUT_DIR=str(out_dir), PYTHONUNBUFFERED="1",
                     OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-           sys.executable, *map(str, args)]
+    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", hosts or f"localhost:{np_}", "--gloo",
+           "--gloo-timeout-seconds", str(gloo_timeout), sys.executable, *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr

@@ -113,3 +113,44 @@ def fixed_reference(parts, value_range=10.0):
     q = np.round(np.clip(np.asarray(parts, np.float64), -value_range, value_range)
                  * (MAX / value_range)).astype(np.int64)
     return (q.sum(0).astype(np.float64) * (value_range / MAX)).astype(np.float32)
+
+
+def hier_pieces(names, offsets, numels, total, parts):
+    """The hierarchical exchange's shards, independent of the library: ``[(shard, name,
+    lo, hi)]`` of a flat bucket cut as Horovod's reduce-scatter cuts it (shard l has
+    ``total // parts + (l < total % parts)`` values); a tensor cut by a boundary is the
+    piece ``<name>/shard<l>``."""
+    sizes = [total // parts + (i < total % parts) for i in range(parts)]
+    bounds = np.cumsum([0] + sizes)
+    out = []
+    for l in range(parts):
+        for name, o, m in zip(names, offsets, numels):
+            lo, hi = max(bounds[l], o), min(bounds[l + 1], o + m)
+            if hi > lo:
+                whole = (lo, hi) == (o, o + m)
+                out.append((l, name if whole else f"{name}/shard{l}", lo, hi))
+    return out
+
+
+def hier_reference(grads, hosts, pieces, contribution, residual=None):
+    """One step of the hierarchical scheme in numpy: ``grads[r]`` is worker r's flat
+    bucket (rank r = h L + l on host h), ``pieces`` from :func:`hier_pieces`,
+    ``contribution(c)`` what a compressor sends of ``c``.  Host sums, per piece and host
+    ``c = host sum + residual``, ``residual <- c - sent``, the cross-host sum of what was
+    sent.  Returns the aggregate (a sum over all workers); ``residual`` (a dict keyed
+    ``(host, piece name)``) is updated in place.  One host: the dense sum."""
+    residual = {} if residual is None else residual
+    size = len(grads)
+    L = size // hosts
+    host = [grads[h * L] + sum(grads[h * L + l] for l in range(1, L)) if L > 1
+            else grads[h * L] for h in range(hosts)]
+    if hosts == 1:
+        return host[0]
+    out = np.zeros_like(grads[0])
+    for _, name, lo, hi in pieces:
+        for h in range(hosts):
+            c = host[h][lo:hi] + residual.get((h, name), 0)
+            sent = contribution(c)
+            residual[(h, name)] = c - sent
+            out[lo:hi] += sent
+    return out

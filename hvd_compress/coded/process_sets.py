@@ -19,9 +19,11 @@ def process_sets(n, redundancy):
     return [ProcessSet(list(g)) for g in placement(n, redundancy).groups if len(g) < n]
 
 
-def group_sets(hvd, groups):
+def group_sets(hvd, groups, purpose="coded SGD",
+               hint="hvd.init(process_sets=hvd_compress.coded.process_sets(n, r))"):
     """``{group: ProcessSet}`` for ``groups`` (sorted rank tuples); collective: every rank
-    must call it with the same groups in the same order."""
+    must call it with the same groups in the same order.  ``purpose`` and ``hint`` (the
+    static alternative) word the error when Horovod cannot add a set."""
     from horovod.common import process_sets as ps
     existing = {tuple(r): i for i, r in ps._basics._get_process_set_ids_and_ranks().items()}
     out = {}
@@ -37,8 +39,7 @@ def group_sets(hvd, groups):
                 out[g] = hvd.add_process_set(list(g))
             except Exception as e:   # Horovod raises RuntimeError/ValueError without dynamic sets
                 raise RuntimeError(
-                    f"coded SGD needs a Horovod process set for the group {list(g)}: run with "
-                    "HOROVOD_DYNAMIC_PROCESS_SETS=1, or pass "
-                    "hvd.init(process_sets=hvd_compress.coded.process_sets(n, r)) "
+                    f"{purpose} needs a Horovod process set for the group {list(g)}: run "
+                    f"with HOROVOD_DYNAMIC_PROCESS_SETS=1, or pass {hint} "
                     f"({type(e).__name__}: {e})") from e
     return out

@@ -12,7 +12,7 @@ this module holds only the hooks into backward and Horovod's optimizer API.
 
 Imports: torch, Horovod, ``hvd_compress.exchange``, ``hvd_compress.ops``,
 ``hvd_compress.spec``, ``hvd_compress.stats``, ``hvd_compress.buckets``,
-``hvd_compress.compressors.dense``, ``hvd_compress.strategies.momentum``; and modules of
+``hvd_compress.hosts``, ``hvd_compress.compressors.dense``, ``hvd_compress.strategies.momentum``; and modules of
 its own package.
 """
 from contextlib import contextmanager
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import horovod.torch as hvd
 import torch
 
-from .. import buckets
+from .. import buckets, hosts
 from ..exchange import Driver, find_auto
 from ..ops import torch_ops
 from ..spec import resolve
@@ -104,9 +104,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._layouts = [buckets.layout([self._names[p] for p in b], [p.shape for p in b])
                          for b in self._buckets]
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
-        self._driver = Driver(collectives.HorovodTorch(process_set), self.stats,
-                              average=self.op == hvd.Average,
-                              auto=find_auto([e[2] for e in entries]))
+        transport = collectives.HorovodTorch(process_set)
+        self._driver = Driver(transport, self.stats, average=self.op == hvd.Average,
+                              auto=find_auto([e[2] for e in entries]),
+                              hierarchy=hosts.for_compressors(
+                                  hvd, collectives.HorovodTorch, transport,
+                                  [e[2] for e in entries]) if process_set.included() else None)
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         self._momentum = None
         if schedule is not None:

@@ -118,7 +118,8 @@ def test_a_killed_worker_fails_the_job_instead_of_hanging(tmp_path):
     import time
     start = time.monotonic()
     rc, log = horovodrun([ROOT / "tests/workers/coded_worker.py", "torch", "die"], tmp_path,
-                         np_=3, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, timeout=300)
+                         np_=3, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, timeout=300,
+                         gloo_timeout=30)
     assert rc != 0 and "unexpected" not in log
     assert "HorovodInternalError" in log or "Connection reset" in log, log[-3000:]
     assert time.monotonic() - start < 120

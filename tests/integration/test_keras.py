@@ -123,7 +123,7 @@ def test_mnist_topk_within_one_point_of_uncompressed(keras_job):
 def test_ranks_with_different_compressors_fail_clearly(tmp_path):
     """Rank 0 topk, rank 1 randomk: ``fit`` raises ValueError on both ranks at the first
     step, compiled and eager, listing both configurations; the job ends (timeout)."""
-    rc, log = horovodrun([WORKER, "mismatch"], tmp_path, timeout=180)
+    rc, log = horovodrun([WORKER, "mismatch"], tmp_path, timeout=180, gloo_timeout=30)
     assert rc != 0
     for rank in (0, 1):
         for mode in MODES:

@@ -18,7 +18,8 @@ from hvd_compress.exchange.hierarchical import plan_shards, shard_sizes
 from hvd_compress.exchange.in_process import World, hosts
 from hvd_compress.ops import torch_ops
 from hvd_compress.stats import Stats
-from reference import powersgd_reference, reference_contribution, topk_mask
+from reference import (hier_pieces, hier_reference, powersgd_reference,
+                       reference_contribution, topk_mask)
 
 SHAPES = {"a.weight": (40, 30), "b.weight": (30, 20), "c.bias": (7,)}
 LAY = buckets.layout(list(SHAPES), list(SHAPES.values()))
@@ -83,39 +84,18 @@ def _flat(size, spec, steps, **kw):
 
 
 def _pieces(lay, parts):
-    """Independent of the library: [(shard, name, lo, hi)] of the flat bucket."""
-    sizes = [lay.total // parts + (i < lay.total % parts) for i in range(parts)]
-    bounds = np.cumsum([0] + sizes)
-    out = []
-    for l in range(parts):
-        for name, o, m in zip(lay.names, lay.offsets, lay.numels):
-            lo, hi = max(bounds[l], o), min(bounds[l + 1], o + m)
-            if hi > lo:
-                whole = (lo, hi) == (o, o + m)
-                out.append((l, name if whole else f"{name}/shard{l}", lo, hi))
-    return out
+    return hier_pieces(lay.names, lay.offsets, lay.numels, lay.total, parts)
 
 
 def _reference(sizes, steps, contribution, lay=LAY):
-    """The hierarchical scheme in numpy: per step, the aggregate (sum over P workers) and,
-    at the end, each (host, piece)'s residual."""
+    """The hierarchical scheme in numpy (tests/reference.py): per step, the aggregate
+    (sum over P workers) and, at the end, each (host, piece)'s residual."""
     H, L = len(sizes), sizes[0]
     residual, outs = {}, []
+    pieces = _pieces(lay, L)
     for s in range(steps):
         g = [_grad(r, s, lay) for r in range(H * L)]
-        host = [sum(g[h * L + l] for l in range(1, L)) + g[h * L] if L > 1 else g[h * L]
-                for h in range(H)]
-        if H == 1:
-            outs.append(host[0])
-            continue
-        out = np.zeros(lay.total, np.float32)
-        for _, name, lo, hi in _pieces(lay, L):
-            for h in range(H):
-                c = host[h][lo:hi] + residual.get((h, name), 0)
-                sent = contribution(c)
-                residual[(h, name)] = c - sent
-                out[lo:hi] += sent
-        outs.append(out)
+        outs.append(hier_reference(g, H, pieces, contribution, residual))
     return outs, residual
 
 

@@ -1,0 +1,116 @@
+"""The hierarchical exchange (``hier:``, issue 28) through real ``horovodrun`` on 2 hosts
+x 2 workers (``-H localhost:2,127.0.0.1:2``: both "hosts" are this machine, Horovod's
+local and cross ranks are set as for two machines; tests/workers/hier_worker.py), and
+on uneven hosts (2 + 1).  The aggregates are checked against the numpy reference of the
+scheme in tests/reference.py; in one process: tests/unit/test_hierarchical.py."""
+import numpy as np
+import pytest
+
+from launch import ROOT, horovodrun, load_ranks
+from reference import hier_pieces, hier_reference, topk_mask
+
+WORKER = ROOT / "tests/workers/hier_worker.py"
+SHAPES = {"a.weight": (40, 30), "b.weight": (30, 20), "c.bias": (7,)}
+HOSTS, L = 2, 2
+
+
+def grad(rank, step, name):          # as the worker makes them
+    seed = 1000 * step + 10 * rank + list(SHAPES).index(name)
+    return np.random.RandomState(seed).standard_normal(SHAPES[name]).astype(np.float32)
+
+
+def topk(c):
+    return np.where(topk_mask(c, 0.05), c, 0).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hier_jobs")
+    rc, log = horovodrun([WORKER, "torch"], out, np_=4, hosts="localhost:2,127.0.0.1:2",
+                         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    assert rc == 0, log[-6000:]
+    rc, log = horovodrun([WORKER, "torch"], out, np_=3, hosts="localhost:2,127.0.0.1:1",
+                         env={"MODE": "uneven"})
+    assert rc == 0, log[-6000:]
+    return {"torch": load_ranks(out, "hier_torch_main", 4),
+            "uneven": load_ranks(out, "hier_torch_uneven", 3)}
+
+
+def _layout(names):
+    numels = [int(np.prod(SHAPES[n])) for n in names]
+    offsets = list(np.cumsum([0] + numels[:-1]))
+    return numels, offsets, sum(numels)
+
+
+def test_horovod_gives_two_hosts_of_two_workers(jobs):
+    places = [tuple(r["places"]) for r in jobs["torch"]]
+    # (rank, local_rank, local_size, cross_rank, cross_size), host by host
+    assert places == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 2, 1, 2), (3, 1, 2, 1, 2)]
+
+
+def test_a_bucket_every_rank_ends_with_the_reference_aggregate(jobs):
+    ranks = jobs["torch"]
+    names = [str(n) for n in ranks[0]["bucket_order"]]
+    numels, offsets, total = _layout(names)
+    pieces = hier_pieces(names, offsets, numels, total, L)
+    residual = {}
+    for s in range(3):
+        flat = [np.concatenate([grad(r, s, n).reshape(-1) for n in names]) for r in range(4)]
+        want = hier_reference(flat, HOSTS, pieces, topk, residual)
+        for r, rank in enumerate(ranks):
+            got = np.concatenate([rank[f"bucket|{s}|{n}"].reshape(-1) for n in names])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"rank {r} step {s}")
+            np.testing.assert_array_equal(got, np.concatenate(
+                [ranks[0][f"bucket|{s}|{n}"].reshape(-1) for n in names]))
+    # error feedback: each piece's residual lives on the worker that compresses it
+    for r, rank in enumerate(ranks):
+        h, lr = divmod(r, L)
+        mine = {name for shard, name, _, _ in pieces if shard == lr}
+        kept = {k.split("|", 2)[2] for k in rank if k.startswith("bucket|residual|")}
+        assert kept == mine, (r, kept, mine)
+        for name in mine:
+            np.testing.assert_allclose(rank[f"bucket|residual|{name}"], residual[(h, name)],
+                                       rtol=1e-5, atol=1e-5, err_msg=f"rank {r} {name}")
+
+
+def test_only_the_compressed_shard_crosses_hosts(jobs):
+    for rank in jobs["torch"]:
+        sent, dense, host_sent = rank["bucket|2|stats"]
+        assert dense == 4 * 1807
+        # about half the bucket's top 5% (this worker's shard), values and indices
+        assert 0 < sent < dense / 8, (sent, dense)
+        assert host_sent >= 4 * 1807 // 2, host_sent      # the dense traffic inside the host
+
+
+def test_a_checkpoint_restores_bit_for_bit(jobs):
+    for r, rank in enumerate(jobs["torch"]):
+        for n in SHAPES:
+            np.testing.assert_array_equal(rank[f"restored|2|{n}"], rank[f"bucket|2|{n}"],
+                                          err_msg=f"rank {r} {n}")
+
+
+def test_tensor_by_tensor_and_the_mean(jobs):
+    ranks = jobs["torch"]
+    residual = {}
+    for s in range(2):
+        for n in SHAPES:
+            numel = int(np.prod(SHAPES[n]))
+            pieces = hier_pieces([n], [0], [numel], numel, L)
+            g = [grad(r, s, n).reshape(-1) for r in range(4)]
+            want = hier_reference(g, HOSTS, pieces, topk, residual.setdefault(n, {})) / 4
+            for r, rank in enumerate(ranks):
+                np.testing.assert_allclose(rank[f"tensor|{s}|{n}"].reshape(-1), want,
+                                           rtol=1e-5, atol=1e-6, err_msg=f"rank {r} {n} {s}")
+
+
+def test_ranks_configured_differently_fail_on_every_rank(jobs):
+    for rank in jobs["torch"]:
+        msg = str(rank["mismatch_error"])
+        assert "configured differently" in msg and "density=0.1" in msg, msg
+
+
+def test_uneven_hosts_are_a_clear_error_on_every_rank(jobs):
+    for rank in jobs["uneven"]:
+        msg = str(rank["uneven_error"])
+        assert "uneven hosts" in msg and "rank 2: 1" in msg, msg
