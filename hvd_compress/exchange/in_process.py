@@ -93,12 +93,10 @@ class LocalTransport(Transport):
     def reducescatter(self, tensor, name, sizes):
         """Rank ``rank``'s piece of the sum (in rank order); traffic as a ring
         reduce-scatter moves it: ``(P-1)/P`` of the tensor sent and received."""
-        from ..compressors import payload_bytes
         key = self.world._put(self.rank, name, tensor)
         out = yield Wait(self.world._complete, self.rank, key, lambda every: self.ops.split(
             self.world.sum(every), list(sizes))[self.rank])
-        moved = payload_bytes(tensor, self.ops) * (self.size - 1) // self.size
-        return out, moved, moved
+        return (out,) + standard_traffic(self.ops, "reducescatter", tensor, None, self.size)
 
     def divide(self, out, size):
         return out / size

@@ -137,13 +137,17 @@ class AutoComm:
 
 def standard_traffic(ops, kind, payload, aggregate, size):
     """``(sent, received)`` bytes of one collective as Horovod moves it: an allreduce
-    sends its payload and receives a ring's share ``2 (P-1)/P`` of it; an allgather
-    receives the other ranks' payloads."""
+    sends its payload and receives a ring's share ``2 (P-1)/P`` of it; a reduce-scatter
+    (a ring's first half) sends and receives ``(P-1)/P`` of it; an allgather receives the
+    other ranks' payloads."""
     from ..compressors import payload_bytes
     from ..stats import ring_received
     sent = payload_bytes(payload, ops)
     if kind == "allreduce":
         return sent, ring_received(sent, size)
+    if kind == "reducescatter":
+        moved = sent * (size - 1) // size
+        return moved, moved
     return sent, payload_bytes(aggregate, ops) - sent
 
 

@@ -54,10 +54,16 @@ def _exit_code(rc):
 
 
 def run_on_hosts(hosts, argv, timeout=None, env=None, cwd=None, stdout=None, stderr=None,
-                 verbose=False):
-    """Run ``argv`` once on every host of ``hosts`` (a ``Hosts``), as ``horovodrun --gloo
-    -np N -H h0:1,...`` would: returns the largest exit code of the workers (0: all
-    succeeded).
+                 verbose=False, per_host=1):
+    """Run ``argv`` ``per_host`` times on every host of ``hosts`` (a ``Hosts``), as
+    ``horovodrun --gloo -np N -H h0:L,h1:L,...`` would: returns the largest exit code of
+    the workers (0: all succeeded).
+
+    ``per_host`` = L workers per host: rank ``h L + l`` is local rank l of host h
+    (HOROVOD_LOCAL_RANK=l, LOCAL_SIZE=L, CROSS_RANK=h, CROSS_SIZE=H, as horovodrun
+    numbers them).  Workers of one host reach each other at the host's own address,
+    which the kernel routes through the host's loopback: traffic inside a host is not
+    shaped, only what leaves through its link is.
 
     What it does: starts Horovod's ``RendezvousServer`` in a small Python process on
     host 0 (it listens on host 0's address; workers on the other hosts reach it over
@@ -65,8 +71,8 @@ def run_on_hosts(hosts, argv, timeout=None, env=None, cwd=None, stdout=None, std
     ADDR1:1,..."), N)``; then starts worker ``i`` as ``ip netns exec NAME-hi argv`` with
     horovodrun's variables (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, HOROVOD_CONTROLLER=gloo,
     HOROVOD_CPU_OPERATIONS=gloo, HOROVOD_GLOO_IFACE=hvd0, HOROVOD_HOSTNAME=ADDRi,
-    HOROVOD_RANK/SIZE, HOROVOD_LOCAL_RANK=0, HOROVOD_LOCAL_SIZE=1, HOROVOD_CROSS_RANK/
-    SIZE, PYTHONUNBUFFERED=1) on top of ``env`` (default: this process's environment).
+    HOROVOD_RANK/SIZE, HOROVOD_LOCAL_RANK/SIZE, HOROVOD_CROSS_RANK/SIZE,
+    PYTHONUNBUFFERED=1) on top of ``env`` (default: this process's environment).
     Every line a worker prints goes to ``stdout``/``stderr`` (default: this process's)
     prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``, as horovodrun prints it.
 
@@ -77,9 +83,12 @@ def run_on_hosts(hosts, argv, timeout=None, env=None, cwd=None, stdout=None, std
     """
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    n = len(hosts.namespaces)
+    if not (isinstance(per_host, int) and per_host >= 1):
+        raise ValueError(f"per_host must be an int >= 1, got {per_host!r}")
+    n_hosts = len(hosts.namespaces)
+    n = n_hosts * per_host
     argv = [str(a) for a in argv]
-    plan = ",".join(f"{a}:1" for a in hosts.addresses)
+    plan = ",".join(f"{a}:{per_host}" for a in hosts.addresses)
     lock = threading.Lock()
     base_env = dict(os.environ if env is None else env)
     from .shaped_link import ShapedLinkError
@@ -97,17 +106,18 @@ def run_on_hosts(hosts, argv, timeout=None, env=None, cwd=None, stdout=None, std
                                   f"{hosts.namespaces[0]} (printed {line!r})")
         port = line.strip()
         for rank in range(n):
+            host, local = divmod(rank, per_host)
             wenv = dict(base_env,
                         HOROVOD_GLOO_RENDEZVOUS_ADDR=hosts.addresses[0],
                         HOROVOD_GLOO_RENDEZVOUS_PORT=port,
                         HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
                         HOROVOD_GLOO_IFACE=hosts.iface, NCCL_SOCKET_IFNAME=hosts.iface,
-                        HOROVOD_HOSTNAME=hosts.addresses[rank],
+                        HOROVOD_HOSTNAME=hosts.addresses[host],
                         HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(n),
-                        HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
-                        HOROVOD_CROSS_RANK=str(rank), HOROVOD_CROSS_SIZE=str(n),
+                        HOROVOD_LOCAL_RANK=str(local), HOROVOD_LOCAL_SIZE=str(per_host),
+                        HOROVOD_CROSS_RANK=str(host), HOROVOD_CROSS_SIZE=str(n_hosts),
                         PYTHONUNBUFFERED="1")
-            cmd = hosts.prefix(rank) + argv
+            cmd = hosts.prefix(host) + argv
             if verbose:
                 print(f"[launcher] rank {rank}: {' '.join(cmd)}", file=stderr, flush=True)
             proc = subprocess.Popen(cmd, env=wenv, cwd=cwd, stdin=subprocess.DEVNULL,

@@ -17,6 +17,8 @@ worker per host, as ``horovodrun --gloo -H host0:1,host1:1`` would over ssh.  Th
 launcher *replaces* horovodrun: give it the training command itself::
 
     sudo python -m hvd_compress.tools.shaped_link --rate 1gbit --hosts 2 -- python train.py
+    sudo python -m hvd_compress.tools.shaped_link --rate 100mbit --hosts 2 --per-host 2 \\
+        -- python train.py        # 2 hosts x 2 workers: only the hosts' link is shaped
 
     from hvd_compress.tools.shaped_link import run_two_hosts
     rc = run_two_hosts(["python", "train.py"], "1gbit", np=2, timeout=600)
@@ -289,12 +291,14 @@ def two_hosts(rate, n=2, name=None, network="10.77.0.0/24", burst="1mb", mtu=900
 from .launcher import run_on_hosts  # noqa: E402  (the hosts' launcher; re-exported)
 
 
-def run_two_hosts(argv, rate, np=2, timeout=None, **kwargs):
-    """Run ``argv`` on ``np`` fresh hosts joined by a ``rate`` full-duplex link, one
-    worker per host (``two_hosts`` + ``run_on_hosts``); returns the largest exit code.
-    ``argv`` is the training command itself, without horovodrun."""
-    with two_hosts(rate, n=np) as hosts:
-        return run_on_hosts(hosts, argv, timeout=timeout, **kwargs)
+def run_two_hosts(argv, rate, np=2, timeout=None, per_host=1, **kwargs):
+    """Run ``argv`` on ``np // per_host`` fresh hosts joined by a ``rate`` full-duplex
+    link, ``per_host`` workers per host (``two_hosts`` + ``run_on_hosts``); returns the
+    largest exit code.  ``argv`` is the training command itself, without horovodrun."""
+    if per_host < 1 or np % per_host:
+        raise ValueError(f"per_host={per_host!r} must divide np={np!r}")
+    with two_hosts(rate, n=np // per_host) as hosts:
+        return run_on_hosts(hosts, argv, timeout=timeout, per_host=per_host, **kwargs)
 
 
 def main(argv=None):
@@ -311,7 +315,10 @@ def main(argv=None):
     p.add_argument("--name", default=None, help="namespace name (default: hvdc-PID-RATE, "
                                                 "with --hosts hvdcPID-K-h<i>)")
     p.add_argument("--hosts", type=int, default=None, metavar="N",
-                   help="N hosts, one worker each, launched by this tool (no horovodrun)")
+                   help="N hosts, launched by this tool (no horovodrun)")
+    p.add_argument("--per-host", type=int, default=1, metavar="L",
+                   help="with --hosts: L workers per host (their traffic inside the host "
+                        "is not shaped), ranks host by host as horovodrun numbers them")
     p.add_argument("--timeout", type=float, default=None,
                    help="with --hosts: seconds before the workers are killed (exit 124)")
     p.add_argument("--verbose", action="store_true", help="with --hosts: print each command")
@@ -320,8 +327,10 @@ def main(argv=None):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("give the command to run after --")
-    if args.hosts is None and args.timeout is not None:
-        p.error("--timeout goes with --hosts")
+    if args.hosts is None and (args.timeout is not None or args.per_host != 1):
+        p.error("--timeout and --per-host go with --hosts")
+    if args.per_host < 1:
+        p.error(f"--per-host must be >= 1, got {args.per_host}")
     # killed by SIGTERM: unwind through the finally blocks (workers stopped, namespaces and
     # hosts files removed) instead of dying on the spot
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -330,7 +339,8 @@ def main(argv=None):
             with shaped_link(args.rate, name=args.name) as prefix:
                 return subprocess.run(prefix + command).returncode
         with two_hosts(args.rate, n=args.hosts, name=args.name) as hosts:
-            return run_on_hosts(hosts, command, timeout=args.timeout, verbose=args.verbose)
+            return run_on_hosts(hosts, command, timeout=args.timeout, verbose=args.verbose,
+                                per_host=args.per_host)
     except subprocess.TimeoutExpired:
         print(f"shaped_link: the workers ran past --timeout {args.timeout:g} s and were "
               "killed", file=sys.stderr)

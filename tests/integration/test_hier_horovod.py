@@ -1,8 +1,15 @@
 """The hierarchical exchange (``hier:``, issue 28) through real ``horovodrun`` on 2 hosts
 x 2 workers (``-H localhost:2,127.0.0.1:2``: both "hosts" are this machine, Horovod's
-local and cross ranks are set as for two machines; tests/workers/hier_worker.py), and
-on uneven hosts (2 + 1).  The aggregates are checked against the numpy reference of the
+local and cross ranks are set as for two machines; tests/workers/hier_worker.py), on
+uneven hosts (2 + 1), and (as root) through the two-host harness with two workers per
+host (hvd_compress.tools.shaped_link.run_two_hosts(per_host=2): two network namespaces
+joined by a 100 Mbit/s link, the workers of a host on its own loopback).  The aggregates are checked against the numpy reference of the
 scheme in tests/reference.py; in one process: tests/unit/test_hierarchical.py."""
+import io
+import os
+import shutil
+import sys
+
 import numpy as np
 import pytest
 
@@ -32,8 +39,27 @@ def jobs(tmp_path_factory):
     rc, log = horovodrun([WORKER, "torch"], out, np_=3, hosts="localhost:2,127.0.0.1:1",
                          env={"MODE": "uneven"})
     assert rc == 0, log[-6000:]
-    return {"torch": load_ranks(out, "hier_torch_main", 4),
+    jobs = {"torch": load_ranks(out, "hier_torch_main", 4),
             "uneven": load_ranks(out, "hier_torch_uneven", 3)}
+    if os.geteuid() == 0 and shutil.which("tc"):
+        from hvd_compress.tools import shaped_link as sl
+        log = io.StringIO()
+        rc = sl.run_two_hosts([sys.executable, WORKER, "torch"], "100mbit", np=4, per_host=2,
+                              timeout=300, cwd=ROOT, stdout=log, stderr=log,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", OUT_DIR=str(out),
+                                       MODE="harness", HOROVOD_DYNAMIC_PROCESS_SETS="1"))
+        assert rc == 0, log.getvalue()[-6000:]
+        jobs["harness"] = load_ranks(out, "hier_torch_harness", 4)
+    return jobs
+
+
+VIA = ["torch", "harness"]
+
+
+def _ranks(jobs, via):
+    if via not in jobs:
+        pytest.skip("the two-host harness needs root and tc (iproute2)")
+    return jobs[via]
 
 
 def _layout(names):
@@ -42,14 +68,16 @@ def _layout(names):
     return numels, offsets, sum(numels)
 
 
-def test_horovod_gives_two_hosts_of_two_workers(jobs):
-    places = [tuple(r["places"]) for r in jobs["torch"]]
+@pytest.mark.parametrize("via", VIA)
+def test_horovod_gives_two_hosts_of_two_workers(jobs, via):
+    places = [tuple(r["places"]) for r in _ranks(jobs, via)]
     # (rank, local_rank, local_size, cross_rank, cross_size), host by host
     assert places == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 2, 1, 2), (3, 1, 2, 1, 2)]
 
 
-def test_a_bucket_every_rank_ends_with_the_reference_aggregate(jobs):
-    ranks = jobs["torch"]
+@pytest.mark.parametrize("via", VIA)
+def test_a_bucket_every_rank_ends_with_the_reference_aggregate(jobs, via):
+    ranks = _ranks(jobs, via)
     names = [str(n) for n in ranks[0]["bucket_order"]]
     numels, offsets, total = _layout(names)
     pieces = hier_pieces(names, offsets, numels, total, L)
@@ -83,8 +111,9 @@ def test_only_the_compressed_shard_crosses_hosts(jobs):
         assert host_sent >= 4 * 1807 // 2, host_sent      # the dense traffic inside the host
 
 
-def test_a_checkpoint_restores_bit_for_bit(jobs):
-    for r, rank in enumerate(jobs["torch"]):
+@pytest.mark.parametrize("via", VIA)
+def test_a_checkpoint_restores_bit_for_bit(jobs, via):
+    for r, rank in enumerate(_ranks(jobs, via)):
         for n in SHAPES:
             np.testing.assert_array_equal(rank[f"restored|2|{n}"], rank[f"bucket|2|{n}"],
                                           err_msg=f"rank {r} {n}")
