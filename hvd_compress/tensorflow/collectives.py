@@ -13,14 +13,19 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from ..exchange import PREFIX, Exchange, ProcessSetTransport, standard_traffic
+from ..horovod_args import check_op as _check_op
 from ..ops import tf_ops
-from ..spec import from_spec, resolve
+from ..spec import from_horovod, from_spec, resolve
 _CACHE = {}
 
 
 def resolve_cached(compression):
     """Like ``spec.resolve`` but one compressor object per spec string, so the
-    error-feedback state of a tape that is recreated every step survives."""
+    error-feedback state of a tape that is recreated every step survives.  Horovod's
+    ``hvd.Compression.none``/``fp16`` count as the spec strings ``none``/``fp16``."""
+    horovod = from_horovod(compression) if compression is not None else None
+    if horovod is not None:
+        compression = horovod
     if compression is None or isinstance(compression, str):
         key = compression
         if key not in _CACHE:
@@ -29,10 +34,10 @@ def resolve_cached(compression):
     return from_spec(compression)
 
 
-def check_op(op):
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
-    return op
+def check_op(op, glue="tensorflow"):
+    """``op`` (``hvd.Average`` or ``hvd.Sum``), else ValueError naming it
+    (:func:`hvd_compress.horovod_args.check_op`)."""
+    return _check_op(op, hvd, glue)
 
 
 def _to_wire(t):

@@ -25,27 +25,22 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 
-from .. import buckets
+from .. import buckets, horovod_args
 from ..spec import resolve
-from . import collectives
+from . import collectives, horovod_surface as surface
 from . import tape as _tape
 from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .momentum import KerasAdamMomentum
 
-# Horovod's keras.DistributedOptimizer arguments that hvd_compress does not implement,
-# with the values that mean "off": code written for horovod.keras that passes them
-# unchanged still runs; any other value raises ValueError rather than being ignored.
-_HOROVOD_DEFAULTS = {"device_dense": ("",), "device_sparse": ("",),
-                     "sparse_as_dense": (False, True),   # gradients are always made dense
-                     "gradient_predivide_factor": (1.0,), "backward_passes_per_step": (1,),
-                     "average_aggregated_gradients": (False,), "num_groups": (0,),
-                     "groups": (None,), "scale_local_gradients": (True,)}
 _CLASSES = {}
 
 
-def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
-                         process_set=hvd.global_process_set, bucket_mb=None,
-                         compressed_momentum=None, **horovod_kwargs):
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=None, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                         op=hvd.Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=hvd.global_process_set, scale_local_gradients=True,
+                         bucket_mb=None, compressed_momentum=None):
     """A copy of the Keras 3 ``optimizer`` whose updates use gradients compressed and
     aggregated over the Horovod ranks.
 
@@ -59,18 +54,38 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     raises ValueError at the first step: Horovod's ops have no XLA kernels; Keras picks
     XLA itself on GPUs, so pass ``jit_compile=False`` to ``compile`` there).
 
-    Arguments as in ``horovod.keras.DistributedOptimizer`` and
-    ``hvd_compress.tensorflow.DistributedGradientTape``: ``compression`` (a compressor,
-    a spec string such as ``"topk:density=0.01"``, or None for ``$HVD_COMPRESS``), ``op``
-    (``hvd.Average`` or ``hvd.Sum``), ``process_set``, ``bucket_mb`` (see
-    :mod:`hvd_compress.buckets`), ``name`` (the optimizer's name, default the wrapped
-    one's).  Horovod's other arguments are accepted at their defaults only.
+    Arguments follow ``horovod.keras.DistributedOptimizer`` (0.28.1), in its order, then
+    ours (``bucket_mb``, ``compressed_momentum``).  Horovod's argument -> what it does
+    here:
 
-    The optimizer gets ``compression`` (its own compressor object: a spec string is
-    resolved anew, so error feedback is not shared with other optimizers or tapes;
-    checkpoint this rank's residuals with ``opt.compression.state_dict()`` and restore
-    them with ``opt.compression.load_state_dict(state, framework="tensorflow")``) and
-    ``stats`` (bytes sent vs a dense float32 allreduce, as ``tape.stats``).
+    - ``compression``: a compressor, a spec string such as ``"topk:density=0.01"``,
+      Horovod's ``hvd.Compression.none``/``fp16`` (our ``none``/``fp16``), or None for
+      ``$HVD_COMPRESS``.
+    - ``op``: ``hvd.Average`` or ``hvd.Sum``; ``hvd.Adasum``: ValueError naming ``op``.
+    - ``gradient_predivide_factor`` (``op=hvd.Average`` only): gradients divided by it
+      before the exchange, the average multiplied by it after (Horovod's ``1/factor``
+      before the sum, ``factor/size`` after).
+    - ``groups`` (or ``num_groups``): the buckets (an int: that many; lists of
+      variables: one bucket each, a variable in none alone); not with ``bucket_mb``.
+    - ``sparse_as_dense``: IndexedSlices gradients (embeddings) are exchanged dense;
+      ``True`` applies them dense, ``False`` as IndexedSlices of the non-zero rows.
+    - ``backward_passes_per_step=N`` / ``average_aggregated_gradients``: each ``apply``
+      adds the local gradients to sums; every N-th exchanges the sums (divided by N after
+      the exchange when ``average_aggregated_gradients``) and applies them; the others
+      only count ``iterations``, as Horovod's ``LocalGradientAggregationHelper``.  Not
+      with Keras' own ``gradient_accumulation_steps`` (which would exchange every
+      micro-batch) nor ``compressed_momentum``.
+    - ``device_dense``/``device_sparse``: checked device strings, otherwise unused.
+    - ``scale_local_gradients``, with ``opt.register_local_var(var)``: ``var``'s gradient
+      is not exchanged, and divided by the number of ranks when True, as Horovod's.
+    - ``process_set``, ``name`` (the optimizer's name, default the wrapped one's).
+
+    ``bucket_mb``: see :mod:`hvd_compress.buckets`.  The optimizer gets ``compression``
+    (its own compressor object: a spec string is resolved anew, so error feedback is not
+    shared with other optimizers or tapes; checkpoint this rank's residuals with
+    ``opt.compression.state_dict()`` and restore them with
+    ``opt.compression.load_state_dict(state, framework="tensorflow")``) and ``stats``
+    (bytes sent vs a dense float32 allreduce, as ``tape.stats``).
 
     Collectives are named after the variables' Keras paths (``"dense/kernel"``; a path
     seen twice gets ``#1``, ...), which are the same on every rank of the same script;
@@ -85,29 +100,44 @@ def DistributedOptimizer(optimizer, name=None, compression=None, op=hvd.Average,
     hyperparameter) holds it; its ``state_dict()`` is the schedule, to checkpoint beside
     the optimizer's variables and ``opt.compression.state_dict()``.
     """
-    for key, value in horovod_kwargs.items():
-        if key not in _HOROVOD_DEFAULTS:
-            raise TypeError(f"DistributedOptimizer() got an unexpected keyword argument {key!r}")
-        if value not in _HOROVOD_DEFAULTS[key]:
-            hint = (" (Keras 3 optimizers take gradient_accumulation_steps=N)"
-                    if key == "backward_passes_per_step" else "")
-            raise ValueError(f"hvd_compress.keras.DistributedOptimizer does not implement "
-                             f"{key}={value!r}{hint}")
     if keras.backend.backend() != "tensorflow":
         raise ValueError("hvd_compress.keras needs the TensorFlow backend of Keras, "
                          f"not {keras.backend.backend()!r}")
     if type(optimizer) in _CLASSES.values():
         raise ValueError("this optimizer is already an hvd_compress DistributedOptimizer")
+    surface.check_devices(device_dense, device_sparse)
+    op = collectives.check_op(op, "keras")
+    predivide = horovod_args.predivide_factor(gradient_predivide_factor, op, hvd)
+    groups = surface.groups_from(num_groups, groups, bucket_mb)
+    accumulation = surface.Accumulation(backward_passes_per_step, average_aggregated_gradients)
+    local = surface.LocalSources(scale_local_gradients)
     config = optimizer.get_config()
+    if accumulation.passes > 1 and config.get("gradient_accumulation_steps"):
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} and the "
+                         "optimizer's gradient_accumulation_steps="
+                         f"{config['gradient_accumulation_steps']} both accumulate "
+                         "gradients: use one (backward_passes_per_step exchanges every N-th "
+                         "step, gradient_accumulation_steps every step)")
     if name is not None:
         config["name"] = name
     wrapped = _distributed_class(type(optimizer)).from_config(config)
     wrapped.compression = resolve(compression)
-    wrapped.op = collectives.check_op(op)
+    wrapped.op = op
+    wrapped.gradient_predivide_factor = predivide
+    wrapped.sparse_as_dense = bool(sparse_as_dense)
     wrapped.process_set = process_set
-    wrapped.bucket_mb = buckets.bucket_mb(bucket_mb, wrapped.compression)
+    wrapped.bucket_mb = buckets.bucket_mb(bucket_mb, wrapped.compression) \
+        if groups is None else None
     wrapped.compressed_momentum = None
+    # Python objects Keras' tracker must not turn into tracked lists (not Keras state)
+    object.__setattr__(wrapped, "_hvd_groups", groups)
+    object.__setattr__(wrapped, "_hvd_accumulation",
+                       accumulation if accumulation.passes > 1 else None)
+    object.__setattr__(wrapped, "_hvd_local", local)
     schedule = MomentumSchedule.build(compressed_momentum)
+    if schedule is not None and accumulation.passes > 1:
+        raise ValueError("backward_passes_per_step > 1 does not go with compressed_momentum "
+                         "(the momentum is exchanged at every step)")
     if schedule is None and isinstance(optimizer, keras.optimizers.Adam):
         adam_defaults(wrapped.compression, type(optimizer).__name__)
     if schedule is not None:
@@ -133,20 +163,45 @@ def _distributed_class(base):
         _check_not_xla()
         if getattr(self, "compressed_momentum", None) is not None:
             return _apply_momentum(self, base, grads, variables, trainable_variables)
-        grads = _tape.reduce_gradients(grads, variables, self.compression, self.op,
-                                       self.process_set, self.bucket_mb)
-        return base.apply(self, grads, trainable_variables)
+        if self._hvd_accumulation is not None:
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(variables)
+                self.built = True
+            self._hvd_accumulation.apply(
+                grads, variables, lambda g, v: _reduce(self, g, v),
+                lambda g, v: base.apply(self, g, trainable_variables),
+                lambda: self.iterations.assign_add(1))
+            return
+        return base.apply(self, _reduce(self, grads, variables), trainable_variables)
+
+    def register_local_var(self, var):
+        """Horovod's: ``var``'s gradient is worker-local (not exchanged; divided by the
+        number of ranks when ``scale_local_gradients``)."""
+        self._hvd_local.add(var)
 
     def stats(self):
         """Bytes sent vs a dense float32 allreduce (:class:`hvd_compress.tensorflow.TFStats`)."""
         return _tape.stats(self.compression)
 
     cls = type(base.__name__, (base,), {"apply": apply, "stats": property(stats),
+                                        "register_local_var": register_local_var,
                                         "__module__": base.__module__,
                                         "__qualname__": base.__qualname__,
                                         "__doc__": base.__doc__})
     _CLASSES[base] = cls
     return cls
+
+
+def _reduce(self, grads, variables, compression=None, count_as=None):
+    """``reduce_gradients`` with this optimizer's Horovod arguments (local variables as
+    they are, or scaled)."""
+    def reduce(g, v):
+        return _tape.reduce_gradients(
+            g, v, compression or self.compression, self.op, self.process_set,
+            self.bucket_mb, count_as=count_as, predivide=self.gradient_predivide_factor,
+            groups=self._hvd_groups, sparse_as_dense=self.sparse_as_dense)
+    return self._hvd_local.reduce(reduce, grads, variables, self.process_set.size())
 
 
 def _apply_momentum(self, base, grads, variables, trainable_variables):
@@ -160,15 +215,13 @@ def _apply_momentum(self, base, grads, variables, trainable_variables):
         collectives.check_same_config(f"{self.compression.spec} {mom.spec}", self.process_set)
         self._momentum_checked = True
     if mom.dense:
-        grads = _tape.reduce_gradients(grads, variables, self.dense_compression, self.op,
-                                       self.process_set, self.bucket_mb, count_as=self.compression)
+        grads = _reduce(self, grads, variables, self.dense_compression, count_as=self.compression)
         out = base.apply(self, grads, trainable_variables)
         mom.after_dense(variables, collectives.HorovodTF(self.process_set))
         return out
     if not self.built:
         self.build(variables)
-    means = _tape.reduce_gradients(mom.local_momentum(grads, variables), variables,
-                                   self.compression, self.op, self.process_set, self.bucket_mb)
+    means = _reduce(self, mom.local_momentum(grads, variables), variables)
     mom.apply(means, variables)
 
 

@@ -7,19 +7,19 @@ done by :func:`reduce_gradients`, which ``hvd_compress.keras.DistributedOptimize
 shares.
 
 Imports: the standard library, TensorFlow, Horovod, ``hvd_compress.exchange``,
-``hvd_compress.ops``, ``hvd_compress.stats``, ``hvd_compress.buckets``; and modules of
-its own package.
+``hvd_compress.ops``, ``hvd_compress.stats``, ``hvd_compress.buckets``,
+``hvd_compress.horovod_args``; and modules of its own package.
 """
 import weakref
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from .. import buckets
+from .. import buckets, horovod_args
 from ..exchange import Driver, find_auto
 from ..ops import tf_ops
 from ..stats import EXCHANGE, summarize
-from . import collectives
+from . import collectives, horovod_surface as surface
 
 _STATS = weakref.WeakKeyDictionary()
 _CHECKED = weakref.WeakKeyDictionary()
@@ -62,6 +62,8 @@ class TFStats:
 
     #: ``auto``: bucket key -> the spec of the candidate that sends it now
     choices = {}
+    #: the last call's buckets: lists of variable names (set when traced in tf.function)
+    buckets = []
 
     def as_dict(self):
         v = {k: int(x.numpy()) for k, x in self._v.items()}
@@ -102,22 +104,56 @@ def variable_names(sources):
 class DistributedGradientTape:
     """Wrap a ``tf.GradientTape``: ``gradient()`` returns compressed, aggregated gradients.
 
-    Arguments follow ``horovod.tensorflow.DistributedGradientTape``: ``compression``
-    (compressor, spec string, or None for ``$HVD_COMPRESS``), ``op`` (``hvd.Average`` or
-    ``hvd.Sum``), ``process_set``.  Sparse (IndexedSlices) gradients are made dense.
-    ``tape.stats`` counts bytes sent vs a dense float32 allreduce.  ``bucket_mb``:
-    gradients are compressed and sent in buckets of about this many MB (default
-    ``$HVD_COMPRESS_BUCKET_MB``, else 25; 0: tensor by tensor; see
+    Arguments follow ``horovod.tensorflow.DistributedGradientTape`` (0.28.1), in its
+    order, then ours (``bucket_mb``).  Horovod's argument -> what it does here:
+
+    - ``compression``: a hvd_compress compressor, a spec string (``"topk:density=0.01"``),
+      Horovod's ``hvd.Compression.none``/``fp16`` (our ``none``/``fp16``), or None for
+      ``$HVD_COMPRESS`` (default ``none``).
+    - ``op``: ``hvd.Average`` or ``hvd.Sum``; ``hvd.Adasum`` is a ValueError naming ``op``.
+    - ``gradient_predivide_factor`` (``op=hvd.Average`` only): gradients are divided by it
+      before the exchange (the compressor and its error feedback see ``g / factor``) and
+      the average multiplied by it after: Horovod's ``1/factor`` before the sum and
+      ``factor/size`` after.
+    - ``groups`` (or its deprecated spelling ``num_groups``): Horovod's explicit groups
+      become the buckets: an int splits the sources into that many buckets, a list of
+      lists of variables makes each list a bucket (a variable in none is a bucket of its
+      own); not together with ``bucket_mb``.
+    - ``sparse_as_dense``: IndexedSlices gradients are exchanged dense either way (the
+      compressors work on dense tensors); ``True`` returns them dense, ``False`` (the
+      default) as ``tf.IndexedSlices`` of the aggregate's non-zero rows, as Horovod
+      returns IndexedSlices.
+    - ``device_dense``/``device_sparse``: checked device strings, otherwise unused (the
+      exchange runs where the gradients are).
+    - ``process_set``: as Horovod's.
+    - ``scale_local_gradients``, with :meth:`register_local_source`: a registered
+      variable's gradient is not exchanged, and divided by the number of ranks when True
+      (the default), as Horovod's.
+
+    ``bucket_mb``: gradients are compressed and sent in buckets of about this many MB
+    (default ``$HVD_COMPRESS_BUCKET_MB``, else 25; 0: tensor by tensor; see
     :mod:`hvd_compress.buckets`); inside ``tf.function`` a bucket's ops form one group.
+    ``tape.stats`` counts bytes sent vs a dense float32 allreduce (``tape.stats.buckets``:
+    the last call's buckets, by variable name).
     """
 
-    def __init__(self, gradtape, compression=None, op=hvd.Average,
-                 process_set=hvd.global_process_set, bucket_mb=None):
+    def __init__(self, gradtape, device_dense="", device_sparse="", compression=None,
+                 sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
+                 num_groups=0, groups=None, process_set=hvd.global_process_set,
+                 scale_local_gradients=True, bucket_mb=None):
         self._tape = gradtape
+        self.device_dense, self.device_sparse = surface.check_devices(device_dense,
+                                                                      device_sparse)
         self.compression = collectives.resolve_cached(compression)
         self.op = collectives.check_op(op)
+        self.gradient_predivide_factor = horovod_args.predivide_factor(
+            gradient_predivide_factor, op, hvd)
+        self.groups = surface.groups_from(num_groups, groups, bucket_mb)
+        self.sparse_as_dense = bool(sparse_as_dense)
         self.process_set = process_set
-        self.bucket_mb = buckets.bucket_mb(bucket_mb, self.compression)
+        self.bucket_mb = buckets.bucket_mb(bucket_mb, self.compression) \
+            if self.groups is None else None
+        self._local = surface.LocalSources(scale_local_gradients)
 
     def __getattr__(self, item):       # watch(), stop_recording(), reset(), ...
         return getattr(self._tape, item)
@@ -133,17 +169,44 @@ class DistributedGradientTape:
     def stats(self):
         return stats(self.compression)
 
+    @property
+    def scale_local_gradients(self):
+        return self._local.scale
+
+    def register_local_source(self, source):
+        """Horovod's: ``source``'s gradient is worker-local (not exchanged; divided by
+        the number of ranks when ``scale_local_gradients``)."""
+        self._local.add(source)
+
     @tf.autograph.experimental.do_not_convert
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False,
+                 **kwargs):
+        """The aggregated gradients of ``target`` with respect to ``sources`` (as
+        ``tf.GradientTape.gradient``; ``use_generic_names`` is Horovod's and changes
+        nothing: collectives are named after the variables either way)."""
         flat_sources = tf.nest.flatten(sources)
         grads = tf.nest.flatten(self._tape.gradient(target, sources, output_gradients, **kwargs))
-        out = reduce_gradients(grads, flat_sources, self.compression, self.op,
-                               self.process_set, self.bucket_mb)
+        out = self._local.reduce(self._reduce, grads, flat_sources, self.process_set.size())
         return tf.nest.pack_sequence_as(sources, out)
+
+    def _reduce(self, grads, sources):
+        return reduce_gradients(grads, sources, self.compression, self.op, self.process_set,
+                                self.bucket_mb, predivide=self.gradient_predivide_factor,
+                                groups=self.groups, sparse_as_dense=self.sparse_as_dense)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False):
+        """Horovod's: ``(local, global)`` lists of ``(source, gradient)`` pairs, split by
+        :meth:`register_local_source`."""
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        pairs = list(zip(tf.nest.flatten(sources), tf.nest.flatten(grads)))
+        return ([p for p in pairs if p[0] in self._local],
+                [p for p in pairs if p[0] not in self._local])
 
 
 @tf.autograph.experimental.do_not_convert
-def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, count_as=None):
+def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, count_as=None,
+                     predivide=1.0, groups=None, sparse_as_dense=False):
     """Compressed, aggregated ``grads`` (a list, one per variable of the list ``sources``;
     None stays None): what :class:`DistributedGradientTape` and
     :func:`hvd_compress.keras.DistributedOptimizer` both do with local gradients.
@@ -151,9 +214,15 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, co
     ``compression`` is a compressor object (its error feedback and :func:`stats` are
     updated), ``bucket_mb`` a number (:func:`hvd_compress.buckets.bucket_mb`).  Names
     of the collectives come from :func:`variable_names`.  The first call per compressor
-    and bucket size checks that every rank has the same configuration (ValueError on
+    and configuration checks that every rank has the same configuration (ValueError on
     every rank otherwise).  Eager or inside ``tf.function``.  ``count_as``: the
     compressor whose :func:`stats` count the bytes (default ``compression``).
+    Horovod's arguments, checked by the caller
+    (:mod:`hvd_compress.tensorflow.horovod_surface`): ``predivide`` (the
+    ``gradient_predivide_factor``: ``g / predivide`` is exchanged, the result multiplied
+    by it), ``groups`` (None, an int or lists of variables: the buckets instead of
+    ``bucket_mb``'s), ``sparse_as_dense`` (False: an IndexedSlices gradient's result is
+    IndexedSlices again).
     """
     grads = list(grads)
     names = variable_names(sources)
@@ -165,15 +234,21 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, co
              for v, g in zip(sources, grads)]
     entries = [(n, tuple(v.shape), compression.for_tensor(n, like), tf.as_dtype(v.dtype).name,
                 tf.as_dtype(v.dtype).size) for n, v, like in zip(names, sources, likes)]
-    plan = buckets.plan(entries, bucket_mb)
+    if groups is None:
+        plan = buckets.plan(entries, bucket_mb)
+        planned = buckets.describe(bucket_mb, plan)
+    else:
+        plan = horovod_args.plan_groups(groups, list(sources), entries)
+        planned = horovod_args.describe_groups(groups, plan)
+    counted = stats(count_as or compression)
+    counted.buckets = [[names[i] for i in b] for b in plan]
+    layout = ";".join(f"{n}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}"
+                      for n, v in zip(names, sources))
+    config = f"{compression.spec} op={op} predivide={predivide:g} {planned} | {layout}"
     checked = _CHECKED.setdefault(compression, set())
-    if bucket_mb not in checked:
-        layout = ";".join(f"{n}:{tuple(v.shape)}:{tf.as_dtype(v.dtype).name}"
-                          for n, v in zip(names, sources))
-        collectives.check_same_config(
-            f"{compression.spec} op={op} {buckets.describe(bucket_mb, plan)} "
-            f"| {layout}", process_set)
-        checked.add(bucket_mb)
+    if config not in checked:
+        collectives.check_same_config(config, process_set)
+        checked.add(config)
     auto = find_auto(e[2] for e in entries)
     if auto is not None and not tf.executing_eagerly():
         raise ValueError(
@@ -181,9 +256,14 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, co
             "in Python: it needs eager execution. A tf.function (and Keras' compiled "
             "train step) would fix the choice when traced; run eagerly (Keras: "
             "model.compile(..., run_eagerly=True)) or choose a fixed compressor.")
-    driver = Driver(collectives.HorovodTF(process_set), stats(count_as or compression),
+    driver = Driver(collectives.HorovodTF(process_set), counted,
                     average=op == hvd.Average, auto=auto)
     driver.backward_done()
+
+    def local(i):                      # dense, divided by the predivide factor
+        g = _dense(grads[i])
+        return g if predivide == 1.0 else g / tf.cast(predivide, g.dtype)
+
     out = list(grads)
     for bucket in plan:
         present = [i for i in bucket if grads[i] is not None]
@@ -194,16 +274,23 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, co
         compressor = entries[present[0]][2]
         lay = buckets.layout([names[i] for i in present], [entries[i][1] for i in present])
         if len(present) == 1 and auto is None:
-            ex = driver.launch(compressor, lay, tensor=_dense(grads[present[0]]))
+            ex = driver.launch(compressor, lay, tensor=local(present[0]))
             out[present[0]] = driver.finish([ex])[0]
             continue
         # auto: every bucket on the bucket path, keyed by the planned bucket's tensors
         key = buckets.layout([names[i] for i in bucket], [entries[i][1] for i in bucket]).key
-        flat = tf_ops.concat([tf.reshape(_dense(grads[i]), [-1]) for i in present])
+        flat = tf_ops.concat([tf.reshape(local(i), [-1]) for i in present])
         ex = driver.launch(compressor, lay, flat=flat, key=key)
         for i, r in zip(present, lay.split(driver.finish([ex])[0], tf_ops)):
             out[i] = r
     driver.end_step()
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if predivide != 1.0:
+            out[i] = out[i] * tf.cast(predivide, out[i].dtype)
+        if isinstance(g, tf.IndexedSlices) and not sparse_as_dense:
+            out[i] = surface.as_slices(out[i], g)
     return out
 
 
