@@ -16,6 +16,9 @@ directions through one bucket, so it is about 2x slower per byte than these.
     python benchmarks/step_time.py --np 3 --links 1gbit --name step_time_agg \
         --specs "none;topk:density=0.01;topk:density=0.01,agg=leader"   # 3 workers
     python benchmarks/step_time.py --links 1gbit,1gbit-2host --models cnn_mlp_large
+    python benchmarks/step_time.py --links 100mbit-2host --np 4 --per-host 2 \
+        --models cnn_mlp_large --specs "none;laplace_topk:density=0.01;hier:laplace_topk:density=0.01"
+                          # 2 hosts x 2 workers: flat vs hierarchical (issue 28)
     python benchmarks/step_time.py --change-link 1gbit:100mbit@8 --models cnn_mlp_large
                           # two hosts at 1 Gbit/s for 8 measured steps, then 100 Mbit/s
 
@@ -99,11 +102,12 @@ def horovodrun_launch(prefix, workers):
     return launch
 
 
-def hosts_launch(hosts):
-    """Launch function: one worker per host of ``hosts`` (shaped_link.run_on_hosts)."""
+def hosts_launch(hosts, per_host=1):
+    """Launch function: ``per_host`` workers per host of ``hosts`` (shaped_link.run_on_hosts)."""
     def launch(worker_argv, timeout):
         out, err = io.StringIO(), io.StringIO()
-        rc = run_on_hosts(hosts, worker_argv, timeout=timeout, stdout=out, stderr=err)
+        rc = run_on_hosts(hosts, worker_argv, timeout=timeout, stdout=out, stderr=err,
+                          per_host=per_host)
         return rc, out.getvalue(), err.getvalue()
     return launch
 
@@ -194,10 +198,13 @@ def label(r):
 def table(rows, link):
     sel_link = [r for r in rows if r["link"] == link]
     phased = any("phase" in r for r in sel_link)
+    hosts = any("host_tx" in r for r in sel_link)
     lines = [f"\n### {link}\n",
              "| model | compressor | " + ("phase | " if phased else "") + "step ms | × vs none "
-             "| compute | compress | communicate | decompress | other | bytes sent / step |",
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if phased else "")]
+             "| compute | compress | communicate | decompress | other | bytes sent / step |"
+             + (" link bytes / host / step |" if hosts else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if phased else "")
+             + ("---|" if hosts else "")]
     for model in dict.fromkeys(r["model"] for r in sel_link):
         sel = [r for r in sel_link if r["model"] == model]
         for r in sel:
@@ -207,7 +214,8 @@ def table(rows, link):
             lines.append(f"| {model} | {r['spec']} | " + (f"{label(r)} | " if phased else "")
                          + f"{1e3 * r['total']:.1f} | {ratio} | "
                          + " | ".join(f"{1e3 * r[p]:.1f}" for p in PARTS)
-                         + f" | {r['sent']:,.0f} |")
+                         + f" | {r['sent']:,.0f} |"
+                         + (f" {r.get('host_tx', 0):,.0f} |" if hosts else ""))
     return "\n".join(lines)
 
 
@@ -268,6 +276,9 @@ def main():
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--np", type=int, default=2, dest="workers",
                    help="workers (horovodrun -np), one thread each")
+    p.add_argument("--per-host", type=int, default=1,
+                   help="-2host links: workers per host (--np of them in all), e.g. --np 4 "
+                        "--per-host 2 for 2 hosts x 2 workers")
     p.add_argument("--name", default="step_time", help="results file stem (before the date)")
     args = p.parse_args()
     try:
@@ -282,6 +293,8 @@ def main():
     if unknown:
         p.error(f"unknown link(s) {unknown}: use {','.join([*LINKS, *TWO_HOST_LINKS])}")
     models, specs = args.models.split(","), args.specs.split(";")
+    if args.per_host < 1 or args.workers % args.per_host:
+        p.error(f"--per-host {args.per_host} must divide --np {args.workers}")
     if (change or any(LINKS.get(link) or link in TWO_HOST_LINKS for link in links)) \
             and os.geteuid() != 0:
         print("not root: shaped links need network namespaces and tc; measuring plain "
@@ -290,11 +303,11 @@ def main():
     rows = []
     for link in links:
         if link in TWO_HOST_LINKS:
-            setup = two_hosts(TWO_HOST_LINKS[link], n=args.workers)
+            setup = two_hosts(TWO_HOST_LINKS[link], n=args.workers // args.per_host)
         else:
             setup = shaped_link(LINKS[link])
         with setup as where:
-            launch = (hosts_launch(where) if link in TWO_HOST_LINKS
+            launch = (hosts_launch(where, args.per_host) if link in TWO_HOST_LINKS
                       else horovodrun_launch(where, args.workers))
             for model in models:
                 steps_of = STEPS[link.replace("-2host", "")]
@@ -313,6 +326,7 @@ def main():
     import horovod
     info = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
                 horovod=horovod.__version__, cpus=os.cpu_count(), workers=args.workers,
+                per_host=args.per_host,
                 threads_per_worker=1, links=links, change_link=args.change_link,
                 change_skip=args.change_skip if change else None, rows=rows)
     for link in links:

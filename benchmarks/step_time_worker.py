@@ -12,6 +12,10 @@ Split of a step (PyTorch glue timers, see hvd_compress.stats):
   decompress   decoding the aggregates
   other        the rest of synchronize() (launching late collectives, copying into .grad)
 
+On the harness's hosts (step_time.py ``-2host`` links), ``host_tx`` is the median of the
+bytes each host sent per step through its link to the other hosts (the device's
+counter, headers included), averaged over the hosts.
+
 A link that changes mid-run (``--phase-dir DIR --phase-after N``, used by step_time.py
 ``--change-link``): for each compressor k, rank 0 asks the launching process for the
 first rate by creating ``DIR/<k>.1`` before the warm-up, and for the second rate by
@@ -90,6 +94,18 @@ def ask_for_phase(phase_dir, index, phase, timeout=300):
     hvd.allreduce(torch.zeros(1), name=f"step_time.phase.{index}.{phase}")
 
 
+def slow_link_bytes():
+    """Bytes this host has sent through its link to the other hosts so far (the
+    harness's ``$HOROVOD_GLOO_IFACE``, read in this host's network namespace), or None
+    where there is no such link (horovodrun on one machine)."""
+    iface = os.environ.get("HOROVOD_GLOO_IFACE")
+    path = f"/sys/class/net/{iface}/statistics/tx_bytes"
+    if not iface or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return int(f.read())
+
+
 def medians(rows):
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
@@ -124,6 +140,7 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
         if phase_dir and len(rows) == phase_after and not changed:
             ask_for_phase(phase_dir, index, 2)
             changed = 1
+        tx0 = slow_link_bytes()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -151,6 +168,8 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
                          compress=compress, communicate=wait, decompress=decomp,
                          other=max(0.0, (t2 - t1) - wait - decomp), sent=st["last_sent"],
                          dense=st["last_dense"]))
+        if tx0 is not None:        # the host's link: every worker of the host, both sides
+            rows[-1]["host_tx"] = float(slow_link_bytes() - tx0)
     for h in getattr(opt, "_hooks", []) + getattr(opt, "_grad_accs", []):
         if hasattr(h, "remove"):
             h.remove()
@@ -188,15 +207,24 @@ def main():
         p.error("--phase-dir and --phase-after go together")
     if args.phase_dir and args.steps <= args.phase_after + args.phase_skip:
         p.error("--steps must exceed --phase-after + --phase-skip")
-    hvd.init()
+    if any("hier" in spec for spec in args.specs.split(";")):
+        from hvd_compress.hosts import process_sets    # the hosts' sets, registered up front
+        hvd.init(process_sets=process_sets())
+    else:
+        hvd.init()
     torch.set_num_threads(1)
     results = []
     for index, spec in enumerate(args.specs.split(";")):
         row = measure(args.model, spec, args.steps, args.warmup, args.batch, index,
                       args.phase_dir, args.phase_after, args.phase_skip)
         # the step is as slow as the slower rank: keep the larger median of the two
-        totals = hvd.allgather_object(row["total"], name=f"step_time.{spec}")
-        row.update(spec=spec, model=args.model, total_max_rank=max(totals))
+        totals = hvd.allgather_object((row["total"], row.get("host_tx")),
+                                      name=f"step_time.{spec}")
+        row.update(spec=spec, model=args.model, total_max_rank=max(t for t, _ in totals))
+        if row.get("host_tx") is not None:  # bytes per host per step over the slow link
+            per_host = [tx for (_, tx), local in zip(totals, hvd.allgather_object(
+                hvd.local_rank(), name=f"step_time.{spec}.local")) if local == 0]
+            row["host_tx"] = statistics.mean(per_host)
         results.append(row)
         if hvd.rank() == 0 and "phases" in row:
             print(f"  {args.model:14s} {spec:45s} "
