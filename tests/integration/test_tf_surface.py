@@ -137,7 +137,8 @@ def test_keras_backward_passes_per_step_as_horovods_helper(job, mode, passes, av
         for i in range(2):
             np.testing.assert_allclose(r[i][f"{key}|{mode}|ours|{v}"], r[i][f"{key}|hvd|{v}"],
                                        rtol=1e-5, atol=1e-7, err_msg=v)
-        np.testing.assert_array_equal(r[0][f"{key}|{mode}|ours|{v}"], r[1][f"{key}|{mode}|ours|{v}"])
+        np.testing.assert_array_equal(r[0][f"{key}|{mode}|ours|{v}"],
+                                      r[1][f"{key}|{mode}|ours|{v}"])
     assert int(r[0][f"{key}|{mode}|ours|exchanges"]) == 6 // passes
     assert int(r[0][f"{key}|{mode}|ours|iterations"]) == int(r[0][f"{key}|hvd|iterations"]) == 6
 
@@ -186,8 +187,10 @@ TAPE_ERRORS = [
     ("bad_op", lambda h, v: dict(op=7), ["op must be"]),
     ("predivide_sum", lambda h, v: dict(gradient_predivide_factor=2.0, op=h.Sum),
      ["gradient_predivide_factor", "hvd.Sum"]),
-    ("predivide_zero", lambda h, v: dict(gradient_predivide_factor=0), ["gradient_predivide_factor"]),
-    ("predivide_text", lambda h, v: dict(gradient_predivide_factor="x"), ["gradient_predivide_factor"]),
+    ("predivide_zero", lambda h, v: dict(gradient_predivide_factor=0),
+     ["gradient_predivide_factor"]),
+    ("predivide_text", lambda h, v: dict(gradient_predivide_factor="x"),
+     ["gradient_predivide_factor"]),
     ("compression_positional", lambda h, v: dict(device_dense="topk:density=0.01"),
      ["device_dense", "compression is a keyword"]),
     ("device_sparse", lambda h, v: dict(device_sparse=3), ["device_sparse"]),

@@ -61,7 +61,8 @@ def test_plan_groups_int_and_lists():
     c, d = SimpleNamespace(segmented=True), SimpleNamespace(segmented=True)
     params = [T(n) for n in (3, 4, 5, 6, 7)]
     entries = [(f"p{i}", p.shape, c, "float32", 4) for i, p in enumerate(params)]
-    assert ha.plan_groups(2, params, entries) == [[4, 3], [2, 1, 0]]   # split_list: 3 + 2, launch order
+    # split_list: 3 + 2, in launch order
+    assert ha.plan_groups(2, params, entries) == [[4, 3], [2, 1, 0]]
     plan = ha.plan_groups([[params[0], params[4]], [params[2]]], params, entries)
     assert sorted(map(sorted, plan)) == [[0, 4], [1], [2], [3]]
     assert ha.describe_groups(2, [[4, 3], [2, 1, 0]]) == "groups=2 buckets=[2;3]"

@@ -28,6 +28,7 @@ import hvd_compress.keras as hck
 import hvd_compress.tensorflow as hctf
 
 SHAPES = {"a": (6, 10), "b": (10,), "c": (5,), "emb": (20, 4)}
+TAPES = (("hvd", hvd.DistributedGradientTape), ("ours", hctf.DistributedGradientTape))
 STEPS, BATCH = 6, 8
 
 
@@ -99,14 +100,15 @@ def tape_groups(out):
     cases = {"groups2": dict(groups=2), "num_groups2": dict(num_groups=2),
              "lists": dict(groups=[[variables["a"], variables["emb"]]])}
     for key, kw in cases.items():
-        for who, make in (("hvd", hvd.DistributedGradientTape), ("ours", hctf.DistributedGradientTape)):
+        for who, make in TAPES:
             extra = {"compression": "none"} if who == "ours" else {}
             made = []
             save(out, f"{key}|{who}", gradients(
                 lambda t: made.append(make(t, sparse_as_dense=True, **kw, **extra)) or made[-1],
                 variables))
             if who == "ours":
-                out[f"{key}|buckets"] = np.array(["+".join(sorted(b)) for b in made[-1].stats.buckets])
+                out[f"{key}|buckets"] = np.array(["+".join(sorted(b))
+                                                  for b in made[-1].stats.buckets])
 
 
 def tape_sparse(out):
@@ -136,7 +138,7 @@ def tape_local(out):
     """register_local_source(c) with scale_local_gradients True/False."""
     for scale in (True, False):
         variables = make_vars()
-        for who, make in (("hvd", hvd.DistributedGradientTape), ("ours", hctf.DistributedGradientTape)):
+        for who, make in TAPES:
             def wrap(t, make=make):
                 tape = make(t, scale_local_gradients=scale)
                 tape.register_local_source(variables["c"])
