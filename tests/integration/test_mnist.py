@@ -1,7 +1,8 @@
 """MNIST-5k through real horovodrun -np 2 (the examples), same seed and steps:
 top-k (1%, error feedback), Hylo's per-layer policy and DCT (>= 50x) within one point of uncompressed
 training (test accuracy averaged over the last 5 of 15 epochs), and laplace_topk (1%) within one point of exact top-k; aggregation-aware selection
-(agg=leader, agg=hint) within one point of agg=local; bytes saved are reported; no
+(agg=leader, agg=hint) within one point of agg=local; the hierarchical exchange on 2
+hosts x 2 workers within one point of the flat one; bytes saved are reported; no
 progress bar under horovodrun, a line per epoch instead."""
 import functools
 import io
@@ -19,13 +20,17 @@ EXAMPLES = {"pytorch": "examples/pytorch_mnist.py", "tensorflow": "examples/tens
 
 
 @functools.lru_cache(maxsize=None)
-def train(framework, spec):
+def train(framework, spec, hosts=None):
+    """One run of the example; ``hosts``: horovodrun's ``-H`` (default one host, 2
+    workers)."""
     out_dir = ROOT / ".pytest_mnist"
     out_dir.mkdir(exist_ok=True)
-    out = out_dir / f"{framework}_{spec.replace(':', '_').replace('=', '')}.json"
+    out = out_dir / f"{framework}_{spec.replace(':', '_').replace('=', '')}_{hosts}.json"
+    np_ = sum(int(h.split(":")[1]) for h in hosts.split(",")) if hosts else 2
     # no --no-progress: as `make demo` runs them (test_no_progress_bar_under_horovodrun)
     rc, log = horovodrun([ROOT / EXAMPLES[framework], "--compression", spec,
-                          "--json", out], out_dir, timeout=900)
+                          "--json", out], out_dir, timeout=900, np_=np_, hosts=hosts,
+                         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"} if hosts else None)
     assert rc == 0, log[-4000:]
     assert "final test accuracy" in log
     result = json.loads(out.read_text())
@@ -117,3 +122,16 @@ def test_show_progress_only_on_a_terminal_outside_horovodrun(monkeypatch):
     assert not show_progress(True, object())                     # no isatty
     monkeypatch.setenv("HOROVOD_RANK", "0")                      # a horovodrun worker
     assert not show_progress(True, _Stream(True))
+
+
+TWO_BY_TWO = "localhost:2,127.0.0.1:2"        # 2 hosts x 2 workers, both this machine
+
+
+@pytest.mark.parametrize("framework", ["pytorch"])
+def test_hierarchical_laplace_topk_within_one_point_of_flat_on_two_hosts_of_two(framework):
+    """Issue 28: the same 4 workers, flat vs hier: (host sums, shards across hosts)."""
+    flat = train(framework, "laplace_topk:density=0.01", TWO_BY_TWO)
+    hier = train(framework, "hier:laplace_topk:density=0.01", TWO_BY_TWO)
+    assert "hierarchical exchange: 2 hosts x 2 workers" in hier["log"]
+    assert late(hier) >= late(flat) - 0.01, (late(hier), late(flat))
+    assert final(flat) > 0.9
