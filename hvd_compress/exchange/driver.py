@@ -72,8 +72,14 @@ class Driver:
                              "local and cross transports (Driver(hierarchy=...)), which this "
                              "glue did not give (no hosts information); drop 'hier:' for the "
                              "flat exchange")
-        if self.hosts is None:
-            self.hosts = check_hosts(self.transport, self.hierarchy, compressor.spec)
+        if self.hosts is None:       # once per hierarchy and spec (a glue may make a
+            # Driver per step: TensorFlow's tape); ranks that differ fail the glue's own
+            # configuration check first, so every rank checks, or none does
+            checked = self.hierarchy.local.__dict__.setdefault("hvd_compress_hosts", {})
+            if compressor.spec not in checked:
+                checked[compressor.spec] = check_hosts(self.transport, self.hierarchy,
+                                                       compressor.spec)
+            self.hosts = checked[compressor.spec]
         return self.hosts
 
     @property

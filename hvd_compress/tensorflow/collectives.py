@@ -12,7 +12,9 @@ import hashlib
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from .. import hosts
 from ..exchange import PREFIX, Exchange, ProcessSetTransport, standard_traffic
+from ..exchange.hierarchical import shard_sizes
 from ..horovod_args import check_op as _check_op
 from ..ops import tf_ops
 from ..spec import from_horovod, from_spec, resolve
@@ -97,9 +99,35 @@ class HorovodTF(ProcessSetTransport):
                              process_set=self.process_set).numpy().tolist()
 
     def allgather_floats(self, values, name):
-        t = tf.constant([values], tf.float64)
-        return hvd.allgather(t, name=PREFIX + name,
-                             process_set=self.process_set).numpy().tolist()
+        with tf.init_scope():         # eager, also while a tf.function is traced
+            t = tf.constant([values], tf.float64)
+            return hvd.allgather(t, name=PREFIX + name,
+                                 process_set=self.process_set).numpy().tolist()
+
+    def reducescatter(self, tensor, name, sizes):
+        """Horovod's reduce-scatter where its even cut is ``sizes`` (the first ranks get
+        one more value); other cuts (whole-tensor shards): the allreduce and a slice."""
+        n = tensor.shape.num_elements()
+        if n is None or list(sizes) != shard_sizes(n, self.size):
+            return super().reducescatter(tensor, name, sizes)
+        out = hvd.reducescatter(tensor, op=hvd.Sum, name=name, process_set=self.process_set)
+        out = tf.reshape(out, [sizes[self.rank]])     # static inside tf.function too
+        return (out,) + standard_traffic(tf_ops, "reducescatter", tensor, out, self.size)
+
+
+_HIERARCHY = []
+
+
+def hierarchy(compressors, process_set):
+    """The hosts' local and cross transports when a compressor of ``compressors`` is
+    ``hier:`` (:func:`hvd_compress.hosts.for_compressors`, run eagerly once per process:
+    the process sets are Horovod's, for the whole job), else None."""
+    if not any(getattr(c, "hierarchical", False) for c in compressors):
+        return None
+    if not _HIERARCHY:
+        with tf.init_scope():
+            _HIERARCHY.append(hosts.hierarchy(hvd, HorovodTF, HorovodTF(process_set)))
+    return _HIERARCHY[0]
 
 
 @tf.autograph.experimental.do_not_convert

@@ -257,7 +257,8 @@ def reduce_gradients(grads, sources, compression, op, process_set, bucket_mb, co
             "train step) would fix the choice when traced; run eagerly (Keras: "
             "model.compile(..., run_eagerly=True)) or choose a fixed compressor.")
     driver = Driver(collectives.HorovodTF(process_set), counted,
-                    average=op == hvd.Average, auto=auto)
+                    average=op == hvd.Average, auto=auto,
+                    hierarchy=collectives.hierarchy([e[2] for e in entries], process_set))
     driver.backward_done()
 
     def local(i):                      # dense, divided by the predivide factor

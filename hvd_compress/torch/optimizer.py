@@ -21,6 +21,7 @@ import horovod.torch as hvd
 import torch
 
 from .. import buckets, hosts
+from ..horovod_args import passes as _passes
 from ..exchange import Driver, find_auto
 from ..ops import torch_ops
 from ..spec import resolve
@@ -410,17 +411,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, process_set, bucket_mb, compressed_momentum,
                gradient_predivide_factor, groups, sparse_as_dense, grad_scaler)
-
-
-def _passes(passes):
-    """``backward_passes_per_step`` as an int >= 1, or ValueError naming it."""
-    try:
-        value = int(passes)
-    except (TypeError, ValueError):
-        value = 0
-    if isinstance(passes, bool) or value < 1 or value != passes:
-        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
-    return value
 
 
 def _momentum_from_env():

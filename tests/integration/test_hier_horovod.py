@@ -1,6 +1,7 @@
 """The hierarchical exchange (``hier:``, issue 28) through real ``horovodrun`` on 2 hosts
 x 2 workers (``-H localhost:2,127.0.0.1:2``: both "hosts" are this machine, Horovod's
-local and cross ranks are set as for two machines; tests/workers/hier_worker.py), on
+local and cross ranks are set as for two machines; tests/workers/hier_worker.py; PyTorch
+with dynamic process sets, TensorFlow with the sets given to hvd.init), on
 uneven hosts (2 + 1), and (as root) through the two-host harness with two workers per
 host (hvd_compress.tools.shaped_link.run_two_hosts(per_host=2): two network namespaces
 joined by a 100 Mbit/s link, the workers of a host on its own loopback).  The aggregates are checked against the numpy reference of the
@@ -39,7 +40,10 @@ def jobs(tmp_path_factory):
     rc, log = horovodrun([WORKER, "torch"], out, np_=3, hosts="localhost:2,127.0.0.1:1",
                          env={"MODE": "uneven"})
     assert rc == 0, log[-6000:]
+    rc, log = horovodrun([WORKER, "tf"], out, np_=4, hosts="localhost:2,127.0.0.1:2")
+    assert rc == 0, log[-6000:]
     jobs = {"torch": load_ranks(out, "hier_torch_main", 4),
+            "tf": load_ranks(out, "hier_tf_main", 4),
             "uneven": load_ranks(out, "hier_torch_uneven", 3)}
     if os.geteuid() == 0 and shutil.which("tc"):
         from hvd_compress.tools import shaped_link as sl
@@ -53,7 +57,7 @@ def jobs(tmp_path_factory):
     return jobs
 
 
-VIA = ["torch", "harness"]
+VIA = ["torch", "tf", "harness"]
 
 
 def _ranks(jobs, via):
@@ -119,8 +123,9 @@ def test_a_checkpoint_restores_bit_for_bit(jobs, via):
                                           err_msg=f"rank {r} {n}")
 
 
-def test_tensor_by_tensor_and_the_mean(jobs):
-    ranks = jobs["torch"]
+@pytest.mark.parametrize("via", ["torch", "tf"])
+def test_tensor_by_tensor_and_the_mean(jobs, via):
+    ranks = jobs[via]
     residual = {}
     for s in range(2):
         for n in SHAPES:
@@ -133,8 +138,9 @@ def test_tensor_by_tensor_and_the_mean(jobs):
                                            rtol=1e-5, atol=1e-6, err_msg=f"rank {r} {n} {s}")
 
 
-def test_ranks_configured_differently_fail_on_every_rank(jobs):
-    for rank in jobs["torch"]:
+@pytest.mark.parametrize("via", ["torch", "tf"])
+def test_ranks_configured_differently_fail_on_every_rank(jobs, via):
+    for rank in jobs[via]:
         msg = str(rank["mismatch_error"])
         assert "configured differently" in msg and "density=0.1" in msg, msg
 

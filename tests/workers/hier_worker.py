@@ -98,6 +98,58 @@ def torch_main(record):
         record["mismatch_error"] = np.array(str(e))
 
 
+# -- TensorFlow -------------------------------------------------------------------------
+def tf_main(record):
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvd_compress
+    import hvd_compress.tensorflow as htf
+    from hvd_compress.hosts import process_sets
+    hvd.init(process_sets=process_sets())          # the hosts' sets up front (static)
+    rank = hvd.rank()
+    record["places"] = np.array([hvd.rank(), hvd.local_rank(), hvd.local_size(),
+                                 hvd.cross_rank(), hvd.cross_size()])
+    # Keras/TF name variables without dots' meaning; the tape names them by name
+    variables = [tf.Variable(tf.zeros(s), name=n) for n, s in SHAPES.items()]
+
+    def step(compression, s, op=hvd.Sum, bucket_mb=64, graph=False):
+        gs = [tf.constant(grad(rank, s, n)) for n in SHAPES]
+
+        def run():
+            with tf.GradientTape() as t:
+                loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, gs)])
+            tape = htf.DistributedGradientTape(t, compression=compression, op=op,
+                                               bucket_mb=bucket_mb)
+            return tape.gradient(loss, variables)
+        out = tf.function(run)() if graph else run()
+        return {n: g.numpy() for n, g in zip(SHAPES, out)}
+
+    comp = hvd_compress.from_spec(SPEC)
+    for s in range(3):
+        if s == 2:
+            state = comp.state_dict()
+        for n, g in step(comp, s).items():
+            record[f"bucket|{s}|{n}"] = g
+    record["bucket_order"] = np.array(list(reversed(SHAPES)))
+    for name in _piece_names():
+        res = comp.residual(name)
+        if res is not None:
+            record[f"bucket|residual|{name}"] = np.asarray(res)
+    comp2 = hvd_compress.from_spec(SPEC)
+    comp2.load_state_dict(state, framework="tensorflow")
+    for n, g in step(comp2, 2).items():
+        record[f"restored|2|{n}"] = g
+    comp = hvd_compress.from_spec(SPEC)
+    for s in range(2):
+        for n, g in step(comp, s, op=hvd.Average, bucket_mb=0, graph=True).items():
+            record[f"tensor|{s}|{n}"] = g
+    try:
+        step(hvd_compress.from_spec("hier:topk:density=0.1" if rank == 3 else SPEC), 0)
+    except ValueError as e:
+        record["mismatch_error"] = np.array(str(e))
+
+
 def _piece_names():
     """Every name a residual may be kept under: tensors and their shard pieces."""
     return [n for n in SHAPES] + [f"{n}/shard{l}" for n in SHAPES for l in range(4)]
@@ -106,7 +158,7 @@ def _piece_names():
 def main():
     record = {}
     try:
-        torch_main(record) if FRAMEWORK == "torch" else None
+        torch_main(record) if FRAMEWORK == "torch" else tf_main(record)
     except Exception:
         traceback.print_exc()
         raise
