@@ -13,7 +13,6 @@ import horovod.torch as hvd
 import torch
 
 from ..exchange import PREFIX, Exchange, ProcessSetTransport, Wait, standard_traffic
-from ..exchange.hierarchical import shard_sizes
 from ..ops import torch_ops
 from ..spec import resolve
 
@@ -61,16 +60,6 @@ class HorovodTorch(ProcessSetTransport):
             gathered = yield Wait(hvd.synchronize, handle)
         out = tuple(_from_wire(g, d) for g, d in zip(gathered, dtypes))
         return (out,) + standard_traffic(torch_ops, "allgather", tensors, out, self.size)
-
-    def reducescatter(self, tensor, name, sizes):
-        """Horovod's reduce-scatter where its even cut is ``sizes`` (the first ranks get
-        one more value); other cuts (whole-tensor shards): the allreduce and a slice."""
-        if list(sizes) != shard_sizes(tensor.numel(), self.size):
-            return (yield from super().reducescatter(tensor, name, sizes))
-        handle = hvd.reducescatter_async(tensor, name=name, op=hvd.Sum,
-                                         process_set=self.process_set)
-        out = yield Wait(hvd.synchronize, handle)
-        return (out,) + standard_traffic(torch_ops, "reducescatter", tensor, out, self.size)
 
     def divide(self, out, size):
         # ``out`` is a new tensor (or, in place, the gradient): divide without a copy

@@ -123,6 +123,10 @@ class CompressionState:
                              "at the hook's first bucket); for a state without the model "
                              f"pass compression=... by name; got {type(ddp_model).__name__}")
         self.compression = resolve(compression)
+        if any(getattr(c, "hierarchical", False) for c in self.compression.compressors()):
+            raise ValueError(f"compression={self.compression.spec!r}: 'hier:' (the "
+                             "hierarchical exchange) is for Horovod's optimizers, which know "
+                             "each worker's host; the DDP hook exchanges flat: drop 'hier:'")
         schedule = MomentumSchedule.build(compressed_momentum)
         if schedule is None and isinstance(optimizer, ADAM_FAMILY):
             adam_defaults(self.compression, type(optimizer).__name__)

@@ -382,3 +382,17 @@ def test_spec_forms():
     for bad in ["hier:", "hier:hier:topk", "topk:hier=2", "hier:nope"]:
         with pytest.raises(ValueError):
             hvd_compress.from_spec(bad)
+
+
+def test_a_glue_without_hosts_refuses_hier_naming_it():
+    world = World(1, torch_ops, timeout=5)
+    d = Driver(world.transport(0), Stats(), average=False)
+    with pytest.raises(ValueError, match="'hier:' needs the hosts"):
+        d.launch(hvd_compress.from_spec("hier:topk:density=0.1"), LAY,
+                 flat=torch.zeros(LAY.total))
+
+
+def test_the_ddp_hook_refuses_hier_at_construction():
+    from hvd_compress.ddp import CompressionState
+    with pytest.raises(ValueError, match="'hier:'.*DDP hook exchanges flat"):
+        CompressionState(compression="hier:topk:density=0.01")
