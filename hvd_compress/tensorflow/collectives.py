@@ -14,7 +14,6 @@ import tensorflow as tf
 
 from .. import hosts
 from ..exchange import PREFIX, Exchange, ProcessSetTransport, standard_traffic
-from ..exchange.hierarchical import shard_sizes
 from ..horovod_args import check_op as _check_op
 from ..ops import tf_ops
 from ..spec import from_horovod, from_spec, resolve
@@ -104,23 +103,13 @@ class HorovodTF(ProcessSetTransport):
             return hvd.allgather(t, name=PREFIX + name,
                                  process_set=self.process_set).numpy().tolist()
 
-    def reducescatter(self, tensor, name, sizes):
-        """Horovod's reduce-scatter where its even cut is ``sizes`` (the first ranks get
-        one more value); other cuts (whole-tensor shards): the allreduce and a slice."""
-        n = tensor.shape.num_elements()
-        if n is None or list(sizes) != shard_sizes(n, self.size):
-            return super().reducescatter(tensor, name, sizes)
-        out = hvd.reducescatter(tensor, op=hvd.Sum, name=name, process_set=self.process_set)
-        out = tf.reshape(out, [sizes[self.rank]])     # static inside tf.function too
-        return (out,) + standard_traffic(tf_ops, "reducescatter", tensor, out, self.size)
-
 
 _HIERARCHY = []
 
 
 def hierarchy(compressors, process_set):
     """The hosts' local and cross transports when a compressor of ``compressors`` is
-    ``hier:`` (:func:`hvd_compress.hosts.for_compressors`, run eagerly once per process:
+    ``hier:`` (:func:`hvd_compress.hosts.hierarchy`, run eagerly once per process:
     the process sets are Horovod's, for the whole job), else None."""
     if not any(getattr(c, "hierarchical", False) for c in compressors):
         return None

@@ -396,3 +396,8 @@ def test_the_ddp_hook_refuses_hier_at_construction():
     from hvd_compress.ddp import CompressionState
     with pytest.raises(ValueError, match="'hier:'.*DDP hook exchanges flat"):
         CompressionState(compression="hier:topk:density=0.01")
+
+
+def test_auto_refuses_a_hier_candidate_naming_it():
+    with pytest.raises(ValueError, match="auto does not choose the hierarchical exchange"):
+        hvd_compress.from_spec("auto:candidates=none|hier:topk:density=0.01")
