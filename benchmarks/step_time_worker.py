@@ -218,13 +218,11 @@ def main():
         row = measure(args.model, spec, args.steps, args.warmup, args.batch, index,
                       args.phase_dir, args.phase_after, args.phase_skip)
         # the step is as slow as the slower rank: keep the larger median of the two
-        totals = hvd.allgather_object((row["total"], row.get("host_tx")),
+        totals = hvd.allgather_object((row["total"], row.get("host_tx"), hvd.local_rank()),
                                       name=f"step_time.{spec}")
-        row.update(spec=spec, model=args.model, total_max_rank=max(t for t, _ in totals))
+        row.update(spec=spec, model=args.model, total_max_rank=max(t for t, _, _ in totals))
         if row.get("host_tx") is not None:  # bytes per host per step over the slow link
-            per_host = [tx for (_, tx), local in zip(totals, hvd.allgather_object(
-                hvd.local_rank(), name=f"step_time.{spec}.local")) if local == 0]
-            row["host_tx"] = statistics.mean(per_host)
+            row["host_tx"] = statistics.mean(tx for _, tx, local in totals if local == 0)
         results.append(row)
         if hvd.rank() == 0 and "phases" in row:
             print(f"  {args.model:14s} {spec:45s} "

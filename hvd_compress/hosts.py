@@ -107,9 +107,14 @@ def hierarchy(hvd, transport_cls, transport):
     return Hierarchy(*(transport_cls(sets[g] if len(g) > 1 else _Alone()) for g in mine))
 
 
+def wanted(compressors):
+    """Whether a compressor of ``compressors`` is ``hier:`` (needs the hosts' sets)."""
+    return any(getattr(c, "hierarchical", False) for c in compressors)
+
+
 def for_compressors(hvd, transport_cls, transport, compressors):
     """:func:`hierarchy` when a compressor of ``compressors`` is ``hier:``, else None
     (nothing is gathered or added).  Every rank calls it with the same compressors."""
-    if not any(getattr(c, "hierarchical", False) for c in compressors):
+    if not wanted(compressors):
         return None
     return hierarchy(hvd, transport_cls, transport)

@@ -111,7 +111,7 @@ def hierarchy(compressors, process_set):
     """The hosts' local and cross transports when a compressor of ``compressors`` is
     ``hier:`` (:func:`hvd_compress.hosts.hierarchy`, run eagerly once per process:
     the process sets are Horovod's, for the whole job), else None."""
-    if not any(getattr(c, "hierarchical", False) for c in compressors):
+    if not hosts.wanted(compressors):
         return None
     if not _HIERARCHY:
         with tf.init_scope():

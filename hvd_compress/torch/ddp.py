@@ -88,7 +88,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import buckets
+from .. import buckets, hosts
 from ..exchange import Driver, find_auto, finish_all
 from ..spec import resolve
 from ..stats import Stats
@@ -123,7 +123,7 @@ class CompressionState:
                              "at the hook's first bucket); for a state without the model "
                              f"pass compression=... by name; got {type(ddp_model).__name__}")
         self.compression = resolve(compression)
-        if any(getattr(c, "hierarchical", False) for c in self.compression.compressors()):
+        if hosts.wanted(self.compression.compressors()):
             raise ValueError(f"compression={self.compression.spec!r}: 'hier:' (the "
                              "hierarchical exchange) is for Horovod's optimizers, which know "
                              "each worker's host; the DDP hook exchanges flat: drop 'hier:'")

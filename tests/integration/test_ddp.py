@@ -12,8 +12,6 @@ import functools
 import importlib.util
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +20,10 @@ import numpy as np
 import pytest
 
 from cases import AUTO_STEPS, BUCKET_SHAPES
-from launch import ROOT
+from launch import ROOT, torchrun
 from reference import reference_contribution, topk_mask
 from horovod_checks import _auto_reference, _bits, agg_reference
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 _spec = importlib.util.spec_from_file_location("ddp_worker", ROOT / "tests/workers/ddp_worker.py")
 W = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(W)
@@ -36,27 +33,6 @@ DENSE = 4 * (4 * 2 * 3 * 3 + 4 + 10 * 144 + 10 + 1)      # bytes of a float32 st
 STEP0 = {"bf16", "threshold:threshold=0.12", "laplace_topk:density=0.05,exact=1",
          "rangefloat:bits=8", "twobit", "topk:density=0.05,values=rangefloat8"}
 HYLO = {"conv.weight": "kernel_select:fraction=0.25", "fc.weight": "twobit"}
-
-
-def torchrun(args, out_dir, timeout):
-    """``torchrun --nproc_per_node 2 --standalone <args>`` (a free port for the rendezvous);
-    returns (rc, output).  On a timeout the launcher and its workers (its own process
-    group) are killed, so a hang fails the test instead of leaving processes behind."""
-    launcher = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m",
-                                                          "torch.distributed.run"]
-    env = dict(os.environ, OUT_DIR=str(out_dir), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               DDP_WORKER_TIMEOUT=str(timeout - 15))
-    proc = subprocess.Popen(launcher + ["--nproc_per_node", "2", "--standalone",
-                                        *map(str, args)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun {args} hung for {timeout} s:\n{log[-6000:]}")
-    return proc.returncode, log
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,36 +3,19 @@ real ``torchrun --nproc_per_node 2`` launch (Gloo, CPU) of workers/ddp_amp_worke
 runs starting at loss scales 2^8 and 2^16 (growing every 2 steps) and 2^12 (constant),
 with an overflow at step 5, end with the same parameters, and the overflow step leaves
 every residual as it was.  No Horovod."""
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from launch import ROOT
+from launch import ROOT, torchrun
 
 SPECS = ("topk:density=0.1", "laplace_topk:density=0.1", "twobit", "powersgd:rank=2")
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_amp")
-    env = dict(os.environ, OUT_DIR=str(out), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([str(TORCHRUN), "--nproc_per_node", "2", "--standalone",
-                             str(ROOT / "tests/workers/ddp_amp_worker.py")], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun hung:\n{log[-6000:]}")
-    assert proc.returncode == 0, log[-6000:]
+    rc, log = torchrun([ROOT / "tests/workers/ddp_amp_worker.py"], out, timeout=300)
+    assert rc == 0, log[-6000:]
     return [dict(np.load(out / f"ddp_amp_rank{r}.npz")) for r in range(2)]
 
 

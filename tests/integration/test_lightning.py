@@ -13,14 +13,12 @@ In-process: ``Stats.scalars`` and its TensorBoard one-liner.  No Horovod.
 import csv
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from launch import ROOT
+from launch import ROOT, run_job
 
 WORKER = ROOT / "tests/workers/lightning_worker.py"
 STEPS = 6
@@ -34,16 +32,8 @@ def job(tmp_path_factory):
     env = dict(os.environ, OUT_DIR=str(out), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                           if p))
-    proc = subprocess.Popen([sys.executable, str(WORKER)], cwd=out, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the Lightning job hung for 300 s:\n{log[-6000:]}")
-    assert proc.returncode == 0, log[-6000:]
+    rc, log = run_job([sys.executable, WORKER], 300, env, cwd=out, what="the Lightning job")
+    assert rc == 0, log[-6000:]
     info = [json.load(open(out / f"lightning_rank{r}.json")) for r in range(2)]
     params = [dict(np.load(out / f"lightning_rank{r}.npz")) for r in range(2)]
     return out, info, params, log

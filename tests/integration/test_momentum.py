@@ -7,17 +7,13 @@ The compressed steps are checked against a numpy reference of the rule written h
 against a plain ``torch.optim.AdamW`` on the dense average, bit for bit.
 """
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from launch import ROOT, horovodrun, load_ranks
+from launch import ROOT, horovodrun, load_ranks, torchrun
 from reference import topk_mask
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 WORKER = ROOT / "tests/workers/momentum_worker.py"
 STEPS, WARMUP, DENSITY = 7, 3, 0.3
 LR, B1, B2, EPS, WD = 0.05, 0.9, 0.99, 1e-8, 0.1
@@ -31,12 +27,7 @@ def ranks(request, tmp_path_factory):
     if request.param == "horovod":
         rc, log = horovodrun([WORKER], out)
     else:
-        import os
-        env = dict(os.environ, OUT_DIR=str(out), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run([str(TORCHRUN), "--nproc_per_node", "2", "--standalone",
-                               str(WORKER)], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=600)
-        rc, log = proc.returncode, proc.stdout + proc.stderr
+        rc, log = torchrun([WORKER], out, timeout=600)
     assert rc == 0, log[-3000:]
     return load_ranks(out, f"momentum_{request.param}")
 
