@@ -583,6 +583,14 @@ def summary(args):
         out["figures"]["models"] = [{k: r[k] for k in ("model", "scheme", "compress_ms", "decompress_ms",
                                                        "step_ms", "ratio_vs_dense")}
                                     for r in models_.get("results", [])]
+    for path in sorted(res.glob("gpu_step_*.json")):       # benchmarks/gpu_step.py
+        data = _load(path) or {}
+        if "ddp_check" in data:
+            out["figures"]["gpu_step_ddp_check"] = data["ddp_check"]
+        out["figures"].setdefault("gpu_step", []).extend(
+            dict({k: v for k, v in r.items() if k != "per_bucket"}, model=data.get("model"))
+            for r in data.get("rows", []))
+        out["figures"].setdefault("gpu_step_targets", {}).update(data.get("targets") or {})
     bad_steps = [s["step"] for s in steps if s["status"].startswith(("failed", "timed out"))]
     unfinished = [s["step"] for s in steps if s["status"] == "skipped: budget spent"]
     if pre.get("error") or not pre:
@@ -625,6 +633,8 @@ def summary(args):
     for name, t in out["figures"].get("laplace_topk_targets", {}).items():
         print(f"laplace_topk {name}: {t['speedup_vs_topk']:.2f}x torch.topk (target >= 8), "
               f"{t['time_over_three_reads']:.2f}x three reads (target <= 2)")
+    for name, t in out["figures"].get("gpu_step_targets", {}).items():
+        print(f"GPT-2 small step, {name}: {t['codec_over_backward']:.1%} of backward")
     if out["sync_counts"]:
         print(f"host synchronisations recorded for {len(out['sync_counts'])} calls (sync_counts)")
     if out["status"] == "no_cuda":

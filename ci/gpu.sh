@@ -8,7 +8,10 @@
 #   3. benchmarks select.py on CUDA (1M-100M, laplace_topk vs torch.topk), codecs and DCT,
 #                 compress+decompress per step of examples/models.py; where each
 #                 compressor's time and host synchronisations go (profile); one exchange
-#                 of every compressor, peer baselines included (codec_time.py)
+#                 of every compressor, peer baselines included (codec_time.py); a
+#                 training step of GPT-2 small and ResNet-50 on one GPU, backward against
+#                 compress + decompress of every bucket, and two processes through the DDP
+#                 hook on Gloo with CUDA tensors (gpu_step.py)
 #   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
 #
 # Needs python with torch (and triton for the kernels); installs nothing and uses no
@@ -138,6 +141,8 @@ if [ "$HAVE_CUDA" = 1 ]; then
     --out "$RESULTS/.select_2_25M.json"
   run_step codecs 90 "${BENCH[@]}" codecs --out "$RESULTS/codecs.json" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
   run_step models 75 "${BENCH[@]}" models --out "$RESULTS/models.json"
+  run_step "gpu step" 75 "$PY" benchmarks/gpu_step.py --device cuda --models gpt2,resnet50 \
+    --repeat 2 --warmup 1 --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
   run_step "select 1M,4M + real" 60 "${SELECT[@]}" --sizes 1M,4M --inputs laplace,gaussian,student_t2,real \
     --out "$RESULTS/.select_1_small.json"
   run_step profile 60 "${BENCH[@]}" profile --sizes 1M,25M --repeat 5 --out "$RESULTS/profile.json"
@@ -147,7 +152,8 @@ if [ "$HAVE_CUDA" = 1 ]; then
     --methods topk,laplace_topk,laplace_topk_exact,gaussian_k,sidco_exp \
     --out "$RESULTS/.select_3_100M.json"    # no dgc: its sample is drawn on the CPU
 else
-  for s in "select 25M" codecs models "select 1M,4M + real" profile "codec time" "select 100M"; do
+  for s in "select 25M" codecs models "gpu step" "select 1M,4M + real" profile "codec time" \
+      "select 100M"; do
     skip_step "$s" "no CUDA device"
   done
 fi
