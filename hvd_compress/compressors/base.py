@@ -79,6 +79,8 @@ class Compressor:
                                #: feedback may reuse that buffer in place)
     segmented = False          #: can compress a bucket of tensors in one call with
                                #: per-tensor semantics (:meth:`compress_bucket`)
+    finds_nonfinite = False    #: :meth:`encode_checked` finds NaN/Inf itself, in the host
+                               #: synchronisation it needs anyway (no separate check)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -92,6 +94,12 @@ class Compressor:
 
     def decode(self, payload, ctx, ops):
         """Flat float32 *sum over ranks* from the aggregated payload."""
+        raise NotImplementedError
+
+    def encode_checked(self, flat, ctx, ops, step):
+        """``(payload, finite)`` for compressors with ``finds_nonfinite``: ``finite`` (a
+        Python bool) says whether ``flat`` held no NaN/Inf; where it did, the payload is
+        what :meth:`encode` sends for a non-finite input."""
         raise NotImplementedError
 
     # -- the contract ------------------------------------------------------------------
@@ -155,8 +163,11 @@ class Compressor:
             return self.encode(flat, ctx, ops, step)
         memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
         compensated = memory.compensate_parts(parts, flat, own=own)
-        finite = ops.all_finite(compensated)          # one pass, shared with encode
-        payload = self.encode(compensated, ctx._replace(finite=finite), ops, step)
+        if self.finds_nonfinite:
+            payload, finite = self.encode_checked(compensated, ctx, ops, step)
+        else:
+            finite = ops.all_finite(compensated)          # one pass, shared with encode
+            payload = self.encode(compensated, ctx._replace(finite=finite), ops, step)
         memory.update_parts(parts, compensated,
                             lambda c, inplace: self.subtract_sent(c, payload, ctx, ops, inplace),
                             finite)

@@ -41,10 +41,11 @@ top-k instead, zeros dropped, so the contract above holds (exactly k, or every n
 entry when there are fewer; ties broken by the framework, not by index).  ``exact=1``
 always searches (ties by lowest index).
 
-Imports: the standard library; and modules of its own package.
+Imports: the standard library, ``hvd_compress.buckets``; and modules of its own package.
 """
 import math
 
+from ..buckets import layout as _layout
 from .base import register
 from .sparse import DensitySparsifier, per_segment
 
@@ -64,13 +65,18 @@ class LaplaceTopK(DensitySparsifier):
     candidates before the search checks the tolerance (it then goes on while the count
     is off, up to the passes that collapse the bracket); ``exact=1``: exactly k entries (the k largest, ties
     by lowest index).  Error feedback is on by default (``ef=0`` turns it off).
+
+    ``fused=1`` (PyTorch): the fused search of :func:`select_histogram` instead -- every
+    tensor of a bucket at once in a fixed number of passes, decided on the device, one
+    host synchronisation per compress (the payload's length, with the NaN/Inf check).
+    Not the default until a GPU measurement says it is faster than torch.topk there.
     """
 
     name = "laplace_topk"
     segmented = True
 
     def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False, values=None,
-                 small=None, **kw):
+                 small=None, fused=None, **kw):
         super().__init__(density=density, ef=ef, values=values, **kw)
         if not 0.0 <= float(tol) < 1.0:
             raise ValueError(f"tol must be in [0, 1), got {tol!r}")
@@ -80,6 +86,20 @@ class LaplaceTopK(DensitySparsifier):
             raise ValueError(f"small must be >= 0 (values), got {small!r}")
         self.tol, self.passes, self.exact = float(tol), int(passes), bool(exact)
         self.small = None if small is None else int(small)
+        self.fused = None if fused is None else bool(int(fused))
+
+    @property
+    def finds_nonfinite(self):
+        """The fused search finds NaN/Inf in its first pass (``fused=1``)."""
+        return bool(self.fused)
+
+    def select_checked(self, flat, ctx, ops, step):
+        """``(indices, finite)`` of the fused search (``fused=1``); a bucket holding
+        NaN/Inf sends every index."""
+        if not ops.histogram_search_supported():
+            raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "
+                             "PyTorch tensors only; leave fused unset for TensorFlow")
+        return select_histogram(self, flat, ctx.bucket or single_layout(ctx), ops)
 
     def small_below(self, flat, ops):
         """Tensors of fewer values take the framework's top-k (``small``, else the
@@ -92,6 +112,8 @@ class LaplaceTopK(DensitySparsifier):
 
     def select(self, flat, ctx, ops, step):
         lay = ctx.bucket
+        if self.fused:                       # (called directly by agg=union/leader/hint)
+            return self.select_checked(flat, ctx, ops, step)[0]
         if lay is not None:
             if ops.segmented_search(flat, self.exact):
                 return self.select_segmented(flat, lay, ops)
@@ -239,3 +261,53 @@ def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid):
     band_rank = ops.cumsum(ops.cast(band, c_lo.dtype))
     take = above_hi | (band & (band_rank <= target - c_hi))
     return ops.gather(idx, ops.mask_indices(take))
+
+
+HISTOGRAM_BINS = 2046   #: window bins per tensor and pass (a row of 2048 counters)
+
+
+def single_layout(ctx):
+    """The one-tensor Layout of a tensor compressed on its own."""
+    return _layout((ctx.name or "tensor",), ((ctx.numel,),))
+
+
+def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):
+    """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
+    fixed number of passes, with no host synchronisation but the output's length.
+
+    1. one pass: ``sum|g|`` and ``max|g|`` per tensor; the bracket starts at
+       ``(t0 / 2, max|g|]``, ``t0 = mean|g| ln(1/density)`` (the Laplace fit);
+    2. a histogram pass (kernel ``histogram_select.segment_histogram``) counts, per
+       tensor, the entries above ``bins + 2`` thresholds: 0, and the bracket cut into
+       ``bins`` equal parts in float32 bit space.  The new bracket is the part where the
+       count crosses k (``count(> lo) >= k > count(> hi)``), chosen on the device; when
+       fewer than k entries lie above ``t0 / 2`` (data far from Laplace) it is
+       ``(0, t0 / 2]``.  Each pass shrinks the bracket ``bins``-fold, and 4 passes
+       collapse any float32 bracket to one value, even after a miss of the fit.  A
+       pass after the first counts only the tensors still off (count outside
+       ``tol * k`` and a bracket wider than one float); the others' entries are not
+       read, so on Laplace-like data, where the first pass lands within about 1% of k,
+       the later ones cost a launch each and no reads;
+    3. the count: the closer end of the bracket within ``tol * k`` of ``k``, else exactly
+       ``k`` (``exact=1`` always): everything above ``hi`` plus the first entries (in index
+       order) of the band ``(lo, hi]`` (kernel ``histogram_select.band_select``).
+
+    ``exact=1`` gives the same indices as the grid search (the k largest, ties by lowest
+    index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
+    with fewer than k nonzero entries sends them all.
+    """
+    ks = [self.k(n) for n in lay.numels]
+    k_t = ops.layout_constant(("k", self.density), lay, ks, ops.int64, flat)
+    tol = 0.0 if self.exact else self.tol
+    slack = ops.layout_constant(("slack", self.density, tol), lay,
+                                [int(math.floor(tol * k)) for k in ks], ops.int64, flat)
+    n_t = ops.layout_constant("n", lay, [float(n) for n in lay.numels], ops.float32, flat)
+    blocks = ops.bucket_blocks(lay, flat)
+    abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
+    state = ops.search_start(ops.float_bits(0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)),
+                             ops.float_bits(abs_max), abs_sum)
+    hist = None
+    for _ in range(4):                      # 4 x 2046-fold: any float32 bracket to one value
+        hist = ops.segment_histogram(flat, blocks, state, bins, hist)
+        state = ops.histogram_pick(hist, state, k_t, slack, bins)
+    return ops.band_select(flat, blocks, state)

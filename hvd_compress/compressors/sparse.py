@@ -51,11 +51,25 @@ class Sparsifier(Compressor):
         """int32 indices of the entries to send (may be empty)."""
         raise NotImplementedError
 
+    def select_checked(self, flat, ctx, ops, step):
+        """``(indices, finite)`` for ``finds_nonfinite`` sparsifiers: every index where
+        ``flat`` holds NaN/Inf, else :meth:`select`'s."""
+        raise NotImplementedError
+
     def encode(self, flat, ctx, ops, step):
+        if self.finds_nonfinite:
+            return self.encode_checked(flat, ctx, ops, step)[0]
         finite = ops.all_finite(flat) if ctx.finite is None else ctx.finite
         idx = ops.cond(finite,
                        lambda: self.select(flat, ctx, ops, step),
                        lambda: ops.arange(ctx.numel, flat))
+        return self._payload(flat, idx, ctx, ops)
+
+    def encode_checked(self, flat, ctx, ops, step):
+        idx, finite = self.select_checked(flat, ctx, ops, step)
+        return self._payload(flat, idx, ctx, ops), finite
+
+    def _payload(self, flat, idx, ctx, ops):
         values = ops.gather(flat, idx)
         if self.codec is None:
             return values, idx

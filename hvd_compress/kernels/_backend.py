@@ -2,6 +2,8 @@
 
 Imports: the standard library.
 """
+import collections
+import contextlib
 import os
 
 import importlib.util
@@ -34,3 +36,24 @@ CHUNK = 1 << 20   #: CPU references work in cache-sized chunks (2x faster than w
 def chunks(n, size=CHUNK):
     """``(start, stop)`` pairs covering ``range(n)``."""
     return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+#: Triton kernel launches so far, by kernel (every launcher calls :func:`count_launch`)
+LAUNCHES = collections.Counter()
+
+
+def count_launch(name):
+    """Count one launch of kernel ``name`` (called by each launcher before it launches)."""
+    LAUNCHES[name] += 1
+
+
+@contextlib.contextmanager
+def counting_launches():
+    """``with counting_launches() as launched:`` -- ``launched`` (a Counter) holds the
+    Triton launches made inside the block, by kernel."""
+    before = collections.Counter(LAUNCHES)
+    launched = collections.Counter()
+    try:
+        yield launched
+    finally:
+        launched.update(LAUNCHES - before)

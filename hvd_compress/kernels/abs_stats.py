@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from ._backend import chunks, pick_backend
+from ._backend import chunks, count_launch, pick_backend
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,5 +52,6 @@ def abs_sum_max(x, backend=None, block=4096):
     programs = triton.cdiv(n, block)
     part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
     part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
+    count_launch("abs_sum_max")
     _abs_sum_max_kernel[(programs,)](x, part_sum, part_max, n, BLOCK=block)
     return part_sum.sum(), part_max.max()

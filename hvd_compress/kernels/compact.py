@@ -16,7 +16,7 @@ import torch
 
 import numpy as np
 
-from ._backend import chunks, pick_backend
+from ._backend import chunks, count_launch, pick_backend
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,12 +95,14 @@ def compact_above(x, t, backend=None, block=2048, segment_ids=None):
     seg = segment_ids.reshape(-1).contiguous() if per_segment else t     # (unused without)
     programs = triton.cdiv(n, block)
     counts = torch.empty(programs, dtype=torch.int64, device=x.device)
+    count_launch("compact_count")
     _block_count_kernel[(programs,)](x, t, seg, counts, n, PER_SEGMENT=per_segment, BLOCK=block)
     ends = torch.cumsum(counts, 0)
     total = int(ends[-1])                  # host sync: the size of the output allocation
     values = torch.empty(total, dtype=x.dtype, device=x.device)
     indices = torch.empty(total, dtype=torch.int32, device=x.device)
     if total:
+        count_launch("compact_write")
         _compact_kernel[(programs,)](x, t, seg, ends - counts, values, indices, n,
                                      PER_SEGMENT=per_segment, BLOCK=block)
     return values, indices

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ._backend import pick_backend
+from ._backend import count_launch, pick_backend
 
 BLOCKS = (32, 64, 128, 256, 512, 1024)
 
@@ -71,6 +71,7 @@ def _apply(rows, w, backend):
     m, k = rows.shape
     out = torch.empty(m, w.shape[1], dtype=torch.float32, device=rows.device)
     bm, bn, bk = 32, min(64, w.shape[1]), 32
+    count_launch("dct_matmul")
     matmul[(triton.cdiv(m, bm), triton.cdiv(w.shape[1], bn))](rows, w, out, m, K=k, N=w.shape[1],
                                                              BM=bm, BN=bn, BK=bk)
     return out

@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from ._backend import pick_backend
+from ._backend import count_launch, pick_backend
 
 SPLITS = {4: (2, 1), 6: (3, 2), 8: (4, 3), 12: (5, 6), 16: (5, 10)}   # bits: (e, m)
 
@@ -280,6 +280,7 @@ def encode(x, emax, e, m, backend=None, block=256):
     n_groups = -(-x.numel() // g)
     out = torch.empty(n_groups * nb, dtype=torch.uint8, device=x.device)
     emax = torch.as_tensor(emax, dtype=torch.int32, device=x.device).reshape(1)
+    count_launch("rangefloat_encode")
     encode_kernel[(triton.cdiv(n_groups, block),)](x, emax, out, x.numel(), n_groups, E_BITS=e,
                                                    M_BITS=m, G=g, NB=nb, BLOCK=block)
     return out
@@ -301,6 +302,7 @@ def decode(data, emax_per_group, e, m, backend=None, block=256, out=None):
     if out is None:
         out = torch.empty(n_groups * g, dtype=torch.float32, device=data.device)
     emax = emax_per_group.to(torch.int32).reshape(-1).contiguous()
+    count_launch("rangefloat_decode")
     decode_kernel[(triton.cdiv(n_groups, block),)](data.contiguous(), emax, out, n_groups,
                                                    0 if emax.numel() == 1 else 1,
                                                    E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block)

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from ._backend import pick_backend
+from ._backend import count_launch, pick_backend
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,6 +116,7 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096):
     stops_t = torch.tensor(stops, dtype=torch.int64).to(dev, non_blocking=True)
     part_sum = torch.empty(len(starts), dtype=torch.float32, device=dev)
     part_max = torch.empty(len(starts), dtype=torch.float32, device=dev)
+    count_launch("segment_abs_sum_max")
     kernel[(len(starts),)](x, starts_t, stops_t, part_sum, part_max, BLOCK=block)
     per = torch.tensor(per_segment, dtype=torch.int64).to(dev, non_blocking=True)
     return (torch.segment_reduce(part_sum, "sum", lengths=per),
@@ -152,6 +153,7 @@ def segment_count_above(a, seg, thresholds, backend=None, block=None):
     counts = torch.zeros(T, g_pad, dtype=torch.int32, device=a.device)
     block = block or max(64, 8192 // g_pad)
     a = a.reshape(-1).contiguous()
+    count_launch("segment_count_above")
     kernel[(triton.cdiv(a.numel(), block),)](a, seg.reshape(-1).contiguous(), thr, counts,
                                              a.numel(), G=g_pad, BLOCK=block)
     return counts[:, :G].to(torch.int64)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ._backend import pick_backend
+from ._backend import count_launch, pick_backend
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,5 +60,6 @@ def count_above(x, thresholds, backend=None, block=None):
     padded[:t] = thr
     counts = torch.zeros(t_pad, dtype=torch.int64, device=x.device)
     block = block or max(128, 16384 // t_pad)                            # ~16K compares a program
+    count_launch("count_above")
     _count_above_kernel[(triton.cdiv(n, block),)](x, padded, counts, n, T=t_pad, BLOCK=block)
     return counts[:t]

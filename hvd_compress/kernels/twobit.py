@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import torch
 
-from ._backend import pick_backend
+from ._backend import count_launch, pick_backend
 
 PER_WORD = 16
 
@@ -152,6 +152,7 @@ def pack(x, t, backend=None, block_words=256):
     n_words = -(-n // PER_WORD)
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(1)
     words = torch.empty(n_words, dtype=torch.int32, device=x.device)
+    count_launch("twobit_pack")
     pack_kernel[(triton.cdiv(n_words, block_words),)](x, t, words, n, n_words, BLOCK_W=block_words)
     return words
 
@@ -163,6 +164,7 @@ def unpack(words, backend=None, block_words=256):
     triton, _, unpack_kernel = _kernels()
     words = words.contiguous()
     out = torch.empty(words.numel() * PER_WORD, dtype=torch.float32, device=words.device)
+    count_launch("twobit_unpack")
     unpack_kernel[(triton.cdiv(words.numel(), block_words),)](words, out, words.numel(),
                                                               BLOCK_W=block_words)
     return out

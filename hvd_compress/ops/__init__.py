@@ -39,8 +39,11 @@ block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers
 ``small_topk_below``; buckets (``concat``, ``split``, ``segment_ids``,
 ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,
 ``segment_counts``, ``segment_sum_int``, ``rows_max``/``rows_min``, ``split_sizes``,
-``host_all``, and the choice ``segmented_search``); aggregation-aware exchange
-(``unique_sorted``, ``ones_like``).  ``twobit_decode_sum`` and
+``host_all``, and the choice ``segmented_search``); laplace_topk's fused search
+(``fused=1``: ``layout_constant``, ``bucket_blocks``, ``search_start``,
+``segment_histogram``, ``histogram_pick``, ``band_select``, all PyTorch only: TensorFlow's
+``histogram_search_supported`` is False and they raise NotImplementedError there);
+aggregation-aware exchange (``unique_sorted``, ``ones_like``).  ``twobit_decode_sum`` and
 ``rangefloat_decode_ranks`` are optional
 fast paths: they return None where a framework or device has none, and the compressor's
 generic code (written once) runs instead.

@@ -75,3 +75,18 @@ def segmented_search(t, exact):
     """One search for a bucket's tensors (as in PyTorch: exact=1 on the CPU; always
     inside tf.function, where a Python loop per tensor only adds graph nodes)."""
     return bool(exact or not _tf.executing_eagerly())
+
+
+# -- laplace_topk's fused search: PyTorch only (its kernels are Triton's) -----------------
+
+def histogram_search_supported():
+    """Can this framework run the fused histogram search?  Not TensorFlow."""
+    return False
+
+
+def _torch_only(*_args, **_kw):
+    raise NotImplementedError("laplace_topk's fused search (fused=1) runs on PyTorch tensors only")
+
+
+layout_constant = bucket_blocks = search_start = _torch_only
+segment_histogram = histogram_pick = band_select = _torch_only

@@ -95,7 +95,7 @@ def scatter_sum(n, idx, values, dtype=float32):
 def check_indices(idx, n, what):
     if idx.numel() == 0:
         return
-    lo, hi = int(idx.min()), int(idx.max())
+    lo, hi = _torch.stack(_torch.aminmax(idx.reshape(-1))).tolist()   # one host sync
     if lo < 0 or hi >= n:
         raise ValueError(
             f"{what}: payload index out of range [0, {n}) (min {lo}, max {hi}); "

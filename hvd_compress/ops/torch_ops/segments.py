@@ -48,9 +48,9 @@ def segment_constant(values, dtype, like):
 
 def segment_abs_sum_max(flat, layout):
     """float32 ``(sum|x|, max|x|)`` per tensor of a bucket (one pass; Triton on CUDA)."""
-    from ...kernels import segmented
-    if flat.is_cuda:
-        return segmented.segment_abs_sum_max(flat, layout.numels)
+    from ...kernels import pick_backend, segmented
+    if pick_backend(flat) == "triton":
+        return segmented.segment_abs_sum_max(flat, layout.numels, backend="triton")
     return segmented.segment_abs_sum_max_reference(flat, layout.numels, segment_ids(layout, flat))
 
 
@@ -118,3 +118,50 @@ def segmented_search(t, exact):
 
     So: the segmented search for ``exact=1``, each tensor's own selection otherwise."""
     return bool(exact)
+
+
+# -- laplace_topk's fused search (laplace_topk:fused=1): hvd_compress.kernels.histogram_select
+
+def histogram_search_supported():
+    """Can this framework run the fused histogram search?"""
+    return True
+
+
+def layout_constant(what, layout, values, dtype, like):
+    """A small per-tensor constant of a bucket (k, n, ...) on ``like``'s device, copied
+    there once per (what, layout, device)."""
+    return _per_layout(what, layout, like.device,
+                       lambda: _torch.tensor(values, dtype=dtype, device=like.device))
+
+
+def bucket_blocks(layout, like):
+    """The bucket's blocks that never straddle two tensors (on ``like``'s device)."""
+    from ...kernels import histogram_select
+    return histogram_select.block_table(layout.numels, like.device)
+
+
+def search_start(lo_bits, hi_bits, abs_sum):
+    """The fused search's state with brackets ``(lo, hi]`` (bits); every entry selected
+    when ``abs_sum`` is not all finite."""
+    from ...kernels import histogram_select
+    return histogram_select.search_start(lo_bits, hi_bits, abs_sum)
+
+
+def segment_histogram(flat, blocks, state, bins, out):
+    """int64 ``[T, bins + 2]`` magnitude histogram of the tensors active in ``state``
+    (Triton on CUDA), counted into the zeroed ``out`` when given."""
+    from ...kernels import histogram_select
+    return histogram_select.segment_histogram(flat, blocks, state, bins, out)
+
+
+def histogram_pick(hist, state, k, slack, bins):
+    """One step of the fused search on the device: ``state`` updated, ``hist`` zeroed."""
+    from ...kernels import histogram_select
+    return histogram_select.histogram_pick(hist, state, k, slack, bins)
+
+
+def band_select(flat, blocks, state):
+    """``(int32 indices, finite)``: above ``HI`` and the first ``QUOTA`` of the band,
+    per tensor; ``finite`` a Python bool (one host synchronisation for both)."""
+    from ...kernels import histogram_select
+    return histogram_select.band_select(flat, blocks, state)

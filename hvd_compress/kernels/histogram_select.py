@@ -1,0 +1,345 @@
+"""Per-tensor top-k selection over a whole *bucket* in a fixed number of passes: the
+kernels of laplace_topk's fused search (``laplace_topk:fused=1``, the algorithm in
+:func:`hvd_compress.compressors.laplace.select_histogram`).
+
+A bucket holds ``T`` tensors end to end.  The search keeps a *state* on the device, int64
+``[7, T]`` (rows ``LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE``): tensor ``s``'s bracket
+``(lo, hi]`` of magnitudes as float32 *bit patterns* (for non-negative floats the bit
+patterns order like the values, so cutting a bracket into equal parts in bit space is
+scale-free), the counts above its ends, whether it is still searched, how many band
+entries to take, and whether the bucket is finite.  Three kernels serve it:
+
+``segment_histogram(x, blocks, state, bins)``
+    int64 ``[T, bins + 2]`` counts of ``b = bits(|x_i|)`` per active tensor: column 0
+    counts ``0 < b <= lo`` (nonzero, below the bracket), column ``bins + 1`` counts
+    ``b > hi`` (above it), and column ``1 + j`` the window bin
+    ``j = ((b - lo - 1) * bins) // W`` of ``lo < b <= hi`` (``W = max(hi - lo, 1)``;
+    ``hi`` is read as ``lo + W``, so an empty bracket is one bit wide).  Suffix sums of a
+    row are then the counts above the edges ``E_0 = 0``,
+    ``E_j = lo + ceil((j - 1) W / bins)`` (``j = 1 .. bins + 1``; the last is ``hi``):
+    ``bins + 2`` thresholds counted in one read.  Integer atomics: exact and
+    deterministic.  Entries of inactive tensors are not read.
+``histogram_pick(hist, state, k, slack, bins)``
+    one program per tensor: the suffix sums, the last edge whose count reaches ``k``,
+    the new bracket and counts, ``ACTIVE`` and ``QUOTA`` -- the search's decision made
+    on the device, no host round trip; it zeroes ``hist`` for the next pass.
+``band_select(x, blocks, state)``
+    int32 bucket indices, in index order, of every entry with ``b > hi[s]`` plus the
+    first ``quota[s]`` entries (in index order) of the band ``lo[s] < b <= hi[s]``.  Two
+    kernels, as in :mod:`.compact`: a per-block count of both sets, then the write at
+    offsets from their cumulative sums (the band's ranks restart at each tensor).  The
+    output length and ``FINITE`` are read back together: the one host synchronisation.
+
+All walk ``blocks`` (:func:`block_table`): blocks that never straddle two tensors, so a
+program reads one tensor's bracket once and the number of launches does not depend on
+``T``.  Bit patterns are compared as integers, so a NaN (bits above +Inf) counts as
+above any finite bracket: ``lo = hi = -1`` selects every entry.
+
+Imports: the standard library, torch; on first use, Triton; and modules of its own
+package.
+"""
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ._backend import count_launch, pick_backend
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, active_ptr,
+                          hist_ptr, BINS: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        start = tl.load(starts_ptr + pid)
+        s = tl.load(segs_ptr + pid)
+        stop = tl.where(tl.load(active_ptr + s) != 0, tl.load(stops_ptr + pid), start)
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < stop                                  # inactive tensor: nothing read
+        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+        b = a.to(tl.int32, bitcast=True).to(tl.int64)           # bits of |x|: order as |x|
+        lo = tl.load(lo_ptr + s)
+        width = tl.maximum(tl.load(hi_ptr + s) - lo, 1)
+        hi = lo + width
+        row = hist_ptr + s * (BINS + 2)
+        inside = valid & (b > lo) & (b <= hi)
+        j = 1 + ((b - lo - 1) * BINS) // width
+        tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside)
+        tl.atomic_add(row, tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int64), axis=0))
+        tl.atomic_add(row + BINS + 1, tl.sum((valid & (b > hi)).to(tl.int64), axis=0))
+
+    @triton.jit
+    def _band_count_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr,
+                           above_ptr, band_ptr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
+        valid = offs < tl.load(stops_ptr + pid)
+        s = tl.load(segs_ptr + pid)
+        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+        b = a.to(tl.int32, bitcast=True).to(tl.int64)           # bits of |x|: order as |x|
+        lo = tl.load(lo_ptr + s)
+        hi = tl.load(hi_ptr + s)
+        tl.store(above_ptr + pid, tl.sum((valid & (b > hi)).to(tl.int64), axis=0))
+        tl.store(band_ptr + pid, tl.sum((valid & (b > lo) & (b <= hi)).to(tl.int64), axis=0))
+
+    @triton.jit
+    def _band_write_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, quota_ptr,
+                           band_before_ptr, out_offset_ptr, idx_ptr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
+        valid = offs < tl.load(stops_ptr + pid)
+        s = tl.load(segs_ptr + pid)
+        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+        b = a.to(tl.int32, bitcast=True).to(tl.int64)           # bits of |x|: order as |x|
+        lo = tl.load(lo_ptr + s)
+        hi = tl.load(hi_ptr + s)
+        band = (valid & (b > lo) & (b <= hi)).to(tl.int64)
+        rank = tl.load(band_before_ptr + pid) + tl.cumsum(band, axis=0) - band  # 0-based
+        take = (valid & (b > hi)) | ((band > 0) & (rank < tl.load(quota_ptr + s)))
+        t = take.to(tl.int64)
+        pos = tl.load(out_offset_ptr + pid) + tl.cumsum(t, axis=0) - t
+        tl.store(idx_ptr + pos, offs.to(tl.int32), mask=take)
+
+    @triton.jit
+    def _pick_kernel(hist_ptr, state_ptr, k_ptr, slack_ptr, T, BINS: tl.constexpr,
+                     ROW: tl.constexpr):
+        s = tl.program_id(0)
+        cols = tl.arange(0, ROW)
+        h = tl.load(hist_ptr + s * ROW + cols)
+        tl.store(hist_ptr + s * ROW + cols, tl.zeros_like(h))     # ready for the next pass
+        above = tl.cumsum(h, axis=0, reverse=True)                # count(> E_j)
+        k = tl.load(k_ptr + s)
+        slack = tl.load(slack_ptr + s)
+        lo = tl.load(state_ptr + s)
+        hi = tl.load(state_ptr + T + s)
+        c_lo = tl.load(state_ptr + 2 * T + s)
+        c_hi = tl.load(state_ptr + 3 * T + s)
+        active = tl.load(state_ptr + 4 * T + s) != 0
+        j = tl.minimum(tl.maximum(tl.sum((above >= k).to(tl.int64), axis=0) - 1, 0), BINS)
+        width = tl.maximum(hi - lo, 1)
+        new_lo = tl.where(j == 0, 0, lo + ((j - 1) * width + BINS - 1) // BINS)
+        new_hi = lo + (j * width + BINS - 1) // BINS
+        lo = tl.where(active, new_lo, lo)
+        hi = tl.where(active, new_hi, hi)
+        c_lo = tl.where(active, tl.sum(tl.where(cols == j, above, 0), axis=0), c_lo)
+        c_hi = tl.where(active, tl.sum(tl.where(cols == j + 1, above, 0), axis=0), c_hi)
+        lo_ok = (c_lo - k) <= slack
+        hi_ok = (k - c_hi) <= slack
+        hi_off = (k - c_hi) > slack
+        target = tl.where(lo_ok & (hi_off | ((c_lo - k) <= (k - c_hi))), c_lo,
+                          tl.where(hi_ok, c_hi, k))
+        tl.store(state_ptr + s, lo)
+        tl.store(state_ptr + T + s, hi)
+        tl.store(state_ptr + 2 * T + s, c_lo)
+        tl.store(state_ptr + 3 * T + s, c_hi)
+        off = (hi - lo > 1) & ((c_lo - k) > slack) & hi_off
+        tl.store(state_ptr + 4 * T + s, off.to(tl.int64))
+        tl.store(state_ptr + 5 * T + s, target - c_hi)
+
+    return triton, _histogram_kernel, _band_count_kernel, _band_write_kernel, _pick_kernel
+
+
+class Blocks(NamedTuple):
+    """Blocks of a bucket that never straddle two tensors (int64, on the device)."""
+    starts: torch.Tensor     #: first entry of each block
+    stops: torch.Tensor      #: end of the block's tensor (the block stops there or earlier)
+    segs: torch.Tensor       #: the tensor of each block
+    first: torch.Tensor      #: index of each tensor's first block
+    block: int               #: entries per block
+
+
+@functools.lru_cache(maxsize=256)
+def _block_lists(lengths, block):
+    starts, stops, segs, first, offset = [], [], [], [], 0
+    for s, length in enumerate(lengths):
+        first.append(len(starts))
+        count = max(1, -(-length // block))
+        starts += [offset + i * block for i in range(count)]
+        stops += [offset + length] * count
+        segs += [s] * count
+        offset += length
+    return starts, stops, segs, first
+
+
+_DEVICE_BLOCKS = {}
+
+
+def block_table(lengths, device, block=4096):
+    """:class:`Blocks` of tensors of ``lengths`` (cached per lengths, block and device:
+    a bucket's table is copied to the device once, not every step)."""
+    key = (tuple(int(v) for v in lengths), int(block), str(device))
+    table = _DEVICE_BLOCKS.get(key)
+    if table is None:
+        if len(_DEVICE_BLOCKS) > 256:
+            _DEVICE_BLOCKS.clear()
+        lists = _block_lists(key[0], key[1])
+        table = Blocks(*(torch.tensor(v, dtype=torch.int64, device=device) for v in lists),
+                       block=key[1])
+        _DEVICE_BLOCKS[key] = table
+    return table
+
+
+def _magnitude_bits(x):
+    return x.reshape(-1).float().abs().view(torch.int32).to(torch.int64)
+
+
+def _entry_segments(blocks, n):
+    """The tensor of every entry (int64), from the block table."""
+    lengths = torch.diff(torch.cat([blocks.starts[blocks.first],
+                                    torch.tensor([n], device=blocks.starts.device)]))
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+
+
+# -- the search's state ----------------------------------------------------------------
+
+#: rows of the search state (int64 ``[7, T]``)
+LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE = range(7)
+
+
+def search_start(lo, hi, abs_sum):
+    """The state of a search with brackets ``(lo, hi]`` (bits, int64 ``[T]``): every
+    tensor active, counts unknown.  ``abs_sum`` (float32 ``[T]``, ``sum|x|`` per tensor)
+    not all finite (a NaN or Inf in the bucket, or a sum past float32's range): no tensor
+    is searched and every entry is selected (``lo = hi = -1``); ``FINITE`` records it."""
+    finite = torch.isfinite(abs_sum).all()
+    state = torch.zeros(7, lo.numel(), dtype=torch.int64, device=lo.device)
+    state[LO] = torch.where(finite, lo, -1)
+    state[HI] = torch.where(finite, hi, -1)
+    state[ACTIVE] = finite.long()
+    state[FINITE] = finite.long()
+    return state
+
+
+# -- histogram ------------------------------------------------------------------------
+
+def segment_histogram_reference(x, blocks, state, bins):
+    """The histogram of :func:`segment_histogram`, in torch."""
+    b = _magnitude_bits(x)
+    T = blocks.first.numel()
+    seg = _entry_segments(blocks, b.numel())
+    keep = state[ACTIVE][seg] != 0
+    b, seg = b[keep], seg[keep]
+    lo_e = state[LO][seg]
+    width = torch.clamp(state[HI][seg] - lo_e, min=1)
+    hi_e = lo_e + width
+    col = torch.where(b > hi_e, bins + 1, 1 + torch.div((b - lo_e - 1) * bins, width,
+                                                        rounding_mode="floor"))
+    col = torch.where(b <= lo_e, 0, col)
+    counted = (b > lo_e) | (b > 0)
+    hist = torch.zeros(T * (bins + 2), dtype=torch.int64, device=x.device)
+    hist.index_add_(0, (seg * (bins + 2) + col)[counted], torch.ones_like(col[counted]))
+    return hist.reshape(T, bins + 2)
+
+
+def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None):
+    """int64 ``[T, bins + 2]`` (see the module docstring) of the tensors active in
+    ``state`` (the others' rows stay zero and their entries are not read); ``bins + 2``
+    must be a power of two.  ``out``: a zeroed buffer to count into (the kernel of
+    :func:`histogram_pick` zeroes it again after reading it)."""
+    if pick_backend(x, backend) == "torch" or x.numel() == 0:
+        return segment_histogram_reference(x, blocks, state, bins)
+    _, kernel, _, _, _ = _kernels()
+    T = blocks.first.numel()
+    hist = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device) if out is None else out
+    count_launch("segment_histogram")
+    kernel[(blocks.starts.numel(),)](x.reshape(-1), blocks.starts, blocks.stops, blocks.segs,
+                                     state[LO], state[HI], state[ACTIVE], hist,
+                                     BINS=bins, BLOCK=blocks.block)
+    return hist
+
+
+def histogram_edges(lo, hi, bins):
+    """int64 ``[T, bins + 2]`` edges ``E_j`` of :func:`segment_histogram`'s columns: the
+    suffix sum of a row from column ``j`` counts the entries above ``E_j``."""
+    width = torch.clamp(hi - lo, min=1)[:, None]
+    j = torch.arange(bins + 1, dtype=torch.int64, device=lo.device)[None, :]
+    inner = lo[:, None] + torch.div(j * width + bins - 1, bins, rounding_mode="floor")
+    return torch.cat([torch.zeros_like(lo)[:, None], inner], 1)
+
+
+# -- one step of the search, on the device ------------------------------------------------
+
+def histogram_pick_reference(hist, state, k, slack, bins):
+    """:func:`histogram_pick` in torch (``state`` updated in place, ``hist`` zeroed)."""
+    above = torch.flip(torch.cumsum(torch.flip(hist, [1]), 1), [1])       # count(> E_j)
+    edges = histogram_edges(state[LO], state[HI], bins)
+    j = torch.clamp((above >= k[:, None]).sum(1) - 1, 0, bins)[:, None]
+    active = state[ACTIVE] != 0
+    for row, new in ((LO, edges.gather(1, j)), (C_LO, above.gather(1, j)),
+                     (HI, edges.gather(1, j + 1)), (C_HI, above.gather(1, j + 1))):
+        state[row] = torch.where(active, new[:, 0], state[row])
+    c_lo, c_hi = state[C_LO], state[C_HI]
+    lo_ok, hi_ok = (c_lo - k) <= slack, (k - c_hi) <= slack
+    target = torch.where(lo_ok & (~hi_ok | ((c_lo - k) <= (k - c_hi))), c_lo,
+                         torch.where(hi_ok, c_hi, k))
+    state[ACTIVE] = ((state[HI] - state[LO] > 1) & ~lo_ok & ~hi_ok).long()
+    state[QUOTA] = target - c_hi
+    hist.zero_()
+    return state
+
+
+def histogram_pick(hist, state, k, slack, bins, backend=None):
+    """One step of the search for every active tensor, on the device: the last edge
+    whose count reaches ``k`` (``count(> E_j) >= k > count(> E_{j+1})``; edge 0 when
+    none does: fewer nonzero entries than k) becomes the bracket ``(E_j, E_{j+1}]``
+    with its two counts; a tensor stays active while its bracket is wider than one float
+    and neither count is within ``slack`` of ``k``.  ``QUOTA``: how many band entries
+    to take for the count that the selection will send (the closer end within
+    ``slack``, else exactly ``k``).  ``state`` is updated in place; ``hist`` is zeroed."""
+    if pick_backend(hist, backend) == "torch":
+        return histogram_pick_reference(hist, state, k, slack, bins)
+    _, _, _, _, kernel = _kernels()
+    T = state.shape[1]
+    count_launch("histogram_pick")
+    kernel[(T,)](hist, state, k, slack, T, BINS=bins, ROW=bins + 2)
+    return state
+
+
+# -- selection by band --------------------------------------------------------------------
+
+def band_select_reference(x, blocks, state):
+    """``(indices, finite)`` of :func:`band_select`, in torch."""
+    b = _magnitude_bits(x)
+    T = blocks.first.numel()
+    seg = _entry_segments(blocks, b.numel())
+    lo_e, hi_e = state[LO][seg], state[HI][seg]
+    band = (b > lo_e) & (b <= hi_e)
+    per = torch.zeros(T, dtype=torch.int64, device=x.device).index_add_(0, seg, band.long())
+    before = torch.cumsum(per, 0) - per
+    rank = torch.cumsum(band.long(), 0) - band.long() - before[seg]        # 0-based
+    take = (b > hi_e) | (band & (rank < state[QUOTA][seg]))
+    return torch.nonzero(take).reshape(-1).to(torch.int32), bool(state[FINITE, 0])
+
+
+def band_select(x, blocks, state, backend=None):
+    """``(int32 indices, finite)``: per tensor, the entries with ``b > HI`` and the first
+    ``QUOTA`` of ``LO < b <= HI``; ``finite`` is the state's ``FINITE`` as a Python bool,
+    read back with the output's length (one host synchronisation for both)."""
+    if pick_backend(x, backend) == "torch":
+        return band_select_reference(x, blocks, state)
+    _, _, count_kernel, write_kernel, _ = _kernels()
+    x = x.reshape(-1)
+    programs = blocks.starts.numel()
+    above = torch.empty(programs, dtype=torch.int64, device=x.device)
+    band = torch.empty(programs, dtype=torch.int64, device=x.device)
+    lo, hi, quota = state[LO], state[HI], state[QUOTA]
+    count_launch("band_count")
+    count_kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, above, band,
+                              BLOCK=blocks.block)
+    ends = torch.cumsum(band, 0)
+    band_before = ends - band - (ends - band)[blocks.first][blocks.segs]    # within its tensor
+    taken = above + torch.clamp(torch.minimum(quota[blocks.segs] - band_before, band), min=0)
+    out_ends = torch.cumsum(taken, 0)
+    # the one host synchronisation: the size of the output allocation (and the flag)
+    total, finite = torch.stack([out_ends[-1], state[FINITE, 0]]).tolist()
+    idx = torch.empty(total, dtype=torch.int32, device=x.device)
+    if total:
+        count_launch("band_write")
+        write_kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, quota,
+                                  band_before, out_ends - taken, idx, BLOCK=blocks.block)
+    return idx, bool(finite)
