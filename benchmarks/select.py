@@ -37,6 +37,8 @@ METHODS = {
     "topk": "topk:density={d},ef=0",
     "laplace_topk": "laplace_topk:density={d},ef=0,small=0",   # the search, at every size
     "laplace_topk_exact": "laplace_topk:density={d},exact=1,ef=0",
+    "laplace_topk_fused": "laplace_topk:density={d},fused=1,ef=0",    # histogram search
+    "laplace_topk_fused_exact": "laplace_topk:density={d},fused=1,exact=1,ef=0",
     "dgc": "dgc:density={d},ef=0",
     "gaussian_k": "gaussian_k:density={d},ef=0",
     "sidco_exp": "sidco_exp:density={d},ef=0",

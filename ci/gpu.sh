@@ -3,8 +3,8 @@
 #
 #   1. preflight  versions, device; hvd_compress and its kernels import with no Horovod/TF
 #   2. tests      tests/gpu (every kernel and compressor on CUDA, sync counts) and
-#                 tests/unit/test_kernels.py, tests/unit/test_buckets.py (on CUDA tensors when there
-#                 is a GPU)
+#                 tests/unit/test_kernels.py, test_buckets.py, test_histogram_select.py (on CUDA
+#                 tensors when there is a GPU)
 #   3. benchmarks select.py on CUDA (1M-100M, laplace_topk vs torch.topk), codecs and DCT,
 #                 compress+decompress per step of examples/models.py; where each
 #                 compressor's time and host synchronisations go (profile); one exchange
@@ -130,7 +130,8 @@ HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/de
 # 2. tests (no CUDA: the GPU tests are collected and skipped, and counted as skipped)
 export HVD_COMPRESS_GPU_RECORD=$RESULTS/.records.json
 TESTS=(tests/gpu)
-[ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py)
+[ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py \
+  tests/unit/test_histogram_select.py)
 run_step tests 240 "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
   --junitxml="$RESULTS/tests.xml" "${TESTS[@]}"
 
@@ -149,7 +150,7 @@ if [ "$HAVE_CUDA" = 1 ]; then
   run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device cuda --sizes 1M,25M \
     --repeat 10 --out "$RESULTS"                # the peer baselines beside ours
   run_step "select 100M" 90 "${SELECT[@]}" --sizes 100M --inputs laplace,gaussian \
-    --methods topk,laplace_topk,laplace_topk_exact,gaussian_k,sidco_exp \
+    --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,gaussian_k,sidco_exp \
     --out "$RESULTS/.select_3_100M.json"    # no dgc: its sample is drawn on the CPU
 else
   for s in "select 25M" codecs models "gpu step" "select 1M,4M + real" profile "codec time" \

@@ -33,6 +33,7 @@ EXACT = ["none", "fp16", "bf16",
          "randomk:density=0.01,seed=3", "threshold:threshold=2.5",
          "threshold:threshold=2.5,values=rangefloat6",
          "laplace_topk:density=0.01,exact=1", "laplace_topk:density=0.001,exact=1,values=rangefloat12",
+         "laplace_topk:density=0.01,exact=1,fused=1",
          "dgc:density=0.01",
          "rangefloat:bits=4", "rangefloat:bits=6", "rangefloat:bits=8", "rangefloat:bits=12",
          "rangefloat:bits=16", "rangefloat:bits=8,exp_bits=3",
@@ -40,7 +41,8 @@ EXACT = ["none", "fp16", "bf16",
          "kernel_select", "kernel_select:fraction=0.1"]
 ORDER_FREE = ("topk", "dgc", "kernel_select")
 APPROX = ["laplace_topk:density=0.01", "laplace_topk:density=0.001,tol=0.05",
-          "laplace_topk:density=0.01,values=rangefloat8",
+          "laplace_topk:density=0.01,values=rangefloat8", "laplace_topk:density=0.01,fused=1",
+          "laplace_topk:density=0.001,fused=1,values=rangefloat8",
           "gaussian_k:density=0.01", "sidco_exp:density=0.01", "sidco_exp:density=0.001,stages=3",
           "twobit", "twobit:scale=2",
           "dct:density=0.01", "dct:density=0.05,block=64,bits=12"]

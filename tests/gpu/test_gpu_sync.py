@@ -106,7 +106,8 @@ def test_record_kernel_launchers(x, record):
 
 
 SELECT_EF0 = ["topk:density=0.001,ef=0", "laplace_topk:density=0.001,ef=0",
-              "laplace_topk:density=0.001,exact=1,ef=0", "dgc:density=0.001,ef=0",
+              "laplace_topk:density=0.001,exact=1,ef=0", "laplace_topk:density=0.001,fused=1,ef=0",
+              "laplace_topk:density=0.001,fused=1,exact=1,ef=0", "dgc:density=0.001,ef=0",
               "gaussian_k:density=0.001,ef=0", "sidco_exp:density=0.001,ef=0"]
 
 
@@ -135,7 +136,8 @@ def test_record_compress_and_decompress(spec, record):
 # -- buckets: host synchronisations per bucket must not grow with its number of tensors --
 
 BUCKET_FLAT = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
-               "laplace_topk:density=0.01,exact=1", "threshold:threshold=2.5", "twobit"]
+               "laplace_topk:density=0.01,exact=1", "laplace_topk:density=0.01,fused=1",
+               "threshold:threshold=2.5", "twobit"]
 BUCKET_RECORDED = ["randomk:density=0.01", "rangefloat:bits=8",
                    "topk:density=0.01,values=rangefloat8"]
 
@@ -166,3 +168,14 @@ def test_record_bucket_synchronisations(spec, record):
     cuts values per tensor and builds each header): recorded, not asserted."""
     record("sync_counts", f"compress_bucket {spec} (4 tensors)", _bucket_syncs(spec, 4))
     record("sync_counts", f"compress_bucket {spec} (40 tensors)", _bucket_syncs(spec, 40))
+
+
+@pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
+                                  "laplace_topk:density=0.01,fused=1,exact=1"])
+def test_fused_search_synchronises_once_per_bucket(spec, record):
+    """laplace_topk:fused=1 promises one host synchronisation per bucket compress, with
+    error feedback on (the payload's length, read back with the NaN/Inf flag)."""
+    for tensors in (4, 40):
+        n = _bucket_syncs(spec, tensors)
+        record("sync_counts", f"compress_bucket {spec} ({tensors} tensors, promised 1)", n)
+        assert n == 1, f"{spec}: {n} host synchronisations for a bucket of {tensors} tensors"
