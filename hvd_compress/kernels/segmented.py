@@ -110,17 +110,30 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096):
         return segment_abs_sum_max_reference(x, lengths)
     triton, kernel, _ = _kernels()
     x = x.reshape(-1).contiguous()
-    starts, stops, per_segment = _block_table(lengths, block)
-    dev = x.device
-    starts_t = torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True)
-    stops_t = torch.tensor(stops, dtype=torch.int64).to(dev, non_blocking=True)
-    part_sum = torch.empty(len(starts), dtype=torch.float32, device=dev)
-    part_max = torch.empty(len(starts), dtype=torch.float32, device=dev)
+    starts_t, stops_t, per = _device_tables(lengths, block, x.device)
+    programs = starts_t.numel()
+    part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
+    part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     count_launch("segment_abs_sum_max")
-    kernel[(len(starts),)](x, starts_t, stops_t, part_sum, part_max, BLOCK=block)
-    per = torch.tensor(per_segment, dtype=torch.int64).to(dev, non_blocking=True)
+    kernel[(programs,)](x, starts_t, stops_t, part_sum, part_max, BLOCK=block)
     return (torch.segment_reduce(part_sum, "sum", lengths=per),
             torch.segment_reduce(part_max, "max", lengths=per))
+
+
+_DEVICE_TABLES = {}
+
+
+def _device_tables(lengths, block, device):
+    """:func:`_block_table` as int64 tensors on ``device``, copied there once per
+    (lengths, block, device), not at every call."""
+    key = (lengths, block, str(device))
+    tables = _DEVICE_TABLES.get(key)
+    if tables is None:
+        if len(_DEVICE_TABLES) > 256:
+            _DEVICE_TABLES.clear()
+        tables = _DEVICE_TABLES[key] = tuple(
+            torch.tensor(v, dtype=torch.int64, device=device) for v in _block_table(lengths, block))
+    return tables
 
 
 # -- counts above a grid of thresholds per segment ----------------------------------------
