@@ -74,8 +74,11 @@ def _kernels():
         tl.atomic_add(row + BINS + 1, tl.sum((valid & (b > hi)).to(tl.int64), axis=0))
 
     @triton.jit
-    def _band_count_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr,
-                           above_ptr, band_ptr, BLOCK: tl.constexpr):
+    def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, quota_ptr,
+                     above_ptr, band_ptr, out_offset_ptr, idx_ptr,
+                     WRITE: tl.constexpr, BLOCK: tl.constexpr):
+        # WRITE=False: count the block's entries above hi and in the band (lo, hi];
+        # WRITE=True: write the taken entries' indices (band_ptr: band entries before it)
         pid = tl.program_id(0)
         offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
         valid = offs < tl.load(stops_ptr + pid)
@@ -84,26 +87,17 @@ def _kernels():
         b = a.to(tl.int32, bitcast=True).to(tl.int64)           # bits of |x|: order as |x|
         lo = tl.load(lo_ptr + s)
         hi = tl.load(hi_ptr + s)
-        tl.store(above_ptr + pid, tl.sum((valid & (b > hi)).to(tl.int64), axis=0))
-        tl.store(band_ptr + pid, tl.sum((valid & (b > lo) & (b <= hi)).to(tl.int64), axis=0))
-
-    @triton.jit
-    def _band_write_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, quota_ptr,
-                           band_before_ptr, out_offset_ptr, idx_ptr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
-        valid = offs < tl.load(stops_ptr + pid)
-        s = tl.load(segs_ptr + pid)
-        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
-        b = a.to(tl.int32, bitcast=True).to(tl.int64)           # bits of |x|: order as |x|
-        lo = tl.load(lo_ptr + s)
-        hi = tl.load(hi_ptr + s)
+        above = valid & (b > hi)
         band = (valid & (b > lo) & (b <= hi)).to(tl.int64)
-        rank = tl.load(band_before_ptr + pid) + tl.cumsum(band, axis=0) - band  # 0-based
-        take = (valid & (b > hi)) | ((band > 0) & (rank < tl.load(quota_ptr + s)))
-        t = take.to(tl.int64)
-        pos = tl.load(out_offset_ptr + pid) + tl.cumsum(t, axis=0) - t
-        tl.store(idx_ptr + pos, offs.to(tl.int32), mask=take)
+        if WRITE:
+            rank = tl.load(band_ptr + pid) + tl.cumsum(band, axis=0) - band     # 0-based
+            take = above | ((band > 0) & (rank < tl.load(quota_ptr + s)))
+            t = take.to(tl.int64)
+            pos = tl.load(out_offset_ptr + pid) + tl.cumsum(t, axis=0) - t
+            tl.store(idx_ptr + pos, offs.to(tl.int32), mask=take)
+        else:
+            tl.store(above_ptr + pid, tl.sum(above.to(tl.int64), axis=0))
+            tl.store(band_ptr + pid, tl.sum(band, axis=0))
 
     @triton.jit
     def _pick_kernel(hist_ptr, state_ptr, k_ptr, slack_ptr, T, BINS: tl.constexpr,
@@ -141,7 +135,7 @@ def _kernels():
         tl.store(state_ptr + 4 * T + s, off.to(tl.int64))
         tl.store(state_ptr + 5 * T + s, target - c_hi)
 
-    return triton, _histogram_kernel, _band_count_kernel, _band_write_kernel, _pick_kernel
+    return triton, _histogram_kernel, _band_kernel, _pick_kernel
 
 
 class Blocks(NamedTuple):
@@ -243,7 +237,7 @@ def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None):
     :func:`histogram_pick` zeroes it again after reading it)."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return segment_histogram_reference(x, blocks, state, bins)
-    _, kernel, _, _, _ = _kernels()
+    _, kernel, _, _ = _kernels()
     T = blocks.first.numel()
     hist = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device) if out is None else out
     count_launch("segment_histogram")
@@ -293,7 +287,7 @@ def histogram_pick(hist, state, k, slack, bins, backend=None):
     ``slack``, else exactly ``k``).  ``state`` is updated in place; ``hist`` is zeroed."""
     if pick_backend(hist, backend) == "torch":
         return histogram_pick_reference(hist, state, k, slack, bins)
-    _, _, _, _, kernel = _kernels()
+    _, _, _, kernel = _kernels()
     T = state.shape[1]
     count_launch("histogram_pick")
     kernel[(T,)](hist, state, k, slack, T, BINS=bins, ROW=bins + 2)
@@ -322,15 +316,15 @@ def band_select(x, blocks, state, backend=None):
     read back with the output's length (one host synchronisation for both)."""
     if pick_backend(x, backend) == "torch":
         return band_select_reference(x, blocks, state)
-    _, _, count_kernel, write_kernel, _ = _kernels()
+    _, _, kernel, _ = _kernels()
     x = x.reshape(-1)
     programs = blocks.starts.numel()
     above = torch.empty(programs, dtype=torch.int64, device=x.device)
     band = torch.empty(programs, dtype=torch.int64, device=x.device)
     lo, hi, quota = state[LO], state[HI], state[QUOTA]
     count_launch("band_count")
-    count_kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, above, band,
-                              BLOCK=blocks.block)
+    kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, quota, above, band,
+                        above, above, WRITE=False, BLOCK=blocks.block)
     ends = torch.cumsum(band, 0)
     band_before = ends - band - (ends - band)[blocks.first][blocks.segs]    # within its tensor
     taken = above + torch.clamp(torch.minimum(quota[blocks.segs] - band_before, band), min=0)
@@ -340,6 +334,6 @@ def band_select(x, blocks, state, backend=None):
     idx = torch.empty(total, dtype=torch.int32, device=x.device)
     if total:
         count_launch("band_write")
-        write_kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, quota,
-                                  band_before, out_ends - taken, idx, BLOCK=blocks.block)
+        kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, quota, above,
+                            band_before, out_ends - taken, idx, WRITE=True, BLOCK=blocks.block)
     return idx, bool(finite)
