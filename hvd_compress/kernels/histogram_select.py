@@ -26,7 +26,7 @@ entries to take, and whether the bucket is finite.  Three kernels serve it:
 ``band_select(x, blocks, state)``
     int32 bucket indices, in index order, of every entry with ``b > hi[s]`` plus the
     first ``quota[s]`` entries (in index order) of the band ``lo[s] < b <= hi[s]``.  Two
-    kernels, as in :mod:`.compact`: a per-block count of both sets, then the write at
+    launches of one kernel, as in :mod:`.compact`: a per-block count of both sets, then the write at
     offsets from their cumulative sums (the band's ranks restart at each tensor).  The
     output length and ``FINITE`` are read back together: the one host synchronisation.
 
