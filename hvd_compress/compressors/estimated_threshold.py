@@ -2,8 +2,9 @@
 
 ``dgc``        Lin et al., "Deep Gradient Compression", ICLR 2018 (the "hierarchical
                selection" that seed 000 compares with): top-k of a 1% random sample
-               gives a threshold, adapted x1.3 / x0.7 up to 10 times while the count is
-               outside [0.7k, 1.3k]; when more than k survive, an exact top-k over those
+               (drawn with replacement, on the tensor's device) gives a threshold,
+               adapted x1.3 / x0.7 up to 10 times while the count is outside
+               [0.7k, 1.3k]; when more than k survive, an exact top-k over those
                candidates.
 ``gaussian_k`` Shi et al., "Understanding Top-k Sparsification in Distributed Deep
                Learning", 2019: ``t = |mu| + sigma * Phi^-1(1 - rho/2)``, corrected x0.5
@@ -15,7 +16,10 @@
                exponential: ``t_i = t_{i-1} + mean(|g| - t_{i-1} | |g| > t_{i-1}) ln(1/r)``.
 
 Data-dependent loops stop early in eager mode (one host synchronisation per step, as
-the original implementations do); inside tf.function they run their full length.
+the original implementations do); inside tf.function they run their full length.  dgc
+takes its first count from the compaction at the sampled threshold, so when that
+threshold is in range (the usual case) its compress synchronises once: the compaction's
+output size.
 
 Imports: the standard library; and modules of its own package.
 """
@@ -42,19 +46,40 @@ class DGC(DensitySparsifier):
     def select(self, flat, ctx, ops, step):
         n, k = ctx.numel, self.k(ctx.numel)
         m = max(1, min(n, math.ceil(self.sample * n)))
+        # O(m) with replacement on flat's device (ops.random_sample), not a permutation
         s = ops.abs(ops.to_float32(ops.random_sample(flat, m, self.seed, step)))
         ks = max(1, min(m, math.ceil(self.density * m)))
         t = ops.reduce_min(ops.gather(s, ops.topk_indices(s, ks)))
-        for _ in range(10):
-            c = ops.count_above(flat, t)[0]
-            high, low = c > int(1.3 * k), c < int(0.7 * k)
-            if ops.host_bool(~(high | low)):
-                break
-            t = ops.where(high, t * 1.3, ops.where(low, t * 0.7, t))
+        lo, hi = int(0.7 * k), int(1.3 * k)
+        # The first count is the length of the compaction at the sample's threshold: with
+        # a 1% sample it is nearly always in range, and then that compaction is the
+        # answer (one host synchronisation, its output size, instead of a count read back
+        # and then the compaction's).  Otherwise one count pass and one read-back per
+        # adaptation, and a compaction at the final threshold, as before.
         values, idx = ops.compact_above(flat, t)
+        c, moved = ops.length(idx), False
+        for i in range(10):
+            done, t_next = _dgc_step(ops, t, c, lo, hi)
+            if done is True or (done is not False and ops.host_bool(done)):
+                break
+            t, moved = t_next, True
+            if i < 9:
+                c = ops.count_above(flat, t)[0]
+        if moved:
+            values, idx = ops.compact_above(flat, t)
         return ops.cond(ops.length(idx) > k,
                         lambda: ops.gather(idx, ops.topk_indices(ops.abs(ops.to_float32(values)), k)),
                         lambda: idx)
+
+
+def _dgc_step(ops, t, c, lo, hi):
+    """DGC's rule for count ``c`` at threshold ``t``: ``(in [lo, hi]?, next threshold)``,
+    x1.3 above ``hi``, x0.7 below ``lo``.  Python bools for a count known on the host (a
+    compaction's length in eager mode), tensors for a count on the device."""
+    high, low = c > hi, c < lo
+    if isinstance(high, bool):
+        return not (high or low), (t * 1.3 if high else t * 0.7 if low else t)
+    return ~(high | low), ops.where(high, t * 1.3, ops.where(low, t * 0.7, t))
 
 
 @register

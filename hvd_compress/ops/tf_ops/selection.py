@@ -8,7 +8,7 @@ May import: tensorflow, :mod:`.core`.  Never torch or :mod:`hvd_compress.kernels
 """
 import tensorflow as _tf
 
-from .core import gather, numel, random_indices
+from .core import gather, numel
 
 
 # -- top-k and index sets ----------------------------------------------------------------
@@ -71,7 +71,16 @@ def grid_fractions(g, like):
 # -- random samples and moments (dgc, gaussian_k, sidco_exp) -----------------------------
 
 def random_sample(t, m, seed, step):
-    return gather(t, random_indices(numel(t), m, seed, step))
+    """``m`` entries of 1-D ``t`` drawn uniformly *with replacement* (all of ``t`` when
+    ``m >= numel(t)``), a pure function of ``(seed, step)``: O(m), no permutation of
+    ``t``'s positions (the torch primitive's draws differ)."""
+    n = numel(t)
+    if m >= n:
+        return t
+    seed_t = _tf.stack([_tf.cast(seed % 2**63, _tf.int64), _tf.cast(step, _tf.int64)])
+    dtype = _tf.int32 if n < 2**31 else _tf.int64
+    idx = _tf.random.stateless_uniform([int(m)], seed=seed_t, minval=0, maxval=n, dtype=dtype)
+    return gather(t, idx)
 
 
 def moments(t):
