@@ -150,8 +150,8 @@ if [ "$HAVE_CUDA" = 1 ]; then
   run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device cuda --sizes 1M,25M \
     --repeat 10 --out "$RESULTS"                # the peer baselines beside ours
   run_step "select 100M" 90 "${SELECT[@]}" --sizes 100M --inputs laplace,gaussian \
-    --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,gaussian_k,sidco_exp \
-    --out "$RESULTS/.select_3_100M.json"    # no dgc: its sample is drawn on the CPU
+    --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,dgc,gaussian_k,sidco_exp \
+    --out "$RESULTS/.select_3_100M.json"
 else
   for s in "select 25M" codecs models "gpu step" "select 1M,4M + real" profile "codec time" \
       "select 100M"; do
