@@ -8,6 +8,11 @@ With error feedback (on by default) this is exactly MXNet's scheme::
 16 codes are packed per 32-bit word (kernel ``twobit``), so the payload is ``n / 4``
 bytes plus the 4-byte threshold: 16x fewer bytes than float32.
 
+A bucket where the kernels run (CUDA): the thresholds of all tensors from one segmented
+pass (``sum|r|`` per tensor), one pack launch and one decode launch for every tensor
+and rank (kernels ``twobit.pack_segments`` / ``decode_segments``); the same payload as
+tensor by tensor.  Elsewhere (CPU, TensorFlow) tensor by tensor.
+
 Threshold: fixed when ``threshold`` is given; otherwise adaptive per layer and step,
 ``t = scale * mean|r|`` (``r`` the compensated gradient, default ``scale=1``): the
 layer's own magnitude, so layers of very different scales each send a useful fraction
@@ -45,6 +50,17 @@ class CodesAndScales(Compressor):
         """Flat float32 sum over ranks: ``codes`` (ranks, words), ``scales`` (ranks, s)."""
         raise NotImplementedError
 
+    def encode_bucket(self, flat, lay, ops, step, finite):
+        """``(codes, scales)`` of a whole bucket in a fixed number of kernel launches, the
+        same payload as tensor by tensor; None (the default) where there is no such path."""
+        return None
+
+    def decode_bucket(self, codes, scales, numels, ops):
+        """Flat float32 sum over ranks of a whole bucket (``codes`` (ranks, words),
+        ``scales`` (ranks, scales)) in a fixed number of launches; None (the default)
+        where there is no such path."""
+        return None
+
     def encode(self, flat, ctx, ops, step):
         # one finiteness check for the whole input (error feedback has made it already);
         # tensor by tensor only where it fails (or inside TensorFlow, where it is free)
@@ -53,6 +69,9 @@ class CodesAndScales(Compressor):
         if lay is None:
             codes, scales = self.encode_one(flat, ctx.numel, ops, step, ctx.name)
             return codes, _nan_unless(finite, scales, ops)
+        fast = self.encode_bucket(flat, lay, ops, step, finite)
+        if fast is not None:
+            return fast
         codes, scales = [], []
         for i, (name, off, n) in enumerate(zip(lay.names, lay.offsets, lay.numels)):
             seg = flat[off:off + n]
@@ -76,6 +95,10 @@ class CodesAndScales(Compressor):
                              f"scales are not whole ranks of {wc} words and {ws} scales; the "
                              "payload is malformed")
         codes, scales = ops.reshape(codes, [-1, wc]), ops.reshape(scales, [-1, ws])
+        if lay is not None:
+            fast = self.decode_bucket(codes, scales, numels, ops)
+            if fast is not None:
+                return fast
         out, at_c, at_s = [], 0, 0
         for n, (w, s) in zip(numels, widths):
             out.append(self.decode_one(codes[:, at_c:at_c + w], scales[:, at_s:at_s + s], n, ops))
@@ -113,6 +136,28 @@ class TwoBit(CodesAndScales):
 
     def decode_one(self, codes, scales, n, ops):
         return decode_twobit(codes, scales, n, ops)
+
+    def encode_bucket(self, flat, lay, ops, step, finite):
+        # where the kernels run: every tensor's threshold from one segmented pass, one
+        # pack launch for the bucket (the thresholds' formula as in encode_one; the sums'
+        # order of additions is the segmented pass's)
+        if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
+            return None
+        if self.threshold is not None:
+            t = ops.layout_constant(f"twobit.t={self.threshold!r}", lay,
+                                    [self.threshold] * len(lay.numels), ops.float32, flat)
+        else:
+            abs_sum, _ = ops.segment_abs_sum_max(flat, lay)
+            t = self.scale * abs_sum / ops.layout_constant("twobit.numels", lay, list(lay.numels),
+                                                           ops.float32, flat)
+        t = ops.where(t > 0, t, 0 * t + 1.0)       # all-zero tensor: every code is 0
+        words, bad = ops.twobit_pack_segments(flat, lay, t)
+        if finite is True:
+            return words, t
+        return words, ops.where(bad > 0, t * float("nan"), t)   # NaN for non-finite tensors
+
+    def decode_bucket(self, codes, scales, numels, ops):
+        return ops.twobit_decode_segments(codes, scales, numels)
 
 
 def _nan_unless(finite, scales, ops):

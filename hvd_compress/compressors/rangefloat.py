@@ -16,7 +16,10 @@ including the largest), rounding the mantissa to nearest gives::
 
 Payload per rank: packed bytes (codes padded to whole byte groups) and an int32 header
 ``[E, count]``.  The ranks' payloads are gathered; the headers say where each rank's
-codes start, so they are decoded in one vectorised pass.
+codes start, so they are decoded in one vectorised pass.  A bucket: one header per
+tensor, each tensor coded as if alone, end to end; where the kernels run (CUDA) the
+bucket is encoded in two launches and every rank's and tensor's segment decoded in one
+(:mod:`hvd_compress.kernels.rangefloat_segments`), elsewhere tensor by tensor.
 
 Imports: the standard library; and modules of its own package.
 """
@@ -65,33 +68,46 @@ class RangeFloatCodec:
         data = ops.rangefloat_encode(values, emax, self.e, self.m)
         return data, ops.stack_int32([emax, ops.length(values)], data)
 
-    def encode_segments(self, values, seg, segments, ops):
+    def encode_segments(self, values, seg, segments, ops, lengths=None):
         """Encode ``values`` that belong to ``segments`` tensors (``seg``: the tensor of
-        each value, ascending) with an exponent range *per tensor*: the payload is laid
-        out as if each tensor were a rank of its own (codes padded per tensor, one
-        ``[E, count]`` header each), so :meth:`decode` reads it unchanged.  One host
-        synchronisation (the counts per tensor, to cut the values)."""
-        counts = ops.segment_counts(seg, segments)
-        parts = [self.encode(v, ops) for v in ops.split_sizes(values, counts, segments)]
+        each value, ascending; or ``lengths``, the host's counts per tensor) with an
+        exponent range *per tensor*: the payload is laid out as if each tensor were a
+        rank of its own (codes padded per tensor, one ``[E, count]`` header each), so
+        :meth:`decode` reads it unchanged.  Where the kernels run (CUDA): two launches
+        for the bucket (``ops.rangefloat_encode_segments``); elsewhere tensor by tensor,
+        after one host synchronisation (the counts per tensor) when ``lengths`` is None."""
+        fast = ops.rangefloat_encode_segments(values, seg, segments, lengths, self.e, self.m)
+        if fast is not None:
+            return fast
+        if lengths is not None:
+            pieces = ops.split(values, lengths)
+        else:
+            pieces = ops.split_sizes(values, ops.segment_counts(seg, segments), segments)
+        parts = [self.encode(v, ops) for v in pieces]
         return ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])
 
-    def decode(self, data, headers, ops):
+    def decode(self, data, headers, ops, lengths=None):
+        """Every header's values, unpadded, end to end.  ``lengths``: the counts the
+        headers hold, known on the host (this rank's own payload), so not checked."""
         n_words = ops.length(headers)
         if isinstance(n_words, int) and n_words % 2:
             raise ValueError(f"rangefloat: a header of {n_words} int32 values is not a whole "
                              "number of [E, count] pairs; the payload is malformed")
         h = ops.reshape(headers, [-1, 2])
         emax, counts = h[:, 0], ops.cast(h[:, 1], ops.int32)
-        groups = (counts + self.per_group - 1) // self.per_group
         n_bytes = ops.length(data)                     # a tensor inside tf.function: no check
+        # where the kernels run: every header's segment in one launch, checked in one sync
+        fast = ops.rangefloat_decode_segments(data, emax, counts, self.e, self.m, lengths)
+        if fast is not None:
+            values, expected, odd = fast
+            if values is None:
+                raise _malformed(n_bytes, expected, odd)
+            return values
+        groups = (counts + self.per_group - 1) // self.per_group
         expected = ops.reduce_sum_int(groups) * self.group_bytes
         odd = ops.reduce_sum_int((emax < -127) | (emax > 128) | (counts < 0))
         if isinstance(n_bytes, int) and ops.host_bool((expected != n_bytes) | (odd > 0)):
-            if ops.host_bool(odd > 0):
-                raise ValueError("rangefloat: a header holds an exponent outside [-127, 128] "
-                                 "or a negative count; the payload is malformed")
-            raise ValueError(f"rangefloat: {n_bytes} bytes where the headers say "
-                             f"{int(expected)}; the payload is malformed")
+            raise _malformed(n_bytes, int(expected), ops.host_bool(odd > 0))
         fast = ops.rangefloat_decode_ranks(data, emax, counts, self.e, self.m)
         if fast is not None:                           # the CPU path: rank by rank
             return fast
@@ -102,6 +118,15 @@ class RangeFloatCodec:
             - ops.repeat_interleave(starts, padded)
         keep = pos < ops.repeat_interleave(counts, padded)
         return ops.gather(values, ops.mask_indices(keep))
+
+
+def _malformed(n_bytes, expected, odd):
+    """The ValueError of a payload whose headers do not describe its bytes."""
+    if odd:
+        return ValueError("rangefloat: a header holds an exponent outside [-127, 128] or a "
+                          "negative count; the payload is malformed")
+    return ValueError(f"rangefloat: {n_bytes} bytes where the headers say {expected}; the "
+                      "payload is malformed")
 
 
 @register
@@ -123,8 +148,16 @@ class RangeFloat(Compressor):
         if lay is not None:
             # each tensor its own range; decoding reads (rank, tensor) segments in order,
             # which for a dense payload is each rank's bucket in order: the sum of rows
-            return self.codec.encode_segments(flat, ops.segment_ids(lay, flat), len(lay.names), ops)
+            return self.codec.encode_segments(flat, None, len(lay.names), ops, lengths=lay.numels)
         return self.codec.encode(flat, ops)
+
+    def subtract_sent(self, compensated, payload, ctx, ops, inplace):
+        # this rank's own payload: the counts are the tensors' sizes, known here, so the
+        # decode needs neither the header check nor its host synchronisation
+        lay = ctx.bucket
+        lengths = lay.numels if lay is not None else (ctx.numel,)
+        sent = ops.sum_rows(self.codec.decode(payload[0], payload[1], ops, lengths), ctx.numel)
+        return ops.subtract(compensated, ops.cast(sent, compensated.dtype), inplace)
 
     def decode(self, payload, ctx, ops):
         if len(payload) != 2:

@@ -13,6 +13,9 @@ Packing: ``g = lcm(bits, 8) / bits`` codes fill ``lcm(bits, 8) / 8`` bytes, litt
 endian (4 bits: 2 codes/byte; 6: 4 codes/3 bytes; 8: 1/byte; 12: 2/3 bytes;
 16: 1/2 bytes).  Codes are padded to whole groups.
 
+Many segments with an exponent each (a bucket's tensors, the gathered ranks' tensors) in
+a fixed number of launches: :mod:`.rangefloat_segments`.
+
 Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
 own package.
 """
@@ -313,21 +316,12 @@ def decode_ranks(data, emax, counts, e, m, backend=None):
     """Every rank's values, unpadded and concatenated: rank ``r``'s segment of ``data``
     holds ``counts[r]`` codes padded to whole groups, all with exponent ``emax[r]``.
 
-    One host synchronisation (the counts, to cut the segments), then one kernel launch per
-    rank with a single exponent (no per-group exponent array, no mask): on CUDA this
-    replaced a generic decode of repeat_interleave + nonzero that took 13 ms for 2 ranks of
-    25M values on an H100 (2026-11-22).  On the CPU: ``decode_ranks_cpu``."""
+    On CUDA one host synchronisation (the total, to size the output), then one launch for
+    every rank (:func:`.rangefloat_segments.decode_segments`; a generic decode of
+    repeat_interleave + nonzero took 13 ms for 2 ranks of 25M values on an H100,
+    2026-11-22).  On the CPU: ``decode_ranks_cpu``."""
     if pick_backend(data, backend) == "torch":
         return decode_ranks_cpu(data, emax, counts, e, m)
-    g, nb = group(1 + e + m)
-    sizes = counts.tolist()
-    total = sum(sizes)
-    out = torch.empty(total + g, dtype=torch.float32, device=data.device)   # + g: padding
-    start = pos = 0
-    for r, count in enumerate(sizes):
-        size = -(-count // g) * nb
-        if count:
-            decode(data[start:start + size], emax[r:r + 1], e, m, backend=backend,
-                   out=out[pos:pos + size // nb * g])
-        start, pos = start + size, pos + count           # the next rank overwrites the padding
-    return out[:total]
+    from .rangefloat_segments import decode_segments
+    counts = counts.to(torch.int64)
+    return decode_segments(data, emax, counts, e, m, total=int(counts.sum()), backend=backend)

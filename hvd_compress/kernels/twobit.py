@@ -6,6 +6,16 @@ Packing is bit-exact between the kernel and the reference; words are int32 (the 
 code may set the sign bit).  ``t > 0`` is assumed (the compressor sends nothing
 quantized for an all-zero tensor).
 
+Buckets (many tensors end to end, each with its own threshold): ``pack_segments`` and
+``decode_segments`` cover every tensor in one launch each.  Their programs walk blocks of
+*words* that never straddle two tensors (``histogram_select.block_table`` over the
+tensors' word counts ``ceil(n_s / 16)``), so a program reads its tensor's threshold (or
+every rank's scale of it) once; tensor ``s``'s words start at ``sum_{j<s} ceil(n_j/16)``,
+its values at ``sum_{j<s} n_j``: the same words as packing each tensor alone, end to
+end.  ``pack_segments`` also flags each tensor holding NaN/Inf (an int32 atomic max,
+exact); ``decode_segments`` sums ``scale[r, s] * sign`` over the ranks ``r`` in rank order
+(for one or two ranks the same bits as the per-tensor decoders).
+
 Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
 own package.
 """
@@ -48,7 +58,48 @@ def _kernels():
         idx = w[:, None] * 16 + lane[None, :]
         tl.store(out_ptr + idx, sign, mask=(w < n_words)[:, None])
 
-    return triton, _pack_kernel, _unpack_kernel
+    @triton.jit
+    def _pack_segments_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, xoff_ptr, woff_ptr,
+                              n_ptr, t_ptr, words_ptr, bad_ptr, BLOCK_W: tl.constexpr):
+        pid = tl.program_id(0)
+        stop = tl.load(stops_ptr + pid)                                      # word ids
+        w = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK_W)
+        s = tl.load(segs_ptr + pid)
+        lane = tl.arange(0, 16)
+        local = (w - tl.load(woff_ptr + s))[:, None] * 16 + lane[None, :]   # in the tensor
+        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
+        x = tl.load(x_ptr + tl.load(xoff_ptr + s) + local, mask=valid, other=0.0).to(tl.float32)
+        t = tl.load(t_ptr + s)
+        code = tl.where(x >= t, 1, tl.where(x <= -t, 2, 0))
+        word = tl.sum(code << (2 * lane[None, :]), axis=1)                     # disjoint bits
+        tl.store(words_ptr + w, word.to(tl.int32), mask=w < stop)
+        bad = tl.max(tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1), axis=0)
+        tl.atomic_max(bad_ptr + s, bad, mask=bad > 0)
+
+    @triton.jit
+    def _decode_segments_kernel(words_ptr, scale_ptr, out_ptr, starts_ptr, stops_ptr, segs_ptr,
+                                xoff_ptr, woff_ptr, n_ptr, ranks, words_per_rank, segments,
+                                BLOCK_W: tl.constexpr):
+        pid = tl.program_id(0)
+        stop = tl.load(stops_ptr + pid)
+        w = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK_W)
+        s = tl.load(segs_ptr + pid)
+        lane = tl.arange(0, 16)
+        local = (w - tl.load(woff_ptr + s))[:, None] * 16 + lane[None, :]
+        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
+        acc = tl.zeros([BLOCK_W, 16], dtype=tl.float32)
+        word_ptrs = words_ptr + w                                # rank 0's; then a row on
+        scale_at = scale_ptr + s
+        for _ in range(ranks):                                   # rank order, as the rows' sum
+            word = tl.load(word_ptrs, mask=w < stop, other=0)
+            code = (word[:, None] >> (2 * lane[None, :])) & 3
+            sign = tl.where(code == 1, 1.0, tl.where(code == 2, -1.0, 0.0))
+            acc += sign * tl.load(scale_at)
+            word_ptrs += words_per_rank
+            scale_at += segments
+        tl.store(out_ptr + tl.load(xoff_ptr + s) + local, acc, mask=valid)
+
+    return triton, _pack_kernel, _unpack_kernel, _pack_segments_kernel, _decode_segments_kernel
 
 
 def _shifts(device):
@@ -146,7 +197,7 @@ def pack(x, t, backend=None, block_words=256):
     """Quantize flat ``x`` with threshold ``t`` and pack 16 codes per int32 word."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return pack_cpu(x, t) if x.device.type == "cpu" else pack_reference(x, t)
-    triton, pack_kernel, _ = _kernels()
+    triton, pack_kernel = _kernels()[:2]
     x = x.reshape(-1).contiguous()
     n = x.numel()
     n_words = -(-n // PER_WORD)
@@ -161,10 +212,97 @@ def unpack(words, backend=None, block_words=256):
     """float32 signs of every code in ``words`` (``16 * len(words)`` values)."""
     if pick_backend(words, backend) == "torch" or words.numel() == 0:
         return unpack_cpu(words) if words.device.type == "cpu" else unpack_reference(words)
-    triton, _, unpack_kernel = _kernels()
+    triton, _, unpack_kernel = _kernels()[:3]
     words = words.contiguous()
     out = torch.empty(words.numel() * PER_WORD, dtype=torch.float32, device=words.device)
     count_launch("twobit_unpack")
     unpack_kernel[(triton.cdiv(words.numel(), block_words),)](words, out, words.numel(),
                                                               BLOCK_W=block_words)
+    return out
+
+
+# -- buckets: every tensor in one launch -------------------------------------------------
+
+_TABLES = {}
+
+
+def _segment_table(lengths, device, block_words):
+    """``(word blocks, value offsets, word offsets, lengths, total words)`` of a bucket of
+    tensors of ``lengths`` (cached per lengths, block and device: copied there once)."""
+    key = (lengths, block_words, str(device))
+    table = _TABLES.get(key)
+    if table is None:
+        from .histogram_select import block_table
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        words = [-(-n // PER_WORD) for n in lengths]
+        xoff = np.cumsum([0, *lengths[:-1]])
+        woff = np.cumsum([0, *words[:-1]])
+        as_t = lambda v: torch.as_tensor(np.asarray(v, dtype=np.int64), device=device)  # noqa: E731
+        table = _TABLES[key] = (block_table(words, device, block_words), as_t(xoff),
+                                as_t(woff), as_t(lengths), sum(words))
+    return table
+
+
+def pack_segments_reference(x, lengths, t):
+    """``(words, bad)``: :func:`pack_reference` of each tensor of the bucket ``x`` (tensors
+    of ``lengths`` end to end) against its own ``t[s]``, end to end; ``bad`` int32 per
+    tensor, 1 where it holds NaN/Inf."""
+    parts = torch.split(x.reshape(-1), list(lengths))
+    words = torch.cat([pack_reference(p, t[s]) for s, p in enumerate(parts)])
+    bad = torch.stack([(~torch.isfinite(p.float())).any() for p in parts]).to(torch.int32)
+    return words, bad
+
+
+def decode_segments_reference(words, scales, lengths):
+    """float32 bucket: tensor ``s`` is ``sum_r scales[r, s] * signs_r``, ranks added in
+    order from 0.0; ``words`` every rank's bucket words (ranks x total words)."""
+    ranks = scales.shape[0]
+    words = words.reshape(ranks, -1)
+    out, at = [], 0
+    for s, n in enumerate(lengths):
+        w = -(-n // PER_WORD)
+        signs = unpack_reference(words[:, at:at + w].reshape(-1)).reshape(ranks, -1)[:, :n]
+        acc = torch.zeros(n, dtype=torch.float32, device=words.device)
+        for r in range(ranks):
+            acc = acc + signs[r] * scales[r, s].float()
+        out.append(acc)
+        at += w
+    return torch.cat(out)
+
+
+def pack_segments(x, lengths, t, backend=None, block_words=256):
+    """``(words, bad)`` of :func:`pack_segments_reference` in one launch (kernel on
+    CUDA): the bucket's words against a threshold per tensor (``t`` float32 ``[T]``)."""
+    lengths = tuple(int(n) for n in lengths)
+    if pick_backend(x, backend) == "torch":
+        return pack_segments_reference(x, lengths, t)
+    triton, kernel = _kernels()[0], _kernels()[3]
+    x = x.reshape(-1).contiguous()
+    blocks, xoff, woff, n, total = _segment_table(lengths, x.device, block_words)
+    words = torch.empty(total, dtype=torch.int32, device=x.device)
+    bad = torch.zeros(len(lengths), dtype=torch.int32, device=x.device)
+    count_launch("twobit_pack_segments")
+    kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
+                                     t.float().reshape(-1).contiguous(), words, bad,
+                                     BLOCK_W=block_words)
+    return words, bad
+
+
+def decode_segments(words, scales, lengths, backend=None, block_words=256):
+    """:func:`decode_segments_reference` in one launch (kernel on CUDA): every rank's
+    2-bit codes of every tensor of a bucket (``words``: ranks x the bucket's words,
+    ``scales`` float32 ``(ranks, T)``), scaled and summed over the ranks."""
+    lengths = tuple(int(n) for n in lengths)
+    if pick_backend(words, backend) == "torch":
+        return decode_segments_reference(words, scales, lengths)
+    triton, kernel = _kernels()[0], _kernels()[4]
+    blocks, xoff, woff, n, total = _segment_table(lengths, words.device, block_words)
+    ranks = scales.shape[0]
+    out = torch.empty(sum(lengths), dtype=torch.float32, device=words.device)
+    count_launch("twobit_decode_segments")
+    kernel[(blocks.starts.numel(),)](words.reshape(-1).contiguous(),
+                                     scales.float().reshape(-1).contiguous(), out,
+                                     blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
+                                     ranks, total, len(lengths), BLOCK_W=block_words)
     return out

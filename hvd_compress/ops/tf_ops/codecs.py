@@ -38,6 +38,21 @@ def twobit_decode_sum(words, thresholds, n):
     return None
 
 
+def bucket_codec_kernels(flat):
+    """No bucket kernels in TensorFlow: buckets are coded tensor by tensor."""
+    return False
+
+
+def twobit_pack_segments(flat, layout, t):
+    """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
+    raise NotImplementedError("twobit_pack_segments runs on PyTorch tensors only")
+
+
+def twobit_decode_segments(words, scales, lengths):
+    """No bucket fast path in TensorFlow: the 2-bit decoder goes tensor by tensor."""
+    return None
+
+
 # -- range-based float (rangefloat) ------------------------------------------------------
 
 def max_exponent(flat):
@@ -98,6 +113,16 @@ def rangefloat_decode(data, emax_per_group, e, m):
 
 def rangefloat_decode_ranks(data, emax, counts, e, m):
     """No rank-by-rank fast path in TensorFlow: the codec's generic decode runs."""
+    return None
+
+
+def rangefloat_encode_segments(values, seg, segments, lengths, e, m):
+    """No bucket fast path in TensorFlow: the codec encodes tensor by tensor."""
+    return None
+
+
+def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None):
+    """No bucket fast path in TensorFlow: the codec's generic decode runs."""
     return None
 
 

@@ -23,12 +23,44 @@ def twobit_unpack(words):
 
 def twobit_decode_sum(words, thresholds, n):
     """Optional fast path of the 2-bit decoder, ``sum_r thresholds[r] * signs_r[:n]``:
-    one table lookup per byte, scaled per rank, bit-identical (CPU).  None on CUDA,
-    where the decoder's generic unpack-multiply-sum runs the kernel."""
+    on the CPU one table lookup per byte, scaled per rank, bit-identical; where the
+    kernels run (CUDA), one launch of the bucket decoder for this one tensor.  None on
+    CUDA with the torch backend forced: the decoder's generic unpack-multiply-sum runs."""
+    from ...kernels import pick_backend, twobit
+    if pick_backend(words) == "triton":
+        return twobit.decode_segments(words, thresholds.reshape(-1, 1), (n,))
     if words.is_cuda:
         return None
-    from ...kernels import twobit
     return twobit.unpack_cpu(words, scale=thresholds, n=n)
+
+
+def bucket_codec_kernels(flat):
+    """Do the codecs' bucket kernels run for ``flat`` (Triton: CUDA tensors, or any with
+    ``HVD_COMPRESS_BACKEND=triton``)?  Then a bucket's 2-bit or range-float codes take a
+    fixed number of launches (:func:`twobit_pack_segments`, :func:`twobit_decode_segments`,
+    :func:`rangefloat_encode_segments`, :func:`rangefloat_decode_segments`)."""
+    from ...kernels import pick_backend
+    return pick_backend(flat) == "triton"
+
+
+def twobit_pack_segments(flat, layout, t):
+    """``(words, bad)``: every tensor of the bucket packed against its own threshold
+    ``t[s]`` (float32 ``[T]``), words end to end as tensor by tensor, and int32 ``[T]``,
+    1 where the tensor holds NaN/Inf (one kernel launch; where
+    :func:`bucket_codec_kernels`)."""
+    from ...kernels import twobit
+    return twobit.pack_segments(flat, layout.numels, t)
+
+
+def twobit_decode_segments(words, scales, lengths):
+    """Optional fast path of the 2-bit bucket decoder: every rank's words of a bucket of
+    tensors of ``lengths`` (``(ranks, words)``) with ``scales`` ``(ranks, T)``, summed over
+    the ranks, in one launch where :func:`bucket_codec_kernels`; None elsewhere (the
+    decoder goes tensor by tensor)."""
+    from ...kernels import pick_backend, twobit
+    if pick_backend(words) != "triton":
+        return None
+    return twobit.decode_segments(words, scales, lengths)
 
 
 # -- range-based float (rangefloat) ------------------------------------------------------
@@ -53,6 +85,39 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
     rank with one exponent each (CPU: a table per exponent; CUDA: one kernel per rank)."""
     from ...kernels import rangefloat
     return rangefloat.decode_ranks(data, emax, counts, e, m)
+
+
+def rangefloat_encode_segments(values, seg, segments, lengths, e, m):
+    """Optional fast path of the codec's per-tensor encode of a bucket: ``(bytes,
+    headers)`` of ``values`` in ``segments`` tensors (host ``lengths``, or ``seg`` the
+    ascending tensor of each value) in two launches where :func:`bucket_codec_kernels`;
+    None elsewhere (the codec encodes tensor by tensor)."""
+    from ...kernels import pick_backend, rangefloat_segments
+    if pick_backend(values) != "triton":
+        return None
+    if lengths is not None:
+        return rangefloat_segments.encode_segments(values, None, e, m, lengths=lengths)
+    seg = seg.to(_torch.int64)                   # (bincount would synchronise on CUDA)
+    counts = _torch.zeros(segments, dtype=_torch.int64, device=values.device)
+    return rangefloat_segments.encode_segments(
+        values, counts.index_add_(0, seg, _torch.ones_like(seg)), e, m)
+
+
+def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None):
+    """Optional fast path of the codec's decode where :func:`bucket_codec_kernels`:
+    ``(values, expected bytes, bad headers)``, ``values`` every segment's (header's)
+    values unpadded in one launch, or None where the headers do not describe ``data``;
+    the headers checked in one host synchronisation, none for host ``lengths`` (this
+    rank's own payload).  None elsewhere (the codec's own decode runs)."""
+    from ...kernels import pick_backend, rangefloat_segments as rs
+    if pick_backend(data) != "triton":
+        return None
+    if lengths is not None:
+        return rs.decode_segments(data, emax, counts, e, m, lengths=lengths), data.numel(), False
+    total, expected, bad = rs.check_headers(data, emax, counts, e, m)
+    if bad or expected != data.numel():
+        return None, expected, bad
+    return rs.decode_segments(data, emax, counts, e, m, total=total), expected, False
 
 
 # -- block DCT (dct) ---------------------------------------------------------------------

@@ -1,0 +1,316 @@
+"""Range-based float codes of many *segments* at once (kernel family ``rangefloat`` over a
+bucket): segment ``s`` holds ``counts[s]`` consecutive values with its own exponent
+range ``E_s`` -- a bucket's tensors on the sending side, every rank's tensors of the
+gathered payloads on the receiving side -- in a fixed number of launches whatever the
+number of segments.
+
+The bytes are exactly those of :func:`.rangefloat.encode` applied to each segment alone,
+end to end (each segment's codes padded to whole groups), with the exponent of
+:func:`.rangefloat.max_exponent`, so the payload of
+:class:`~hvd_compress.compressors.rangefloat.RangeFloatCodec` does not change:
+
+- ``segment_max_exponent(x, counts)``: ``E_s`` per segment.  The float32 exponent field
+  ``(bits >> 23) & 0xFF`` does not decrease with ``|x|``, so its maximum over a segment
+  is the field of ``max|x|``: one int32 atomic max per block (exact, deterministic);
+  then ``255`` (NaN/Inf) gives ``E = 128`` and any other field ``f`` gives ``f - 127``
+  (zeros, subnormals and an empty segment: ``-127``).
+- ``encode_segments(x, counts, e, m)``: that pass, then one encode launch; each program
+  codes a block of one segment with that segment's ``E`` and writes its groups at the
+  segment's group offset.  Returns the bytes and the ``[E, count]`` headers.
+- ``decode_segments(data, emax, counts, e, m)``: one launch; each program decodes the
+  groups of one block of one segment with its ``E`` and writes the values unpadded,
+  segments end to end.  The headers are checked on the device and read back in one
+  host synchronisation with the sizes (none where the counts are known on the host).
+
+Tables: programs walk blocks of ``block`` values (a multiple of every group size) that
+never straddle two segments.  Counts known on the host (a bucket's layout): the table of
+:func:`.histogram_select.block_table`, built once per layout.  Counts on the device (a
+sparse selection's per-tensor counts, or the gathered headers): computed there by a
+fixed number of torch ops over an upper bound of ``ceil(n / block) + segments`` blocks
+(the surplus blocks are empty).
+
+Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
+own package.
+"""
+import functools
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ._backend import count_launch, pick_backend
+from .rangefloat import decode_reference, encode_reference, group, max_exponent
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _exponent_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, field_ptr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        start = tl.load(starts_ptr + pid)
+        stop = tl.load(stops_ptr + pid)
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
+        field = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        tl.atomic_max(field_ptr + tl.load(segs_ptr + pid), tl.max(field, axis=0), mask=start < stop)
+
+    @triton.jit
+    def _encode_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
+                       out_ptr, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
+                       NB: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        start = tl.load(starts_ptr + pid)
+        stop = tl.load(stops_ptr + pid)
+        s = tl.load(segs_ptr + pid)
+        GROUPS: tl.constexpr = BLOCK // G
+        grp = tl.arange(0, GROUPS)
+        lane = tl.arange(0, G)
+        idx = start + grp[:, None] * G + lane[None, :]
+        x = tl.load(x_ptr + idx, mask=idx < stop, other=0.0).to(tl.float32)
+        bits = x.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        expf = (bits >> 23) & 0xFF
+        mant = bits & 0x7FFFFF
+        shift: tl.constexpr = 23 - M_BITS
+        q = (mant + (1 << (shift - 1))) >> shift
+        carry = q >> M_BITS
+        q = q & ((1 << M_BITS) - 1)
+        q = tl.where((expf == 255) & (mant != 0), (1 << M_BITS) - 1, q)      # NaN stays NaN
+        c = tl.load(emax_ptr + s) - (expf - 127 + carry) + 1
+        q = tl.where(c < 1, (1 << M_BITS) - 1, q)
+        c = tl.where(c < 1, 1, c)
+        zero = (expf == 0) | (c > (1 << E_BITS) - 1)
+        code = tl.where(zero, 0, (sign << (E_BITS + M_BITS)) | (c << M_BITS) | q).to(tl.int64)
+        word = tl.sum(code << ((E_BITS + M_BITS + 1) * lane[None, :]).to(tl.int64), axis=1)
+        byte = tl.arange(0, 4)
+        out = ((word[:, None] >> (8 * byte[None, :]).to(tl.int64)) & 0xFF).to(tl.uint8)
+        at = tl.load(gstart_ptr + s) + (start - tl.load(vstart_ptr + s)) // G + grp   # out group
+        tl.store(out_ptr + at[:, None] * NB + byte[None, :], out,
+                 mask=((start + grp * G) < stop)[:, None] & (byte < NB)[None, :])
+
+    @triton.jit
+    def _decode_kernel(in_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
+                       out_ptr, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
+                       NB: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        start = tl.load(starts_ptr + pid)
+        stop = tl.load(stops_ptr + pid)
+        s = tl.load(segs_ptr + pid)
+        GROUPS: tl.constexpr = BLOCK // G
+        grp = tl.arange(0, GROUPS)
+        byte = tl.arange(0, 4)
+        ok = (start + grp * G) < stop
+        at = tl.load(gstart_ptr + s) + (start - tl.load(vstart_ptr + s)) // G + grp   # in group
+        raw = tl.load(in_ptr + at[:, None] * NB + byte[None, :],
+                      mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
+        word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
+        lane = tl.arange(0, G)
+        B: tl.constexpr = E_BITS + M_BITS + 1
+        code = ((word[:, None] >> (B * lane[None, :]).to(tl.int64)) & ((1 << B) - 1)).to(tl.int32)
+        sign = (code >> (E_BITS + M_BITS)) & 1
+        c = (code >> M_BITS) & ((1 << E_BITS) - 1)
+        q = code & ((1 << M_BITS) - 1)
+        expf = tl.load(emax_ptr + s) - c + 1 + 127
+        bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
+        value = tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))
+        idx = start + grp[:, None] * G + lane[None, :]
+        tl.store(out_ptr + idx, value, mask=idx < stop)
+
+    return triton, _exponent_kernel, _encode_kernel, _decode_kernel
+
+
+BLOCK = 1024       #: values per program (a multiple of every group size: 1, 2 or 4)
+
+
+class Table(NamedTuple):
+    """Blocks of segments end to end that never straddle two segments (int64, device)."""
+    starts: torch.Tensor     #: first value of each block
+    stops: torch.Tensor      #: end of the block's segment (the block stops there or earlier)
+    segs: torch.Tensor       #: the segment of each block
+    vstart: torch.Tensor     #: first value of each segment
+    gstart: torch.Tensor     #: first group of each segment in the packed bytes
+
+
+_HOST_TABLES = {}
+
+
+class HostTable(NamedTuple):
+    """A :class:`Table` of segments whose lengths the host knows, with its sizes."""
+    table: Table
+    groups: int              #: groups of all segments
+    values: int              #: values of all segments
+    counts: torch.Tensor     #: int32 lengths, on the device (the headers' counts)
+
+
+def host_table(lengths, g, device, block=BLOCK):
+    """:class:`HostTable` of segments of host ``lengths`` (cached per lengths, group
+    size, block and device: a bucket's table is copied there once)."""
+    key = (tuple(int(v) for v in lengths), g, block, str(device))
+    got = _HOST_TABLES.get(key)
+    if got is None:
+        from .histogram_select import block_table
+        if len(_HOST_TABLES) > 256:
+            _HOST_TABLES.clear()
+        lengths = np.asarray(key[0], dtype=np.int64)
+        groups = -(-lengths // g)
+        blocks = block_table(key[0], device, block)
+        as_t = lambda v, t=torch.int64: torch.as_tensor(v, dtype=t, device=device)  # noqa: E731
+        table = Table(blocks.starts, blocks.stops, blocks.segs,
+                      as_t(np.cumsum(lengths) - lengths), as_t(np.cumsum(groups) - groups))
+        got = _HOST_TABLES[key] = HostTable(table, int(groups.sum()), int(lengths.sum()),
+                                            as_t(lengths, torch.int32))
+    return got
+
+
+def device_table(counts, n, g, block=BLOCK):
+    """:class:`Table` and total groups (a 0-d device tensor) of segments of ``counts``
+    (int64 on the device, ``>= 0``, summing to ``n``): a fixed number of torch ops, no
+    host synchronisation; ``ceil(n / block) + len(counts)`` blocks, the surplus empty."""
+    counts = counts.to(torch.int64).reshape(-1)
+    segments = counts.numel()
+    ends = torch.cumsum(counts, 0)
+    vstart = ends - counts
+    groups = (counts + (g - 1)) // g
+    gends = torch.cumsum(groups, 0)
+    per = (counts + (block - 1)) // block                      # blocks per segment
+    block_ends = torch.cumsum(per, 0)
+    b = torch.arange(-(-n // block) + segments, dtype=torch.int64, device=counts.device)
+    seg = torch.searchsorted(block_ends, b, right=True)        # the segment of block b
+    s = seg.clamp_(max=segments - 1)
+    starts = vstart[s] + (b - (block_ends[s] - per[s])) * block
+    stops = torch.where(b < block_ends[-1], ends[s], starts)   # beyond the last: empty
+    return Table(starts, stops, s, vstart, gends - groups), gends[-1]
+
+
+# -- the exponent of each segment -------------------------------------------------------
+
+def segment_max_exponent_reference(x, counts):
+    """int32 ``E`` of each segment: :func:`.rangefloat.max_exponent` of its values."""
+    parts = torch.split(x.reshape(-1), [int(c) for c in counts])
+    return torch.stack([max_exponent(p) for p in parts]).to(torch.int32)
+
+
+def _exponents(x, table, segments, block):
+    triton, kernel = _kernels()[:2]
+    field = torch.zeros(segments, dtype=torch.int32, device=x.device)
+    count_launch("rangefloat_segment_exponent")
+    kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, field, BLOCK=block)
+    return torch.where(field == 255, 128, field - 127).to(torch.int32)
+
+
+def segment_max_exponent(x, counts, backend=None, block=BLOCK):
+    """int32 ``E`` of each segment of flat ``x`` (``counts``: a host sequence or an int64
+    device tensor), one launch (kernel on CUDA)."""
+    if pick_backend(x, backend) == "torch":
+        return segment_max_exponent_reference(x, counts.tolist() if torch.is_tensor(counts)
+                                              else counts)
+    x = x.reshape(-1).contiguous()
+    if len(counts) == 0:
+        return torch.zeros(0, dtype=torch.int32, device=x.device)
+    if torch.is_tensor(counts):
+        table, _ = device_table(counts.to(x.device), x.numel(), 1, block)
+    else:
+        table = host_table(counts, 1, x.device, block).table
+    return _exponents(x, table, table.vstart.numel(), block)
+
+
+# -- encode: every segment's codes, end to end ------------------------------------------
+
+def encode_segments_reference(x, counts, e, m):
+    """``(bytes, int32 headers [E_0, count_0, E_1, ...])``: each segment encoded alone
+    with :func:`.rangefloat.encode_reference`, end to end."""
+    parts = torch.split(x.reshape(-1), [int(c) for c in counts])
+    emax = [max_exponent(p) for p in parts]
+    data = torch.cat([encode_reference(p, E, e, m) for p, E in zip(parts, emax)])
+    header = torch.stack([torch.stack([E.to(torch.int32), torch.tensor(p.numel(),
+                                       dtype=torch.int32, device=x.device)]) for p, E in
+                          zip(parts, emax)])
+    return data, header.reshape(-1)
+
+
+def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK):
+    """:func:`encode_segments_reference` in two launches (kernels on CUDA): the exponent
+    pass and the encode.  ``counts``: int64 device tensor of the segments' lengths, or
+    None with ``lengths`` (host ints; then no op builds the table).  The byte count needs
+    the groups on the host: no synchronisation where ``lengths`` are given or a group is
+    one code (8 and 16 bits), else one."""
+    g, nb = group(1 + e + m)
+    if pick_backend(x, backend) == "torch":
+        return encode_segments_reference(x, counts.tolist() if lengths is None else lengths, e, m)
+    triton, _, kernel, _ = _kernels()
+    x = x.reshape(-1).contiguous()
+    if lengths is None and counts.numel() == 0:
+        return (torch.zeros(0, dtype=torch.uint8, device=x.device),
+                torch.zeros(0, dtype=torch.int32, device=x.device))
+    if lengths is not None:
+        known = host_table(lengths, g, x.device, block)
+        table, total, counts = known.table, known.groups, known.counts
+    else:
+        table, total = device_table(counts, x.numel(), g, block)
+        total = x.numel() if g == 1 else int(total)            # the one synchronisation
+    segments = table.vstart.numel()
+    emax = _exponents(x, table, segments, block)
+    out = torch.empty(total * nb, dtype=torch.uint8, device=x.device)
+    count_launch("rangefloat_encode_segments")
+    kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, table.vstart,
+                                    table.gstart, emax, out, E_BITS=e, M_BITS=m, G=g, NB=nb,
+                                    BLOCK=block)
+    return out, torch.stack([emax, counts.to(torch.int32)], 1).reshape(-1)
+
+
+# -- decode: every segment's values, unpadded, end to end --------------------------------
+
+def decode_segments_reference(data, emax, counts, e, m):
+    """float32 values of every segment, unpadded, end to end (segment ``s``: ``counts[s]``
+    codes padded to whole groups, exponent ``emax[s]``), by
+    :func:`.rangefloat.decode_reference` segment by segment."""
+    g, nb = group(1 + e + m)
+    out, at = [], 0
+    for E, count in zip(emax.tolist(), counts.tolist()):
+        size = -(-count // g) * nb
+        per_group = torch.full((size // nb,), E, dtype=torch.int32, device=data.device)
+        out.append(decode_reference(data[at:at + size], per_group, e, m)[:count])
+        at += size
+    return torch.cat(out) if out else torch.zeros(0, device=data.device)
+
+
+def check_headers(data, emax, counts, e, m):
+    """``(values, expected bytes, bad)`` from one host synchronisation: ``bad`` when a
+    header holds an exponent outside [-127, 128] or a negative count; ``values`` the
+    total number of values; ``expected`` the bytes the headers describe."""
+    g, nb = group(1 + e + m)
+    counts = counts.to(torch.int64)
+    bad = ((emax < -127) | (emax > 128) | (counts < 0)).any()
+    stats = torch.stack([counts.clamp(min=0).sum(), ((counts.clamp(min=0) + (g - 1)) // g).sum()
+                         * nb, bad.to(torch.int64)])
+    values, expected, bad = stats.tolist()
+    return values, expected, bool(bad)
+
+
+def decode_segments(data, emax, counts, e, m, total=None, lengths=None, backend=None,
+                    block=BLOCK):
+    """:func:`decode_segments_reference` in one launch (kernel on CUDA), for headers
+    already checked (:func:`check_headers`): ``total`` values in all (host int), or the
+    segments' host ``lengths`` (then no op builds the table)."""
+    if pick_backend(data, backend) == "torch":
+        return decode_segments_reference(data, emax, counts, e, m)
+    triton, _, _, kernel = _kernels()
+    g, nb = group(1 + e + m)
+    if lengths is not None:
+        known = host_table(lengths, g, data.device, block)
+        table, total = known.table, known.values
+    if total == 0:                                  # (no segment, or only empty ones)
+        return torch.zeros(0, dtype=torch.float32, device=data.device)
+    if lengths is None:
+        table, _ = device_table(counts, total, g, block)
+    out = torch.empty(total, dtype=torch.float32, device=data.device)
+    count_launch("rangefloat_decode_segments")
+    kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
+                                    table.vstart, table.gstart,
+                                    emax.to(torch.int32).reshape(-1).contiguous(), out,
+                                    E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block)
+    return out

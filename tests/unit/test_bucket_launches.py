@@ -1,0 +1,352 @@
+"""The bucket paths of twobit and rangefloat (the compressor, and the sparsifiers'
+``values=rangefloat*``) where the kernels run: on CUDA, and here with
+HVD_COMPRESS_BACKEND=triton under Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py).  A bucket of 4 and one of 40 tensors cost the same kernel launches and the
+same framework ops; each bucket kernel matches its torch reference; and the payload is
+the bytes of the tensor-by-tensor torch path (the wire format did not change)."""
+import collections
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hvd_compress import kernels as K
+from hvd_compress.buckets import layout
+from hvd_compress.kernels import rangefloat as RF
+from hvd_compress.kernels import rangefloat_segments as RS
+from hvd_compress.kernels import twobit as TB
+from hvd_compress.spec import from_spec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SPARSE = "laplace_topk:density=0.01,fused=1,values=rangefloat8"
+#: segment lengths: none a multiple of a block, a 1-value one, an empty one
+LENGTHS = (5000, 1, 300, 0, 4099, 7, 1024)
+BITS = (4, 6, 8, 12, 16)
+
+
+def laplace(n, seed=0, dyadic=False):
+    x = np.random.default_rng(seed).laplace(size=n)
+    if dyadic:                       # multiples of 1/64: every sum of |x| is exact
+        x = np.round(x * 64) / 64
+    return torch.from_numpy(x.astype(np.float32)).to(DEVICE)
+
+
+def with_specials(x):
+    """NaN, +-Inf, zeros and subnormals in some segments of LENGTHS only."""
+    x = x.clone()
+    x[10] = float("nan")              # segment 0
+    x[5301 + 5] = float("inf")         # segment 4
+    x[5301 + 6] = float("-inf")
+    x[5000] = 0.0                      # segment 1: the 1-value segment is zero
+    x[5001:5301] = 1e-40               # segment 2: subnormals (float32), zeros below
+    return x
+
+
+class CountOps(TorchDispatchMode):
+    """Framework (ATen) ops called inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def one_exchange(T, spec):
+    """(Triton launches, ATen ops) of compress + decompress of a bucket of T tensors
+    (two ranks' payloads), after a warm-up step."""
+    lay = layout([f"t{i}" for i in range(T)], [(1000 + 37 * i,) for i in range(T)])
+    c = from_spec(spec)
+    for step in range(2):
+        flat = laplace(lay.total, seed=step)
+        with CountOps() as ops, K.counting_launches() as launched:
+            payload, ctx = c.compress_bucket(flat, lay)
+            c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
+    return launched, ops.ops
+
+
+CODEC_LAUNCHES = {
+    "twobit": {"segment_abs_sum_max": 1, "twobit_pack_segments": 1, "twobit_decode_segments": 2},
+    "rangefloat:bits=8": {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
+                          "rangefloat_decode_segments": 2},
+    SPARSE: {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
+             "rangefloat_decode_segments": 2},
+}
+
+
+@pytest.mark.parametrize("spec", list(CODEC_LAUNCHES))
+def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch, spec):
+    """Compress (own decode for error feedback included) and decompress of two ranks'
+    payloads: the same launches and ATen ops for 4 and 40 tensors (before: one encode
+    launch per tensor and one decode launch per tensor and rank, 80 and 160 launches for
+    40 tensors of twobit and rangefloat8)."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    l4, o4 = one_exchange(4, spec)
+    l40, o40 = one_exchange(40, spec)
+    assert l4 == l40 and sum(l4.values()) <= 16, (l4, l40)
+    codec = {k: v for k, v in l4.items() if k in CODEC_LAUNCHES[spec] or k.startswith(
+        ("twobit", "rangefloat"))}
+    assert codec == CODEC_LAUNCHES[spec]
+    assert o4 == o40, set(o40.items()) ^ set(o4.items())
+
+
+# -- twobit kernels against their references ----------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_twobit_pack_segments_matches_reference_and_per_tensor_packing(dtype):
+    x = with_specials(laplace(sum(LENGTHS))).to(dtype)
+    t = torch.rand(len(LENGTHS), device=DEVICE) + 0.1
+    words, bad = TB.pack_segments(x, LENGTHS, t, backend="triton")
+    want_words, want_bad = TB.pack_segments_reference(x, LENGTHS, t)
+    assert words.dtype == torch.int32 and torch.equal(words, want_words)
+    assert torch.equal(bad, want_bad) and bad.tolist() == [1, 0, 0, 0, 1, 0, 0]
+    alone = [TB.pack(p, t[s], backend="triton") for s, p in enumerate(torch.split(x, LENGTHS))]
+    assert torch.equal(words, torch.cat(alone))                 # the wire format
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_twobit_decode_segments_matches_reference(ranks):
+    lengths = tuple(n for n in LENGTHS if n)                    # as a bucket's (no empty)
+    t = torch.rand(len(lengths), device=DEVICE) + 0.1
+    words = torch.cat([TB.pack_segments(laplace(sum(lengths), seed=r), lengths, t,
+                                        backend="torch")[0] for r in range(ranks)])
+    scales = torch.rand(ranks, len(lengths), device=DEVICE) + 0.1
+    scales[0, 2] = float("nan")                                 # a non-finite rank's tensor
+    got = TB.decode_segments(words, scales, lengths, backend="triton")
+    want = TB.decode_segments_reference(words, scales, lengths)
+    assert got.shape == (sum(lengths),)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    if ranks <= 2 and DEVICE == "cpu":                          # the CPU decoder's bits
+        rows, at, wat = words.reshape(ranks, -1), 0, 0
+        for s, n in enumerate(lengths):
+            w = -(-n // 16)
+            cpu = TB.unpack_cpu(rows[:, wat:wat + w].contiguous(), scale=scales[:, s], n=n)
+            assert torch.equal(got[at:at + n].nan_to_num(), cpu.nan_to_num())
+            at, wat = at + n, wat + w
+
+
+# -- rangefloat kernels against their references ------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_segment_max_exponent_matches_reference(dtype, on_device):
+    x = with_specials(laplace(sum(LENGTHS)) * 1e3).to(dtype)
+    counts = torch.tensor(LENGTHS, device=DEVICE) if on_device else LENGTHS
+    got = RS.segment_max_exponent(x, counts, backend="triton")
+    want = RS.segment_max_exponent_reference(x, LENGTHS)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert got[0] == 128 and got[3] == -127                     # NaN; the empty segment
+    if dtype == torch.float32:
+        assert got[1] == -127 and got[2] == -127                # zero; subnormals
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_segments_matches_reference_and_each_segment_alone(bits, on_device, dtype):
+    e, m = RF.SPLITS[bits]
+    x = with_specials(laplace(sum(LENGTHS), seed=bits)).to(dtype)
+    x[2000:2100] = 0.0
+    counts = torch.tensor(LENGTHS, device=DEVICE)
+    data, header = RS.encode_segments(x, counts if on_device else None, e, m,
+                                      lengths=None if on_device else LENGTHS, backend="triton")
+    want_data, want_header = RS.encode_segments_reference(x, LENGTHS, e, m)
+    assert data.dtype == torch.uint8 and torch.equal(data, want_data)
+    assert header.dtype == torch.int32 and torch.equal(header, want_header)
+    parts = torch.split(x, LENGTHS)                              # the codec's per-tensor path
+    alone = [RF.encode(p, RF.max_exponent(p), e, m, backend="torch") for p in parts]
+    assert torch.equal(data, torch.cat(alone))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("trusted", [False, True])
+def test_decode_segments_matches_reference_and_the_cpu_decoder(bits, trusted):
+    e, m = RF.SPLITS[bits]
+    ranks = 3
+    x = with_specials(laplace(sum(LENGTHS), seed=bits))
+    data, header = RS.encode_segments_reference(x, LENGTHS, e, m)
+    data, header = torch.cat([data] * ranks), torch.cat([header] * ranks)   # ranks' payloads
+    h = header.reshape(-1, 2)
+    emax, counts = h[:, 0], h[:, 1]
+    if trusted:
+        got = RS.decode_segments(data, emax, counts, e, m, lengths=LENGTHS * ranks,
+                                 backend="triton")
+    else:
+        total, expected, bad = RS.check_headers(data, emax, counts, e, m)
+        assert (total, expected, bad) == (sum(LENGTHS) * ranks, data.numel(), False)
+        got = RS.decode_segments(data, emax, counts, e, m, total=total, backend="triton")
+    want = RS.decode_segments_reference(data, emax, counts, e, m)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    if DEVICE == "cpu":
+        cpu = RF.decode_ranks_cpu(data, emax, counts, e, m)
+        assert torch.equal(got.nan_to_num(), cpu.nan_to_num())
+
+
+def test_check_headers_flags_what_the_codec_rejects():
+    e, m = RF.SPLITS[8]
+    data = torch.zeros(10, dtype=torch.uint8, device=DEVICE)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    assert RS.check_headers(data, i32([3, 3]), i32([4, 6]), e, m) == (10, 10, False)
+    assert RS.check_headers(data, i32([3, 3]), i32([4, 7]), e, m)[1:] == (11, False)
+    assert RS.check_headers(data, i32([3, 200]), i32([4, 6]), e, m)[2]
+    assert RS.check_headers(data, i32([3, 3]), i32([4, -6]), e, m)[2]
+    e6, m6 = RF.SPLITS[6]                                        # 4 codes in 3 bytes
+    assert RS.check_headers(data, i32([0, 0]), i32([5, 1]), e6, m6) == (6, 9, False)
+
+
+def test_device_table_blocks_never_straddle_and_cover_every_value():
+    counts = torch.tensor([5, 0, 2048, 1, 1023], device=DEVICE)
+    table, groups = RS.device_table(counts, int(counts.sum()), 2, block=1024)
+    covered = torch.zeros(int(counts.sum()), dtype=torch.int64)
+    for a, b, s in zip(table.starts.tolist(), table.stops.tolist(), table.segs.tolist()):
+        if a == b:                                   # a surplus block of the upper bound
+            continue
+        lo, hi = int(table.vstart[s]), int(table.vstart[s] + counts[s])
+        assert lo <= a < hi and b == hi and (a - lo) % 1024 == 0
+        covered[a:min(b, a + 1024)] += 1
+    assert covered.eq(1).all() and int(groups) == 3 + 0 + 1024 + 1 + 512
+
+
+# -- the payload: the bytes of the torch path ---------------------------------------------
+
+BUCKET = layout([f"t{i}" for i in range(6)], [(5000,), (1,), (30, 10), (12000,), (7,), (4096,)])
+
+
+def exchange(spec, monkeypatch, backend, steps=2):
+    """Per step: (payload, decompressed two-rank aggregate); then the residuals."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    c = from_spec(spec)
+    out = []
+    for step in range(steps):
+        flat = laplace(BUCKET.total, seed=step, dyadic=True)
+        if step == 1:
+            flat[5001 + 17] = float("nan")                     # tensor 2 not finite
+        payload, ctx = c.compress_bucket(flat, BUCKET)
+        two = c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
+        out.append((payload, two))
+    return out, [c.residual(n).clone() for n in BUCKET.names]
+
+
+def same_bits(a, b):
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return torch.equal(a, b)
+
+
+def same_values(a, b):
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("spec", ["twobit", "twobit:threshold=0.5", "rangefloat:bits=8",
+                                  "rangefloat:bits=6", "rangefloat:bits=12", SPARSE,
+                                  "topk:density=0.01,values=rangefloat4"])
+def test_kernel_path_payload_is_the_torch_paths(spec, monkeypatch):
+    """The same bytes on the wire as the tensor-by-tensor torch path, the same aggregate
+    and residuals; step 2 has a NaN in one tensor.  twobit's thresholds come from sums
+    of |r| whose order of additions differs between the paths: bit for bit on the first
+    step (exact sums here), within float rounding after error feedback."""
+    torch_path, r_torch = exchange(spec, monkeypatch, "torch")
+    kernel_path, r_kernel = exchange(spec, monkeypatch, "triton")
+    exact_sums = not spec.startswith("twobit") or "threshold" in spec
+    for step, ((pa, da), (pb, db)) in enumerate(zip(torch_path, kernel_path)):
+        if step == 0 or exact_sums:
+            assert len(pa) == len(pb) and all(same_bits(a, b) for a, b in zip(pa, pb)), step
+            assert same_values(da, db), step
+        else:
+            assert same_bits(pa[0], pb[0]) or (pa[0] != pb[0]).float().mean() < 1e-3
+            assert torch.allclose(pa[1], pb[1], rtol=1e-6, equal_nan=True)
+    if exact_sums:
+        assert all(same_values(a, b) for a, b in zip(r_torch, r_kernel))
+
+
+@pytest.mark.parametrize("spec", ["twobit", "rangefloat:bits=8", "rangefloat:bits=4"])
+def test_single_tensor_on_the_kernel_path(spec, monkeypatch):
+    x = laplace(4099, dyadic=True).reshape(-1)
+    got = []
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+        c = from_spec(spec)
+        payload, ctx = c.compress(x.clone(), "w")
+        got.append((payload, c.decompress(tuple(torch.cat([p, p]) for p in payload), ctx)))
+    (pa, da), (pb, db) = got
+    assert all(same_bits(a, b) for a, b in zip(pa, pb)) and same_values(da, db)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/malformed.py makes CPU tensors: "
+                    "the kernels run on those only in the interpreter (no GPU)")
+@pytest.mark.parametrize("spec", ["twobit", "rangefloat:bits=8",
+                                  "topk:density=0.1,values=rangefloat8"])
+def test_malformed_payloads_on_the_kernel_path_fail_as_on_the_torch_path(spec, monkeypatch):
+    """Every mutation of tests/malformed.py: a clear error naming the compressor, or
+    well formed, exactly as on the torch path."""
+    from malformed import MUTATIONS, Torch, check
+    fw = Torch()
+    for how in MUTATIONS:
+        for which in range(3):
+            monkeypatch.delenv("HVD_COMPRESS_BACKEND", raising=False)
+            want = check(fw, spec, how, which, 3, "int64")
+            monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+            assert check(fw, spec, how, which, 3, "int64") == want, (how, which)
+
+
+@pytest.mark.parametrize("spec", ["twobit", "twobit:scale=2,ef=0", "rangefloat:bits=8",
+                                  "rangefloat:bits=6", SPARSE])
+def test_kernel_path_bucket_equals_kernel_path_tensor_by_tensor(spec, monkeypatch):
+    """On the kernel path, a bucket's aggregate and residuals are those of compressing
+    its tensors one by one (tensors below one block: the same sums of |r|); the last
+    step of the dense codecs has a NaN in one tensor (the aggregate only: a bucket then
+    keeps every tensor's residual; a sparsifier's sends the whole bucket)."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    lay = layout(["a", "b", "c", "d"], [(30, 20), (7,), (1,), (1000,)])
+    tensorwise, bucketed = from_spec(spec), from_spec(spec)
+    for step in range(2 if "values=" in spec else 3):
+        flat = laplace(lay.total, seed=step) * 3
+        if step == 2:
+            flat[3] = float("nan")
+        ref = []
+        for part, name, shape in zip(torch.split(flat, lay.numels), lay.names, lay.shapes):
+            p, ctx = tensorwise.compress(part.clone().reshape(shape), name)
+            ref.append(tensorwise.decompress(tuple(torch.cat([t, t]) for t in p), ctx).reshape(-1))
+        p, ctx = bucketed.compress_bucket(flat.clone(), lay)
+        got = bucketed.decompress_bucket(tuple(torch.cat([t, t]) for t in p), ctx)
+        assert same_bits(got, torch.cat(ref)), step
+        for name in lay.names if step < 2 else ():
+            if tensorwise.residual(name) is not None:
+                assert same_bits(tensorwise.residual(name).reshape(-1),
+                                 bucketed.residual(name).reshape(-1)), (step, name)
+
+
+def test_no_segment_and_empty_segments():
+    e, m = RF.SPLITS[8]
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    x = torch.zeros(0, device=DEVICE)
+    assert RS.segment_max_exponent(x, none, backend="triton").numel() == 0
+    data, header = RS.encode_segments(x, none, e, m, backend="triton")
+    assert data.numel() == 0 and header.numel() == 0
+    assert RS.decode_segments(data, none, none, e, m, total=0, backend="triton").numel() == 0
+    two = torch.zeros(2, dtype=torch.int64, device=DEVICE)      # two segments, no value
+    data, header = RS.encode_segments(x, two, e, m, backend="triton")
+    assert data.numel() == 0 and header.tolist() == [-127, 0, -127, 0]
+
+
+@pytest.mark.parametrize("spec", ["twobit", "rangefloat:bits=8", SPARSE])
+def test_malformed_bucket_payloads_raise_on_the_kernel_path(spec, monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    c = from_spec(spec)
+    payload, ctx = c.compress_bucket(laplace(BUCKET.total), BUCKET)
+    bad = [list(payload) for _ in range(3)]
+    bad[0][0] = payload[0][:-1]                                  # truncated codes / bytes
+    bad[1][1] = torch.cat([payload[1], payload[1][:1]])          # one scale / header word more
+    if spec != "twobit":
+        bad[2][1] = payload[1].clone()
+        bad[2][1][0] = 500                                       # an exponent out of range
+    for mutated in bad[:3 if spec != "twobit" else 2]:
+        with pytest.raises(ValueError, match="malformed"):
+            c.decompress_bucket(tuple(mutated), ctx)
