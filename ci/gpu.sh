@@ -3,8 +3,8 @@
 #
 #   1. preflight  versions, device; hvd_compress and its kernels import with no Horovod/TF
 #   2. tests      tests/gpu (every kernel and compressor on CUDA, sync counts) and
-#                 tests/unit/test_kernels.py, test_buckets.py, test_histogram_select.py (on CUDA
-#                 tensors when there is a GPU)
+#                 tests/unit/test_kernels.py, test_buckets.py, test_histogram_select.py,
+#                 test_bucket_launches.py (on CUDA tensors when there is a GPU)
 #   3. benchmarks select.py on CUDA (1M-100M, laplace_topk vs torch.topk), codecs and DCT,
 #                 compress+decompress per step of examples/models.py; where each
 #                 compressor's time and host synchronisations go (profile); one exchange
@@ -131,7 +131,7 @@ HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/de
 export HVD_COMPRESS_GPU_RECORD=$RESULTS/.records.json
 TESTS=(tests/gpu)
 [ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py \
-  tests/unit/test_histogram_select.py)
+  tests/unit/test_histogram_select.py tests/unit/test_bucket_launches.py)
 run_step tests 240 "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
   --junitxml="$RESULTS/tests.xml" "${TESTS[@]}"
 

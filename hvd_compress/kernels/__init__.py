@@ -19,3 +19,4 @@ from . import rangefloat  # noqa: F401,E402
 from . import dct  # noqa: F401,E402
 from . import segmented  # noqa: F401,E402
 from . import histogram_select  # noqa: F401,E402
+from . import rangefloat_segments  # noqa: F401,E402

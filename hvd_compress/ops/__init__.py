@@ -43,6 +43,9 @@ block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers
 (``fused=1``: ``layout_constant``, ``bucket_blocks``, ``search_start``,
 ``segment_histogram``, ``histogram_pick``, ``band_select``, all PyTorch only: TensorFlow's
 ``histogram_search_supported`` is False and they raise NotImplementedError there);
+bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_segments``,
+``twobit_decode_segments``, ``rangefloat_encode_segments``, ``rangefloat_decode_segments``:
+PyTorch's Triton path; elsewhere they return None and the codecs go tensor by tensor);
 aggregation-aware exchange (``unique_sorted``, ``ones_like``).  ``twobit_decode_sum`` and
 ``rangefloat_decode_ranks`` are optional
 fast paths: they return None where a framework or device has none, and the compressor's
