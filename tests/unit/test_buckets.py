@@ -134,6 +134,16 @@ def test_bucket_mb_from_environment(monkeypatch):
     assert buckets.bucket_mb() == buckets.DEFAULT_MB
 
 
+def test_hier_compressors_prefer_4_mb_buckets(monkeypatch):
+    monkeypatch.delenv(buckets.ENV_VAR, raising=False)
+    hier = hvd_compress.from_spec("hier:laplace_topk:density=0.01")
+    assert buckets.bucket_mb(None, hier) == 4.0
+    assert buckets.bucket_mb(None, hvd_compress.from_spec("laplace_topk")) == buckets.DEFAULT_MB
+    assert buckets.bucket_mb(12, hier) == 12.0                # the argument wins
+    monkeypatch.setenv(buckets.ENV_VAR, "0")
+    assert buckets.bucket_mb(None, hier) == 0                 # and the environment
+
+
 def test_a_compressor_that_is_not_segmented_refuses_a_bucket():
     lay = buckets.layout(["a", "b"], [(4,), (4,)])
     with pytest.raises(TypeError, match="one tensor at a time"):
