@@ -106,7 +106,7 @@ def _kernels():
         cols = tl.arange(0, ROW)
         h = tl.load(hist_ptr + s * ROW + cols)
         tl.store(hist_ptr + s * ROW + cols, tl.zeros_like(h))     # ready for the next pass
-        above = tl.cumsum(h, axis=0, reverse=True)                # count(> E_j)
+        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h      # count(> E_j): suffix sums
         k = tl.load(k_ptr + s)
         slack = tl.load(slack_ptr + s)
         lo = tl.load(state_ptr + s)
