@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from cases import TORCH_BUCKET_SPECS, TORCH_BUCKET_TOL_SPECS
 from launch import load_ranks
 from horovod_checks import (mismatch_job, AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
                             check_agg_average_and_process_set, BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
@@ -76,7 +77,7 @@ def test_per_parameter_policy(torch_job):
     check_policy(load_ranks(torch_job, "torch_policy"), keras=False)
 
 
-@pytest.mark.parametrize("spec", BUCKET_SPECS)
+@pytest.mark.parametrize("spec", BUCKET_SPECS + TORCH_BUCKET_SPECS)
 def test_buckets_equal_tensor_by_tensor(torch_job, spec):
     ranks = load_ranks(torch_job, "torch_buckets")
     check_bucket_equals_tensorwise(ranks, spec)
@@ -87,7 +88,7 @@ def test_buckets_with_backward_passes_per_step_2(torch_job):
     check_bucket_equals_tensorwise(load_ranks(torch_job, "torch_buckets"), "topk:density=0.05", bpps=2)
 
 
-@pytest.mark.parametrize("spec", BUCKET_TOL_SPECS)
+@pytest.mark.parametrize("spec", BUCKET_TOL_SPECS + TORCH_BUCKET_TOL_SPECS)
 def test_bucketed_laplace_topk_counts_within_tolerance(torch_job, spec):
     check_bucket_tolerance(load_ranks(torch_job, "torch_buckets"), spec)
 

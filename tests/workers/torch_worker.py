@@ -17,7 +17,8 @@ import agg_scenario  # noqa: E402
 import auto_scenario  # noqa: E402
 from agg_scenario import agg_grads  # noqa: E402
 from cases import (AGG_SHAPES, AUTO_MB, BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS,  # noqa: E402
-                   BUCKET_TOL_SPECS, POLICY, SHAPES, SPECS)
+                   BUCKET_TOL_SPECS, POLICY, SHAPES, SPECS, TORCH_BUCKET_SPECS,
+                   TORCH_BUCKET_TOL_SPECS)
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
 
@@ -251,7 +252,7 @@ def _bucket_run(spec, mb, steps=3, bpps=1, state=None, save=None):
 
 def buckets(out):
     """The same steps tensor by tensor (bucket_mb=0) and in buckets; the tests compare."""
-    for spec in BUCKET_SPECS + BUCKET_TOL_SPECS:
+    for spec in BUCKET_SPECS + BUCKET_TOL_SPECS + TORCH_BUCKET_SPECS + TORCH_BUCKET_TOL_SPECS:
         for mb in BUCKET_MBS:
             for bpps in (1, 2) if spec == "topk:density=0.05" else (1,):
                 grads, comp, opt = _bucket_run(spec, mb, bpps=bpps)
