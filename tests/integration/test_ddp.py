@@ -31,6 +31,7 @@ NAMES = ["conv.weight", "conv.bias", "fc.weight", "fc.bias", "scale", "empty"]
 DENSE = 4 * (4 * 2 * 3 * 3 + 4 + 10 * 144 + 10 + 1)      # bytes of a float32 step
 #: step-0 references (no residual yet) of conftest.reference_contribution
 STEP0 = {"bf16", "threshold:threshold=0.12", "laplace_topk:density=0.05,exact=1",
+         "laplace_topk:density=0.05,exact=1,fused=1",
          "rangefloat:bits=8", "twobit", "topk:density=0.05,values=rangefloat8"}
 HYLO = {"conv.weight": "kernel_select:fraction=0.25", "fc.weight": "twobit"}
 

@@ -26,7 +26,8 @@ from cases import AUTO_CKPT_SPEC, AUTO_SPEC, AUTO_STEPS, BUCKET_SHAPES  # noqa: 
 
 #: compressors run through DDP by the "aggregate" scenario (policies by name, below)
 SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.05,seed=4",
-         "threshold:threshold=0.12", "laplace_topk:density=0.05,exact=1", "dgc:density=0.05",
+         "threshold:threshold=0.12", "laplace_topk:density=0.05,exact=1",
+         "laplace_topk:density=0.05,exact=1,fused=1", "dgc:density=0.05",
          "gaussian_k:density=0.05", "sidco_exp:density=0.05", "rangefloat:bits=8", "twobit",
          "dct:density=0.05,block=32", "topk:density=0.05,values=rangefloat8",
          "qsgd", "terngrad", "signsgd", "onebit",
