@@ -1,0 +1,133 @@
+"""Review of laplace_topk's fused search (``fused=1``, kernels/histogram_select.py): edge
+cases of the bracket arithmetic in bit space, NaN/Inf and error feedback, and the host
+synchronisations of a bucket compress.  Both backends: the torch references and the
+kernels (forced with HVD_COMPRESS_BACKEND=triton, run by Triton's interpreter on the CPU,
+TRITON_INTERPRET=1 being set by conftest.py)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_compress.buckets import layout
+from hvd_compress.compressors.laplace import select_histogram
+from hvd_compress.kernels import histogram_select as H
+from hvd_compress.ops import torch_ops
+from hvd_compress.spec import from_spec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLT_MAX = float(np.finfo(np.float32).max)
+DENORMAL = float(np.float32(1e-42))             # a float32 denormal (bits 0x000003e7)
+
+
+def brute_topk(x, lay, k_of):
+    """Per tensor: the k largest magnitudes, ties by lowest index, zeros dropped."""
+    out = []
+    for off, n in zip(lay.offsets, lay.numels):
+        a = x[off:off + n].float().abs()
+        order = torch.sort(-a, stable=True).indices[:k_of(n)]
+        order = order[a[order] > 0]
+        out.append(order.sort().values + off)
+    return torch.cat(out).to(torch.int32)
+
+
+def edge_buckets():
+    """name -> (Layout, flat float32 tensor)."""
+    rng = np.random.default_rng(7)
+    cases = {}
+
+    def add(name, parts):
+        lay = layout([f"{name}{i}" for i in range(len(parts))], [(len(p),) for p in parts])
+        cases[name] = (lay, torch.tensor(np.concatenate(parts).astype(np.float32), device=DEVICE))
+
+    lap = lambda n: rng.laplace(size=n)                                   # noqa: E731
+    add("all_equal", [np.full(1000, 1.0), lap(800), np.full(3, -2.5)])   # t0/2 > max: lo > hi
+    add("all_zero", [np.zeros(500), lap(700), np.zeros(1)])
+    add("few_nonzero", [np.where(np.arange(900) % 300 == 0, 1.0, 0.0), lap(600)])
+    add("denormal", [np.full(400, DENORMAL) * (1 + np.arange(400) % 3), lap(300)])
+    add("neg_zero", [np.concatenate([np.full(300, -0.0), lap(200)]), np.full(50, -0.0)])
+    add("near_flt_max", [np.concatenate([[-FLT_MAX * 0.9], lap(1000) * 1e-3]), [FLT_MAX] + [0.0] * 63])
+    add("one_element", [[3.0], [-0.0], [DENORMAL], lap(129)])
+    add("ties_at_k", [np.sign(lap(2000)) * rng.integers(1, 3, 2000), lap(256)])
+    add("tiny_scale", [lap(1500) * 1e-38, lap(1500) * 1e30])
+    return cases
+
+
+EDGES = edge_buckets()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", sorted(EDGES))
+@pytest.mark.parametrize("density", [0.01, 0.5, 1.0])
+def test_fused_exact_is_brute_force_topk_on_edge_cases(monkeypatch, backend, name, density):
+    """exact=1: the k largest per tensor (ties by index, zeros dropped); tolerance mode:
+    every tensor's count within floor(tol * k) of min(k, nonzero) and no unsent
+    magnitude above a sent one."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    lay, x = EDGES[name]
+    exact = from_spec(f"laplace_topk:density={density},exact=1,fused=1")
+    got, finite = select_histogram(exact, x.clone(), lay, torch_ops)
+    want = brute_topk(x, lay, exact.k)
+    assert finite
+    assert torch.equal(got.sort().values, want), (name, got.numel(), want.numel())
+    tol = from_spec(f"laplace_topk:density={density},fused=1")
+    idx, _ = select_histogram(tol, x.clone(), lay, torch_ops)
+    assert torch.equal(idx.sort().values, idx)                       # index order
+    for off, n in zip(lay.offsets, lay.numels):
+        a = x[off:off + n].float().abs()
+        sel = idx[(idx >= off) & (idx < off + n)].long() - off
+        k = tol.k(n)
+        want_count = min(k, int((a > 0).sum()))
+        assert abs(sel.numel() - want_count) <= math.floor(0.01 * k), (name, off)
+        assert bool((a[sel] > 0).all())                               # no zero sent
+        rest = torch.ones(n, dtype=torch.bool, device=x.device)
+        rest[sel] = False
+        if sel.numel() and rest.any():
+            assert a[sel].min() >= a[rest].max()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", ["nan", "-nan", "inf", "-inf"])
+def test_non_finite_entry_sends_the_bucket_whole(monkeypatch, backend, bad):
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    lay = layout(["a", "b", "c"], [(700,), (1,), (2000,)])
+    x = torch.tensor(np.random.default_rng(1).laplace(size=lay.total).astype(np.float32),
+                     device=DEVICE)
+    if bad == "-nan":                    # sign bit set: bits 0xffc00000
+        x[900] = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32)
+        assert torch.isnan(x[900]) and x[900:901].view(torch.int32).item() < 0
+    else:
+        x[900] = float(bad)
+    idx, finite = select_histogram(from_spec("laplace_topk:density=0.01,fused=1"),
+                                   x, lay, torch_ops)
+    assert finite is False
+    assert torch.equal(idx, torch.arange(lay.total, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pick_from_a_bracket_with_lo_above_hi_and_few_nonzero(backend):
+    """A start with ``lo > hi`` (the fit above the maximum) and a tensor with fewer
+    nonzero entries than k: kernel = reference, the invariant c_lo >= k > c_hi (or all
+    nonzero) after each pass, and the bracket collapsed after 4 passes."""
+    lengths = [1000, 300, 5]
+    x = torch.zeros(sum(lengths), device=DEVICE)
+    x[:1000] = 1.0                                                   # all equal
+    x[1000:1300:100] = torch.tensor([2.0, -3.0, 0.5])                 # 3 nonzero < k
+    x[1300:] = torch.tensor([1e-40, 0.0, -0.0, 7.0, 7.0])
+    k = torch.tensor([10, 5, 2], device=DEVICE)
+    slack = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    blocks = H.block_table(lengths, x.device, block=256)
+    lo = torch.tensor([2.0, 10.0, 8.0], device=DEVICE).view(torch.int32).long()
+    hi = torch.tensor([1.0, 3.0, 7.0], device=DEVICE).view(torch.int32).long()
+    state = H.search_start(lo, hi, torch.ones(3, device=DEVICE))
+    ref = state.clone()
+    for _ in range(4):
+        h = H.segment_histogram(x, blocks, state, 2046, backend=backend)
+        H.histogram_pick(h, state, k, slack, 2046, backend=backend)
+        hr = H.segment_histogram_reference(x, blocks, ref, 2046)
+        H.histogram_pick_reference(hr, ref, k, slack, 2046)
+        assert torch.equal(state, ref)
+    assert not state[H.ACTIVE].any()
+    idx, finite = H.band_select(x, blocks, state, backend=backend)
+    assert finite
+    assert idx.tolist() == list(range(10)) + [1000, 1100, 1200, 1303, 1304]
