@@ -11,11 +11,30 @@ DCT spreads it (see benchmarks/dct.py for where it wins).  Error feedback works 
 gradient domain: the residual is the compensated gradient minus exactly ``g_hat``, what
 the receivers reconstruct (quantization of the values included).
 
-Imports: nothing at import time; on first use, ``hvd_compress.kernels``; and modules of
-its own package.
+Buckets (``segmented``, with ``agg`` local): per-tensor semantics.  Each tensor is padded
+to whole blocks on its own and the padded tensors lie end to end (the *coefficient
+layout*, :func:`padded_layout`); each tensor keeps its own k, selection and exponent range,
+and its own residual.  The bucket payload is ``(bytes, headers, indices)``: the tensors'
+value codes end to end with one ``[E, count]`` header per tensor (as tensor by tensor),
+and int32 indices into the coefficient layout (tensor ``i``'s coefficient ``j`` at its
+padded offset + ``j``); it decodes to the tensor-by-tensor aggregate.
+
+Where the kernels run (CUDA; ``HVD_COMPRESS_BACKEND=triton``) a compress is a fixed number
+of launches whatever the number of tensors, for one tensor as for a bucket: one DCT launch
+reading the unpadded bucket (``ops.dct_segments``), laplace_topk's fused search over the
+coefficients of every tensor (:func:`~.laplace.select_histogram`: one host synchronisation,
+which also finds NaN/Inf), the bucket rangefloat codec, and one inverse DCT launch in
+decode.  Elsewhere (CPU, TensorFlow) the transform and selection go tensor by tensor as
+before (laplace_topk's selection per tensor, the framework's top-k below ``small``).
+
+Imports: the standard library, ``hvd_compress.buckets``; on first use,
+``hvd_compress.kernels``; and modules of its own package.
 """
+import functools
+
+from ..buckets import layout as _layout
 from .base import register
-from .laplace import LaplaceTopK
+from .laplace import LaplaceTopK, select_histogram, single_layout
 from .sparse import DensitySparsifier
 
 
@@ -31,6 +50,12 @@ def check_dct_block(block):
     return value
 
 
+@functools.lru_cache(maxsize=256)
+def padded_layout(lay, block):
+    """The coefficient layout of the bucket ``lay``: each tensor padded to whole blocks."""
+    return _layout(lay.names, [(-(-n // block) * block,) for n in lay.numels])
+
+
 @register
 class DCTSparse(DensitySparsifier):
     """Keep the largest DCT coefficients (``density`` of all, padding included), values
@@ -38,6 +63,7 @@ class DCTSparse(DensitySparsifier):
 
     name = "dct"
     sparse_residual = False   # indices are of coefficients; the residual is in the gradient domain
+    finds_nonfinite = True    # encode_checked says whether the gradient held NaN/Inf
 
     def __init__(self, density=0.01, block=256, bits=8, ef=None, agg=None, beta=None, hint=None):
         local = agg in (None, "local")   # summed coefficients (agg!=local) travel as floats
@@ -46,21 +72,62 @@ class DCTSparse(DensitySparsifier):
         self.block, self.bits = check_dct_block(block), int(bits)
         self._select = LaplaceTopK(density=self.density, ef=False)
 
+    @property
+    def segmented(self):
+        """Buckets of several tensors, in the one-round exchange (``agg`` local)."""
+        return self.agg is None
+
+    @staticmethod
+    def _numels(ctx):
+        return ctx.segments.numels if ctx.segments is not None else (ctx.numel,)
+
     def domain_ctx(self, ctx):
-        padded = -(-ctx.numel // self.block) * self.block
-        return ctx._replace(numel=padded, shape=(padded,), finite=None)   # coefficients may overflow
+        if ctx.segments is None:
+            padded = -(-ctx.numel // self.block) * self.block
+            return ctx._replace(numel=padded, shape=(padded,), finite=None)  # may overflow
+        lay = padded_layout(ctx.segments, self.block)
+        return ctx._replace(numel=lay.total, shape=(lay.total,), finite=None, segments=lay)
 
     def to_domain(self, flat, ctx, ops):
-        return ops.block_dct(flat, self.block), self.domain_ctx(ctx)
+        return ops.dct_segments(flat, self._numels(ctx), self.block), self.domain_ctx(ctx)
 
     def from_domain(self, coefs, ctx, ops):
-        return ops.head(ops.block_idct(coefs, self.block), ctx.numel)
+        return ops.idct_segments(coefs, self._numels(ctx), self.block)
 
     def select(self, coefs, cctx, ops, step):
         return self._select.select(coefs, cctx, ops, step)
 
+    def fused_here(self, coefs, ops):
+        """Does the fused search select (the kernels run, one-round exchange)?"""
+        return (self.agg is None and ops.bucket_codec_kernels(coefs)
+                and ops.histogram_search_supported())
+
     def encode(self, flat, ctx, ops, step):
-        return super().encode(*self.to_domain(flat, ctx, ops), ops, step)
+        return self._encode(flat, ctx, ops, step, False)[0]
+
+    def encode_checked(self, flat, ctx, ops, step):
+        return self._encode(flat, ctx, ops, step, True)
+
+    def _encode(self, flat, ctx, ops, step, check):
+        """``(payload, finite)``; ``finite`` (the gradient held no NaN/Inf) only when
+        ``check`` or where the fused search finds it anyway."""
+        coefs, cctx = self.to_domain(flat, ctx, ops)
+        if self.fused_here(coefs, ops):
+            idx, finite = select_histogram(self._select, coefs,
+                                           cctx.segments or single_layout(cctx), ops)
+            return self._payload(coefs, idx, cctx, ops), finite
+        finite = (ops.all_finite(flat) if ctx.finite is None else ctx.finite) if check else None
+        idx = ops.cond(ops.all_finite(coefs),          # coefficients may overflow
+                       lambda: self.select(coefs, cctx, ops, step),
+                       lambda: ops.arange(cctx.numel, coefs))
+        return self._payload(coefs, idx, cctx, ops), finite
 
     def decode(self, payload, ctx, ops):
+        lay = ctx.bucket
+        if lay is not None and len(payload) == 3:
+            n = ops.length(payload[1])
+            if isinstance(n, int) and n % (2 * len(lay.names)):
+                raise ValueError(f"dct ({ctx.name}): {n} header values are not an [E, count] "
+                                 f"pair per tensor ({len(lay.names)}) and rank; the payload "
+                                 "is malformed")
         return self.from_domain(super().decode(payload, self.domain_ctx(ctx), ops), ctx, ops)

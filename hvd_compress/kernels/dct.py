@@ -5,6 +5,16 @@
 The kernel is a tiled matmul with IEEE float32 products (``input_precision="ieee"``:
 TF32 would cost the 1e-5 round-trip accuracy).
 
+Buckets (:func:`dct_segments`, :func:`idct_segments`): tensors of ``numels`` end to end,
+each zero-padded to whole blocks, the padded tensors end to end (tensor ``i``'s
+coefficients at ``sum_{j<i} ceil(n_j / B) B``).  The kernel reads each padded row straight
+from the unpadded bucket through a row table (``src[r]``: where row ``r``'s values start,
+``stop[r]``: the end of its tensor; entries past it read as 0, fp16/bf16 cast in the
+kernel) and the inverse writes each row back the same way, dropping the padding: one
+launch per direction whatever the number of tensors, no padded copy.  Each row's
+products are those of :func:`dct` of its tensor alone.  The torch reference goes tensor
+by tensor (:func:`dct` of each), bit for bit the single-tensor result.
+
 Imports: the standard library, torch; on first use, Triton; and modules of its own
 package.
 """
@@ -48,7 +58,35 @@ def _kernels():
             acc += tl.dot(a, w, input_precision="ieee")
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=rm[:, None] < M)
 
-    return triton, _matmul_kernel
+    @triton.jit
+    def _segment_matmul_kernel(a_ptr, w_ptr, out_ptr, src_ptr, stop_ptr, M, K: tl.constexpr,
+                               N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                               BK: tl.constexpr, GATHER: tl.constexpr):
+        # GATHER: rows read from the unpadded bucket (src/stop), written densely (forward);
+        # else rows read densely and written to the unpadded bucket, padding dropped
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        row_ok = rm < M
+        src = tl.load(src_ptr + rm, mask=row_ok, other=0)
+        stop = tl.load(stop_ptr + rm, mask=row_ok, other=0)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            if GATHER:
+                pos = src[:, None] + rk[None, :]
+                a = tl.load(a_ptr + pos, mask=row_ok[:, None] & (pos < stop[:, None]), other=0.0)
+            else:
+                a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr + rk[:, None] * N + rn[None, :])
+            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
+        if GATHER:
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=row_ok[:, None])
+        else:
+            pos = src[:, None] + rn[None, :]
+            tl.store(out_ptr + pos, acc, mask=row_ok[:, None] & (pos < stop[:, None]))
+
+    return triton, _matmul_kernel, _segment_matmul_kernel
 
 
 def check_block(block):
@@ -66,7 +104,7 @@ def _pad(x, block):
 def _apply(rows, w, backend):
     if pick_backend(rows, backend) == "torch" or rows.numel() == 0:
         return rows @ w
-    triton, matmul = _kernels()
+    triton, matmul, _ = _kernels()
     rows, w = rows.contiguous(), w.contiguous()
     m, k = rows.shape
     out = torch.empty(m, w.shape[1], dtype=torch.float32, device=rows.device)
@@ -96,3 +134,67 @@ def idct(coefs, block, backend=None):
     """Inverse of :func:`dct` (the padding is kept; trim it)."""
     check_block(block)
     return _apply(coefs.reshape(-1, block).float(), basis(block, coefs.device), backend).reshape(-1)
+
+
+# -- buckets: tensors end to end, each padded to whole blocks ----------------------------
+
+def padded_numels(numels, block):
+    """Each length rounded up to whole blocks."""
+    return tuple(-(-int(n) // block) * block for n in numels)
+
+
+@functools.lru_cache(maxsize=256)
+def _rows(numels, block, device):
+    """int64 ``(src, stop)`` per padded row of a bucket (cached: copied to the device once)."""
+    src, stop, at = [], [], 0
+    for n in numels:
+        src += range(at, at + n, block)
+        stop += [at + n] * len(range(at, at + n, block))
+        at += n
+    return (torch.tensor(src, dtype=torch.int64, device=device),
+            torch.tensor(stop, dtype=torch.int64, device=device))
+
+
+def _segment_apply(x, numels, block, forward, backend):
+    """The kernel launch of :func:`dct_segments` (``forward``) or :func:`idct_segments`."""
+    triton, _, kernel = _kernels()
+    numels = tuple(int(n) for n in numels)
+    src, stop = _rows(numels, block, str(x.device))
+    rows = src.numel()
+    w = basis(block, x.device)
+    w = w.T.contiguous() if forward else w
+    x = x.reshape(-1).contiguous()
+    out = (torch.empty(rows * block, dtype=torch.float32, device=x.device) if forward
+           else torch.empty(sum(numels), dtype=torch.float32, device=x.device))
+    if rows == 0:
+        return out
+    bm, bn, bk = 32, min(64, block), 32
+    count_launch("dct_segments" if forward else "idct_segments")
+    kernel[(triton.cdiv(rows, bm), triton.cdiv(block, bn))](
+        x, w, out, src, stop, rows, K=block, N=block, BM=bm, BN=bn, BK=bk, GATHER=forward)
+    return out
+
+
+def dct_segments(flat, numels, block, backend=None):
+    """Blocked DCT-II of every tensor of a bucket (``numels`` end to end in ``flat``),
+    each zero-padded to whole blocks, coefficients end to end (float32): one launch
+    (Triton), else :func:`dct` tensor by tensor."""
+    check_block(block)
+    if pick_backend(flat, backend) == "torch":
+        if len(numels) == 1:
+            return dct(flat, block, "torch")
+        pieces = torch.split(flat.reshape(-1), [int(n) for n in numels])
+        return torch.cat([dct(p, block, "torch") for p in pieces])
+    return _segment_apply(flat, numels, block, True, backend)
+
+
+def idct_segments(coefs, numels, block, backend=None):
+    """Inverse of :func:`dct_segments`: the tensors of ``numels`` end to end (float32),
+    padding dropped: one launch (Triton), else :func:`idct` tensor by tensor."""
+    check_block(block)
+    if pick_backend(coefs, backend) == "torch":
+        if len(numels) == 1:
+            return idct(coefs, block, "torch")[:int(numels[0])]
+        pieces = torch.split(coefs.reshape(-1), list(padded_numels(numels, block)))
+        return torch.cat([idct(p, block, "torch")[:int(n)] for p, n in zip(pieces, numels)])
+    return _segment_apply(coefs, numels, block, False, backend)

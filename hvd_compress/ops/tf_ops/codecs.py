@@ -149,6 +149,22 @@ def block_idct(coefs, block):
                                   _dct_basis(block)), [-1])
 
 
+def dct_segments(flat, numels, block):
+    """:func:`block_dct` of each tensor of a bucket (``numels`` end to end), the padded
+    coefficients end to end (tensor by tensor in TensorFlow)."""
+    if len(numels) == 1:
+        return block_dct(flat, block)
+    pieces = _tf.split(_tf.reshape(flat, [-1]), [int(n) for n in numels])
+    return _tf.concat([block_dct(p, block) for p in pieces], 0)
+
+
+def idct_segments(coefs, numels, block):
+    """Inverse of :func:`dct_segments`: the tensors end to end, padding dropped."""
+    padded = [-(-int(n) // block) * block for n in numels]
+    pieces = _tf.split(_tf.reshape(coefs, [-1]), padded) if len(numels) > 1 else [coefs]
+    return _tf.concat([block_idct(p, block)[:int(n)] for p, n in zip(pieces, numels)], 0)
+
+
 # -- fixed point and modular int32 (coded SGD, hvd_compress.coded) -----------------------
 
 FIXED_MAX = 2 ** 31 - 1

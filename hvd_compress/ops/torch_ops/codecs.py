@@ -132,6 +132,21 @@ def block_idct(coefs, block):
     return dct.idct(coefs, block)
 
 
+def dct_segments(flat, numels, block):
+    """Blocked DCT-II of each tensor of a bucket (``numels`` end to end in ``flat``), each
+    zero-padded to whole blocks, the padded coefficients end to end (float32): one launch
+    where the kernels run (no padded copy), else :func:`block_dct` tensor by tensor."""
+    from ...kernels import dct
+    return dct.dct_segments(flat, numels, block)
+
+
+def idct_segments(coefs, numels, block):
+    """Inverse of :func:`dct_segments`: the tensors end to end (float32), padding dropped;
+    one launch where the kernels run."""
+    from ...kernels import dct
+    return dct.idct_segments(coefs, numels, block)
+
+
 # -- fixed point and modular int32 (coded SGD, hvd_compress.coded) -----------------------
 
 FIXED_MAX = 2 ** 31 - 1
