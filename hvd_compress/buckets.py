@@ -15,7 +15,8 @@ A :class:`Layout` says which tensors a bucket holds, end to end, in a fixed orde
   split by compressor: a bucket never mixes methods) and at most ``bucket_mb`` MB,
   except that a tensor larger than that is a bucket of its own;
 - compressors that cannot take several tensors in one call (``segmented = False``:
-  dct, kernel_select, gaussian_k, sidco_exp, dgc) get one bucket per tensor, which is
+  kernel_select, gaussian_k, sidco_exp, dgc, dct with ``agg`` other than local) get one
+  bucket per tensor, which is
   exactly the tensor-by-tensor path; empty tensors get none (nothing to send).
 
 ``bucket_mb=0`` (or ``$HVD_COMPRESS_BUCKET_MB=0``) turns buckets off.

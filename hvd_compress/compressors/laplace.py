@@ -68,8 +68,9 @@ class LaplaceTopK(DensitySparsifier):
 
     ``fused=1`` (PyTorch): the fused search of :func:`select_histogram` instead -- every
     tensor of a bucket at once in a fixed number of passes, decided on the device, one
-    host synchronisation per compress (the payload's length, with the NaN/Inf check).
-    Not the default until a GPU measurement says it is faster than torch.topk there.
+    host synchronisation per compress (the payload's length, with the NaN/Inf check;
+    ``values=rangefloat*`` adds the codec's).  ``passes`` and ``small`` do not apply to
+    it.  Not the default until a GPU measurement says it is faster than torch.topk there.
     """
 
     name = "laplace_topk"
@@ -127,7 +128,7 @@ class LaplaceTopK(DensitySparsifier):
         t_cand = 0.5 * self.threshold_estimate(abs_sum, n)
         values, idx = ops.compact_above(flat, t_cand)
         enough = ops.length(values) >= k
-        t_cand = ops.select(enough, t_cand, 0.0 * t_cand)
+        t_cand = ops.select(enough, t_cand, 0.0 * abs_max)   # (not 0 * t_cand: inf when sum|g| overflows)
         values, idx = ops.cond(enough, lambda: (values, idx),
                                lambda: ops.compact_above(flat, 0.0))
         grid = ops.search_grid(flat)
@@ -169,7 +170,7 @@ class LaplaceTopK(DensitySparsifier):
         cseg = ops.gather(seg, idx)
         enough = ops.segment_counts(cseg, T) >= k_t
         if not ops.host_all(enough):          # data far from Laplace: all nonzero entries
-            t_cand = ops.where(enough, t_cand, 0.0 * t_cand)
+            t_cand = ops.where(enough, t_cand, 0.0 * abs_max)   # (0 * t_cand: NaN if it is inf)
             values, idx = ops.segment_compact_above(flat, t_cand, seg, lay)
             cseg = ops.gather(seg, idx)
         grid = ops.search_grid(flat)
@@ -305,7 +306,7 @@ def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):
     blocks = ops.bucket_blocks(lay, flat)
     abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
     state = ops.search_start(ops.float_bits(0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)),
-                             ops.float_bits(abs_max), abs_sum)
+                             ops.float_bits(abs_max), abs_sum, abs_max)
     hist = None
     for _ in range(4):                      # 4 x 2046-fold: any float32 bracket to one value
         hist = ops.segment_histogram(flat, blocks, state, bins, hist)

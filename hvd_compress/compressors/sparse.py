@@ -52,8 +52,8 @@ class Sparsifier(Compressor):
         raise NotImplementedError
 
     def select_checked(self, flat, ctx, ops, step):
-        """``(indices, finite)`` for ``finds_nonfinite`` sparsifiers: every index where
-        ``flat`` holds NaN/Inf, else :meth:`select`'s."""
+        """``(indices, finite)`` for ``finds_nonfinite`` sparsifiers: every index of
+        ``flat`` when it holds any NaN/Inf, else :meth:`select`'s."""
         raise NotImplementedError
 
     def encode(self, flat, ctx, ops, step):

@@ -61,8 +61,8 @@ def _kernels():
         stop = tl.where(tl.load(active_ptr + s) != 0, tl.load(stops_ptr + pid), start)
         offs = start + tl.arange(0, BLOCK)
         valid = offs < stop                                  # inactive tensor: nothing read
-        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
-        b = a.to(tl.int32, bitcast=True).to(tl.int64)           # bits of |x|: order as |x|
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)   # bits of |x|
         lo = tl.load(lo_ptr + s)
         width = tl.maximum(tl.load(hi_ptr + s) - lo, 1)
         hi = lo + width
@@ -83,8 +83,8 @@ def _kernels():
         offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
         valid = offs < tl.load(stops_ptr + pid)
         s = tl.load(segs_ptr + pid)
-        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
-        b = a.to(tl.int32, bitcast=True).to(tl.int64)           # bits of |x|: order as |x|
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)   # bits of |x|
         lo = tl.load(lo_ptr + s)
         hi = tl.load(hi_ptr + s)
         above = valid & (b > hi)
@@ -104,8 +104,10 @@ def _kernels():
                      ROW: tl.constexpr):
         s = tl.program_id(0)
         cols = tl.arange(0, ROW)
-        h = tl.load(hist_ptr + s * ROW + cols)
-        tl.store(hist_ptr + s * ROW + cols, tl.zeros_like(h))     # ready for the next pass
+        active = tl.load(state_ptr + 4 * T + s) != 0
+        live = cols < tl.where(active, ROW, 0)          # an inactive tensor's row is zero
+        h = tl.load(hist_ptr + s * ROW + cols, mask=live, other=0)
+        tl.store(hist_ptr + s * ROW + cols, tl.zeros_like(h), mask=live)   # for the next pass
         above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h      # count(> E_j): suffix sums
         k = tl.load(k_ptr + s)
         slack = tl.load(slack_ptr + s)
@@ -113,7 +115,6 @@ def _kernels():
         hi = tl.load(state_ptr + T + s)
         c_lo = tl.load(state_ptr + 2 * T + s)
         c_hi = tl.load(state_ptr + 3 * T + s)
-        active = tl.load(state_ptr + 4 * T + s) != 0
         j = tl.minimum(tl.maximum(tl.sum((above >= k).to(tl.int64), axis=0) - 1, 0), BINS)
         width = tl.maximum(hi - lo, 1)
         new_lo = tl.where(j == 0, 0, lo + ((j - 1) * width + BINS - 1) // BINS)
@@ -179,7 +180,9 @@ def block_table(lengths, device, block=4096):
 
 
 def _magnitude_bits(x):
-    return x.reshape(-1).float().abs().view(torch.int32).to(torch.int64)
+    """Bits of |x| as float32 (the sign bit cleared: no float abs, so no denormal is
+    flushed and a NaN's sign does not matter), int64."""
+    return (x.reshape(-1).float().view(torch.int32) & 0x7FFFFFFF).to(torch.int64)
 
 
 def _entry_segments(blocks, n):
@@ -195,12 +198,13 @@ def _entry_segments(blocks, n):
 LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE = range(7)
 
 
-def search_start(lo, hi, abs_sum):
+def search_start(lo, hi, abs_sum, abs_max):
     """The state of a search with brackets ``(lo, hi]`` (bits, int64 ``[T]``): every
-    tensor active, counts unknown.  ``abs_sum`` (float32 ``[T]``, ``sum|x|`` per tensor)
-    not all finite (a NaN or Inf in the bucket, or a sum past float32's range): no tensor
-    is searched and every entry is selected (``lo = hi = -1``); ``FINITE`` records it."""
-    finite = torch.isfinite(abs_sum).all()
+    tensor active, counts unknown.  A NaN or Inf in the bucket (``sum|x|`` NaN -- a sum of
+    magnitudes is NaN only with a NaN in it -- or ``max|x|`` infinite; a finite sum past
+    float32's range is not one): no tensor is searched and every entry is selected
+    (``lo = hi = -1``); ``FINITE`` records it."""
+    finite = ~torch.isnan(abs_sum).any() & torch.isfinite(abs_max).all()
     state = torch.zeros(7, lo.numel(), dtype=torch.int64, device=lo.device)
     state[LO] = torch.where(finite, lo, -1)
     state[HI] = torch.where(finite, hi, -1)

@@ -112,7 +112,7 @@ def test_spec_round_trip_and_defaults():
     ("auto:candidates=none|nosuch", "nosuch"),
     ("auto:candidates=none|topk:density=0.1+agg=union", "agg=union"),
     ("auto:candidates=none|powersgd", "powersgd"),
-    ("auto:candidates=none|dct:density=0.1", "dct"),
+    ("auto:candidates=none|dgc:density=0.1", "dgc"),         # (not segmented)
     ("auto:candidates=none|none", "distinct"),
     ("auto:candidates=none|auto", "auto"),
 ])

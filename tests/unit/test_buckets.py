@@ -147,7 +147,7 @@ def test_hier_compressors_prefer_4_mb_buckets(monkeypatch):
 def test_a_compressor_that_is_not_segmented_refuses_a_bucket():
     lay = buckets.layout(["a", "b"], [(4,), (4,)])
     with pytest.raises(TypeError, match="one tensor at a time"):
-        hvd_compress.from_spec("dct").compress_bucket(torch.zeros(8), lay)
+        hvd_compress.from_spec("dgc").compress_bucket(torch.zeros(8), lay)
 
 
 def test_twobit_bucket_rejects_a_malformed_payload():

@@ -48,7 +48,7 @@ def state_for(lengths, lo, hi, active=None):
     T = len(lengths)
     lo_t = torch.tensor(lo, dtype=torch.int64, device=DEVICE)
     hi_t = torch.tensor(hi, dtype=torch.int64, device=DEVICE)
-    state = H.search_start(lo_t, hi_t, torch.ones(T, device=DEVICE))
+    state = H.search_start(lo_t, hi_t, torch.ones(T, device=DEVICE), torch.ones(T, device=DEVICE))
     if active is not None:
         state[H.ACTIVE] = torch.tensor(active, device=DEVICE)
     return state
@@ -130,9 +130,9 @@ def test_a_non_finite_bucket_selects_everything():
     x = make("laplace", sum(LENGTHS))
     x[4000] = float("nan")
     blocks = H.block_table(LENGTHS, x.device)
-    sums = K.segmented.segment_abs_sum_max_reference(x, LENGTHS)[0]
+    sums, peaks = K.segmented.segment_abs_sum_max_reference(x, LENGTHS)
     state = H.search_start(torch.zeros(len(LENGTHS), dtype=torch.int64, device=DEVICE),
-                           torch.ones(len(LENGTHS), dtype=torch.int64, device=DEVICE), sums)
+                           torch.ones(len(LENGTHS), dtype=torch.int64, device=DEVICE), sums, peaks)
     for backend in ("torch", "triton"):
         idx, finite = H.band_select(x, blocks, state, backend=backend)
         assert not finite and idx.numel() == x.numel()
@@ -263,3 +263,18 @@ def test_histogram_bins_fit_a_power_of_two_row():
     row = HISTOGRAM_BINS + 2
     assert row & (row - 1) == 0
     assert HISTOGRAM_BINS ** 3 >= 2 ** 31             # 4 passes collapse any bracket
+
+
+@pytest.mark.parametrize("spec", ["laplace_topk:density=0.01", "laplace_topk:density=0.01,exact=1",
+                                  "laplace_topk:density=0.01,fused=1"])
+def test_one_tensor_whose_abs_sum_overflows_float32_still_sends_k(spec):
+    """Finite values whose sum|g| is past float32's range: the Laplace fit is inf, so
+    the search starts from zero; k entries are sent and error feedback conserves."""
+    g = make("laplace", 5000)
+    g[:4] = torch.tensor([1e38, -1e38, 1e38, 1e38])
+    c = from_spec(spec)
+    payload, ctx = c.compress(g.clone(), "w")
+    k = c.k(g.numel())
+    assert abs(payload[1].numel() - k) <= math.floor(0.01 * k)
+    assert set(range(4)) <= set(payload[1].tolist())
+    assert torch.equal(c.decompress(payload, ctx) + c.residual("w"), g)

@@ -119,7 +119,7 @@ def test_pick_from_a_bracket_with_lo_above_hi_and_few_nonzero(backend):
     blocks = H.block_table(lengths, x.device, block=256)
     lo = torch.tensor([2.0, 10.0, 8.0], device=DEVICE).view(torch.int32).long()
     hi = torch.tensor([1.0, 3.0, 7.0], device=DEVICE).view(torch.int32).long()
-    state = H.search_start(lo, hi, torch.ones(3, device=DEVICE))
+    state = H.search_start(lo, hi, torch.ones(3, device=DEVICE), torch.ones(3, device=DEVICE))
     ref = state.clone()
     for _ in range(4):
         h = H.segment_histogram(x, blocks, state, 2046, backend=backend)
@@ -131,3 +131,53 @@ def test_pick_from_a_bracket_with_lo_above_hi_and_few_nonzero(backend):
     idx, finite = H.band_select(x, blocks, state, backend=backend)
     assert finite
     assert idx.tolist() == list(range(10)) + [1000, 1100, 1200, 1303, 1304]
+
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_finite_bucket_whose_abs_sum_overflows_float32_keeps_error_feedback(monkeypatch, backend):
+    """Finite data whose sum|g| is past float32's range (here 4 x 1e38 in one tensor):
+    the non-fused path selects k entries and updates the residual; the fused path must
+    not treat the bucket as non-finite (it then sends every entry and leaves the residual
+    as it was, so the residual is sent again at the next step: error feedback double
+    counts it)."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    lay = layout(["big", "small"], [(4,), (1000,)])
+    rng = np.random.default_rng(3)
+    g0 = torch.tensor(rng.laplace(size=lay.total).astype(np.float32), device=DEVICE)
+    g = g0.clone()
+    g[:4] = torch.tensor([1e38, -1e38, 1e38, 1e38])
+    assert torch.isfinite(g).all() and not torch.isfinite(g.abs().sum())
+    counts = {}
+    for spec in ("laplace_topk:density=0.01,exact=1", "laplace_topk:density=0.01,exact=1,fused=1"):
+        c = from_spec(spec)
+        c.compress_bucket(g0.clone(), lay)                 # a nonzero residual
+        r_before = torch.cat([c.residual(n) for n in lay.names]).clone()
+        payload, ctx = c.compress_bucket(g.clone(), lay)
+        sent = c.decompress_bucket(payload, ctx)
+        r_after = torch.cat([c.residual(n) for n in lay.names])
+        counts[spec] = payload[1].numel()
+        # error feedback conserves: what is sent plus what is kept = g + old residual
+        assert torch.equal(sent + r_after, g + r_before), spec
+    assert len(set(counts.values())) == 1, counts
+
+
+def test_bucket_search_sums_with_unchecked_segment_reduce(monkeypatch):
+    """``torch.segment_reduce`` with ``lengths`` checks them with two ``.item()`` calls
+    unless ``unsafe=True`` (ATen SegmentReduce.cpp): on CUDA that is 2 host
+    synchronisations per call, 4 per fused compress (sum and max), on top of the one
+    promised.  The block table is the package's own, so the check is not needed."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    calls = []
+    real = torch.segment_reduce
+
+    def spy(*args, **kw):
+        calls.append(kw.get("unsafe", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, "segment_reduce", spy)
+    lay = layout(["a", "b"], [(3000,), (5000,)])
+    c = from_spec("laplace_topk:density=0.01,fused=1")
+    for step in range(2):
+        c.compress_bucket(torch.randn(lay.total, device=DEVICE), lay)
+    assert calls and all(calls), f"segment_reduce called with unsafe={calls}"

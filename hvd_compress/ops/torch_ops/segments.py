@@ -140,11 +140,11 @@ def bucket_blocks(layout, like):
     return histogram_select.block_table(layout.numels, like.device)
 
 
-def search_start(lo_bits, hi_bits, abs_sum):
+def search_start(lo_bits, hi_bits, abs_sum, abs_max):
     """The fused search's state with brackets ``(lo, hi]`` (bits); every entry selected
-    when ``abs_sum`` is not all finite."""
+    when the bucket holds a NaN or Inf (from its ``sum|x|`` and ``max|x|``)."""
     from ...kernels import histogram_select
-    return histogram_select.search_start(lo_bits, hi_bits, abs_sum)
+    return histogram_select.search_start(lo_bits, hi_bits, abs_sum, abs_max)
 
 
 def segment_histogram(flat, blocks, state, bins, out):
