@@ -88,8 +88,9 @@ class Sparsifier(Compressor):
             return super().subtract_sent(compensated, payload, ctx, ops, inplace)
         if self.codec is None:
             values, idx = payload
-        else:
-            values, idx = self.codec.decode(payload[0], payload[1], ops), payload[2]
+        else:                      # its own payload: as many values as indices, unchecked
+            idx = payload[2]
+            values = self.codec.decode(payload[0], payload[1], ops, total=ops.length(idx))
         return ops.subtract_at(compensated, idx, values, inplace)
 
     def decode(self, payload, ctx, ops):

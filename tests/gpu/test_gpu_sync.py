@@ -172,10 +172,13 @@ def test_record_bucket_synchronisations(spec, record):
 
 
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
-                                  "laplace_topk:density=0.01,fused=1,exact=1"])
+                                  "laplace_topk:density=0.01,fused=1,exact=1",
+                                  "laplace_topk:density=0.01,fused=1,values=rangefloat8"])
 def test_fused_search_synchronises_once_per_bucket(spec, record):
     """laplace_topk:fused=1 promises one host synchronisation per bucket compress, with
-    error feedback on (the payload's length, read back with the NaN/Inf flag)."""
+    error feedback on (the payload's length, read back with the NaN/Inf flag); with
+    values=rangefloat8 too (its codes need no byte count; the own payload's decode for
+    error feedback is not checked)."""
     for tensors in (4, 40):
         n = _bucket_syncs(spec, tensors)
         record("sync_counts", f"compress_bucket {spec} ({tensors} tensors, promised 1)", n)

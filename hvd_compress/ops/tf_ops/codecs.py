@@ -121,7 +121,7 @@ def rangefloat_encode_segments(values, seg, segments, lengths, e, m):
     return None
 
 
-def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None):
+def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None):
     """No bucket fast path in TensorFlow: the codec's generic decode runs."""
     return None
 

@@ -103,17 +103,20 @@ def rangefloat_encode_segments(values, seg, segments, lengths, e, m):
         values, counts.index_add_(0, seg, _torch.ones_like(seg)), e, m)
 
 
-def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None):
+def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None):
     """Optional fast path of the codec's decode where :func:`bucket_codec_kernels`:
     ``(values, expected bytes, bad headers)``, ``values`` every segment's (header's)
     values unpadded in one launch, or None where the headers do not describe ``data``;
-    the headers checked in one host synchronisation, none for host ``lengths`` (this
-    rank's own payload).  None elsewhere (the codec's own decode runs)."""
+    the headers checked in one host synchronisation, none for host ``lengths`` or a
+    host ``total`` (this rank's own payload).  None elsewhere (the codec's own decode
+    runs)."""
     from ...kernels import pick_backend, rangefloat_segments as rs
     if pick_backend(data) != "triton":
         return None
     if lengths is not None:
         return rs.decode_segments(data, emax, counts, e, m, lengths=lengths), data.numel(), False
+    if total is not None:
+        return rs.decode_segments(data, emax, counts, e, m, total=int(total)), data.numel(), False
     total, expected, bad = rs.check_headers(data, emax, counts, e, m)
     if bad or expected != data.numel():
         return None, expected, bad
