@@ -4,19 +4,18 @@ HVD_COMPRESS_BACKEND=triton under Triton's interpreter (TRITON_INTERPRET=1, set 
 conftest.py).  A bucket of 4 and one of 40 tensors cost the same kernel launches and the
 same framework ops; each bucket kernel matches its torch reference; and the payload is
 the bytes of the tensor-by-tensor torch path (the wire format did not change)."""
-import collections
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from hvd_compress import kernels as K
 from hvd_compress.buckets import layout
 from hvd_compress.kernels import rangefloat as RF
 from hvd_compress.kernels import rangefloat_segments as RS
 from hvd_compress.kernels import twobit as TB
 from hvd_compress.spec import from_spec
+
+import counting  # tests/counting.py
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPARSE = "laplace_topk:density=0.01,fused=1,values=rangefloat8"
@@ -43,29 +42,9 @@ def with_specials(x):
     return x
 
 
-class CountOps(TorchDispatchMode):
-    """Framework (ATen) ops called inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def one_exchange(T, spec):
-    """(Triton launches, ATen ops) of compress + decompress of a bucket of T tensors
-    (two ranks' payloads), after a warm-up step."""
-    lay = layout([f"t{i}" for i in range(T)], [(1000 + 37 * i,) for i in range(T)])
-    c = from_spec(spec)
-    for step in range(2):
-        flat = laplace(lay.total, seed=step)
-        with CountOps() as ops, K.counting_launches() as launched:
-            payload, ctx = c.compress_bucket(flat, lay)
-            c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
-    return launched, ops.ops
+    """(Triton launches, ATen ops) of a bucket exchange of T tensors (counting.py)."""
+    return counting.one_exchange(T, spec, lambda n, step: laplace(n, seed=step))
 
 
 CODEC_LAUNCHES = {

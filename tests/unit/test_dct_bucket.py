@@ -4,17 +4,16 @@ payload of tensor-by-tensor compresses with indices into the bucket's coefficien
 and -- where the kernels run (HVD_COMPRESS_BACKEND=triton, Triton's interpreter here:
 TRITON_INTERPRET=1 from conftest.py) -- a number of kernel launches and framework ops
 that does not grow with the number of tensors."""
-import collections
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hvd_compress
-from hvd_compress import kernels as K
 from hvd_compress.buckets import layout
 from hvd_compress.compressors.dct import padded_layout
+
+import counting  # tests/counting.py
 
 #: a matrix, a short vector, a conv kernel, a 1-value (0-d) tensor, none a block multiple
 #: but one (64 values)
@@ -97,29 +96,9 @@ def test_error_feedback_conserves_the_gradient(backend):
     torch.testing.assert_close(total_sent + resid, total_in, atol=2e-4, rtol=1e-5)
 
 
-class CountOps(TorchDispatchMode):
-    """Framework (ATen) ops called inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def one_exchange(T, spec=SPEC):
-    """(Triton launches, ATen ops) of compress + decompress of a bucket of T tensors
-    (two ranks' payloads), after a warm-up step."""
-    lay = layout([f"t{i}" for i in range(T)], [(100 + 37 * i,) for i in range(T)])
-    c = hvd_compress.from_spec(spec)
-    for step in range(2):
-        flat = laplace(lay.total, step)
-        with CountOps() as ops, K.counting_launches() as launched:
-            payload, ctx = c.compress_bucket(flat, lay)
-            c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
-    return launched, ops.ops
+    """(Triton launches, ATen ops) of a bucket exchange of T tensors (counting.py)."""
+    return counting.one_exchange(T, spec, laplace, size=100)
 
 
 def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch):

@@ -3,13 +3,11 @@ each kernel against its torch reference (under TRITON_INTERPRET=1 on the CPU, se
 conftest.py; on CUDA tensors on a GPU), the search against the grid search, and the
 number of kernel launches and framework ops of a bucket compress, which must not grow
 with the number of tensors in the bucket."""
-import collections
 import math
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hvd_compress import kernels as K
 from hvd_compress.buckets import layout
@@ -17,6 +15,8 @@ from hvd_compress.compressors.laplace import HISTOGRAM_BINS, select_histogram
 from hvd_compress.kernels import histogram_select as H
 from hvd_compress.ops import torch_ops
 from hvd_compress.spec import from_spec
+
+import counting  # tests/counting.py
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [5000, 1, 300, 12000, 7, 4096]
@@ -217,29 +217,9 @@ def test_fused_single_tensor_and_spec():
     assert p0[1].tolist() == [0]
 
 
-class CountOps(TorchDispatchMode):
-    """Framework (ATen) ops called inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def one_exchange(T, spec):
-    """(Triton launches, ATen ops) of compress + decompress of a bucket of T tensors
-    (two ranks' payloads), after a warm-up step."""
-    lay = layout([f"t{i}" for i in range(T)], [(1000 + 37 * i,) for i in range(T)])
-    c = from_spec(spec)
-    for step in range(2):
-        flat = make("laplace", lay.total, seed=step)
-        with CountOps() as ops, K.counting_launches() as launched:
-            payload, ctx = c.compress_bucket(flat, lay)
-            c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
-    return launched, ops.ops
+    """(Triton launches, ATen ops) of a bucket exchange of T tensors (counting.py)."""
+    return counting.one_exchange(T, spec, lambda n, step: make("laplace", n, seed=step))
 
 
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
