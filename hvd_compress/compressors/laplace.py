@@ -297,12 +297,13 @@ def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):
     index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
     with fewer than k nonzero entries sends them all.
     """
-    ks = [self.k(n) for n in lay.numels]
-    k_t = ops.layout_constant(("k", self.density), lay, ks, ops.int64, flat)
     tol = 0.0 if self.exact else self.tol
+    k_t = ops.layout_constant(("k", self.density), lay,
+                              lambda: [self.k(n) for n in lay.numels], ops.int64, flat)
     slack = ops.layout_constant(("slack", self.density, tol), lay,
-                                [int(math.floor(tol * k)) for k in ks], ops.int64, flat)
-    n_t = ops.layout_constant("n", lay, [float(n) for n in lay.numels], ops.float32, flat)
+                                lambda: [int(math.floor(tol * self.k(n))) for n in lay.numels],
+                                ops.int64, flat)
+    n_t = ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32, flat)
     blocks = ops.bucket_blocks(lay, flat)
     abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
     state = ops.search_start(ops.float_bits(0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)),

@@ -145,10 +145,10 @@ class TwoBit(CodesAndScales):
             return None
         if self.threshold is not None:
             t = ops.layout_constant(f"twobit.t={self.threshold!r}", lay,
-                                    [self.threshold] * len(lay.numels), ops.float32, flat)
+                                    lambda: [self.threshold] * len(lay.numels), ops.float32, flat)
         else:
             abs_sum, _ = ops.segment_abs_sum_max(flat, lay)
-            t = self.scale * abs_sum / ops.layout_constant("twobit.numels", lay, list(lay.numels),
+            t = self.scale * abs_sum / ops.layout_constant("numels", lay, lambda: lay.numels,
                                                            ops.float32, flat)
         t = ops.where(t > 0, t, 0 * t + 1.0)       # all-zero tensor: every code is 0
         words, bad = ops.twobit_pack_segments(flat, lay, t)

@@ -76,13 +76,14 @@ class RangeFloatCodec:
         :meth:`decode` reads it unchanged.  Where the kernels run (CUDA): two launches
         for the bucket (``ops.rangefloat_encode_segments``); elsewhere tensor by tensor,
         after one host synchronisation (the counts per tensor) when ``lengths`` is None."""
-        fast = ops.rangefloat_encode_segments(values, seg, segments, lengths, self.e, self.m)
+        counts = ops.segment_counts(seg, segments) if lengths is None else None
+        fast = ops.rangefloat_encode_segments(values, counts, lengths, self.e, self.m)
         if fast is not None:
             return fast
         if lengths is not None:
             pieces = ops.split(values, lengths)
         else:
-            pieces = ops.split_sizes(values, ops.segment_counts(seg, segments), segments)
+            pieces = ops.split_sizes(values, counts, segments)
         parts = [self.encode(v, ops) for v in pieces]
         return ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])
 

@@ -30,7 +30,7 @@ entries to take, and whether the bucket is finite.  Three kernels serve it:
     offsets from their cumulative sums (the band's ranks restart at each tensor).  The
     output length and ``FINITE`` are read back together: the one host synchronisation.
 
-All walk ``blocks`` (:func:`block_table`): blocks that never straddle two tensors, so a
+All walk ``blocks`` (:func:`.segmented.block_table`): blocks that never straddle two tensors, so a
 program reads one tensor's bracket once and the number of launches does not depend on
 ``T``.  Bit patterns are compared as integers, so a NaN (bits above +Inf) counts as
 above any finite bracket: ``lo = hi = -1`` selects every entry.
@@ -39,11 +39,11 @@ Imports: the standard library, torch; on first use, Triton; and modules of its o
 package.
 """
 import functools
-from typing import NamedTuple
 
 import torch
 
 from ._backend import count_launch, pick_backend
+from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,46 +137,6 @@ def _kernels():
         tl.store(state_ptr + 5 * T + s, target - c_hi)
 
     return triton, _histogram_kernel, _band_kernel, _pick_kernel
-
-
-class Blocks(NamedTuple):
-    """Blocks of a bucket that never straddle two tensors (int64, on the device)."""
-    starts: torch.Tensor     #: first entry of each block
-    stops: torch.Tensor      #: end of the block's tensor (the block stops there or earlier)
-    segs: torch.Tensor       #: the tensor of each block
-    first: torch.Tensor      #: index of each tensor's first block
-    block: int               #: entries per block
-
-
-@functools.lru_cache(maxsize=256)
-def _block_lists(lengths, block):
-    starts, stops, segs, first, offset = [], [], [], [], 0
-    for s, length in enumerate(lengths):
-        first.append(len(starts))
-        count = max(1, -(-length // block))
-        starts += [offset + i * block for i in range(count)]
-        stops += [offset + length] * count
-        segs += [s] * count
-        offset += length
-    return starts, stops, segs, first
-
-
-_DEVICE_BLOCKS = {}
-
-
-def block_table(lengths, device, block=4096):
-    """:class:`Blocks` of tensors of ``lengths`` (cached per lengths, block and device:
-    a bucket's table is copied to the device once, not every step)."""
-    key = (tuple(int(v) for v in lengths), int(block), str(device))
-    table = _DEVICE_BLOCKS.get(key)
-    if table is None:
-        if len(_DEVICE_BLOCKS) > 256:
-            _DEVICE_BLOCKS.clear()
-        lists = _block_lists(key[0], key[1])
-        table = Blocks(*(torch.tensor(v, dtype=torch.int64, device=device) for v in lists),
-                       block=key[1])
-        _DEVICE_BLOCKS[key] = table
-    return table
 
 
 def _magnitude_bits(x):

@@ -24,7 +24,7 @@ end to end (each segment's codes padded to whole groups), with the exponent of
 
 Tables: programs walk blocks of ``block`` values (a multiple of every group size) that
 never straddle two segments.  Counts known on the host (a bucket's layout): the table of
-:func:`.histogram_select.block_table`, built once per layout.  Counts on the device (a
+:func:`.segmented.block_table`, built once per layout.  Counts on the device (a
 sparse selection's per-tensor counts, or the gathered headers): computed there by a
 fixed number of torch ops over an upper bound of ``ceil(n / block) + segments`` blocks
 (the surplus blocks are empty).
@@ -152,7 +152,7 @@ def host_table(lengths, g, device, block=BLOCK):
     key = (tuple(int(v) for v in lengths), g, block, str(device))
     got = _HOST_TABLES.get(key)
     if got is None:
-        from .histogram_select import block_table
+        from .segmented import block_table
         if len(_HOST_TABLES) > 256:
             _HOST_TABLES.clear()
         lengths = np.asarray(key[0], dtype=np.int64)

@@ -14,6 +14,8 @@ Python loop over tensors:
   ``a`` non-negative (magnitudes) and ``segment_ids`` ascending (a bucket's, or a
   compaction of one in index order).  Integer atomics: exact, so deterministic.
 - ``segment_ids(lengths)``: the segment of every entry (int32).
+- ``block_table(lengths, device)``: the blocks that never straddle two segments, on the
+  device once per bucket layout, which every bucket kernel of the package walks.
 
 Compaction with a threshold per segment is :func:`kernels.compact.compact_above` with
 ``segment_ids`` (the same two-pass kernel, the threshold read per entry).
@@ -22,6 +24,7 @@ Imports: the standard library, torch; on first use, Triton; and modules of its o
 package.
 """
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -88,17 +91,48 @@ def segment_abs_sum_max_reference(x, lengths, seg=None):
     return total, peak
 
 
+class Blocks(NamedTuple):
+    """Blocks of a bucket that never straddle two tensors (int64, on the device)."""
+    starts: torch.Tensor     #: first entry of each block
+    stops: torch.Tensor      #: end of the block's tensor (the block stops there or earlier)
+    segs: torch.Tensor       #: the tensor of each block
+    first: torch.Tensor      #: index of each tensor's first block
+    counts: torch.Tensor     #: blocks per tensor
+    block: int               #: entries per block
+
+
 @functools.lru_cache(maxsize=256)
-def _block_table(lengths, block):
-    """(starts, stops, blocks per segment) of blocks that never straddle segments."""
-    starts, stops, per_segment, offset = [], [], [], 0
-    for length in lengths:
-        count = -(-length // block)
-        starts += [offset + b * block for b in range(count)]
+def _block_lists(lengths, block):
+    starts, stops, segs, first, counts, offset = [], [], [], [], [], 0
+    for s, length in enumerate(lengths):
+        first.append(len(starts))
+        count = max(1, -(-length // block))
+        starts += [offset + i * block for i in range(count)]
         stops += [offset + length] * count
-        per_segment.append(count)
+        segs += [s] * count
+        counts.append(count)
         offset += length
-    return starts, stops, per_segment
+    return starts, stops, segs, first, counts
+
+
+_DEVICE_BLOCKS = {}
+
+
+def block_table(lengths, device, block=4096):
+    """:class:`Blocks` of tensors of ``lengths`` (an empty tensor gets one empty block),
+    cached per lengths, block and device: a bucket's table is copied to the device once,
+    not every step.  Every bucket kernel (here, :mod:`.histogram_select`, :mod:`.twobit`,
+    :mod:`.rangefloat_segments`) walks such blocks."""
+    key = (tuple(int(v) for v in lengths), int(block), str(device))
+    table = _DEVICE_BLOCKS.get(key)
+    if table is None:
+        if len(_DEVICE_BLOCKS) > 256:
+            _DEVICE_BLOCKS.clear()
+        lists = _block_lists(key[0], key[1])
+        table = Blocks(*(torch.tensor(v, dtype=torch.int64, device=device) for v in lists),
+                       block=key[1])
+        _DEVICE_BLOCKS[key] = table
+    return table
 
 
 def segment_abs_sum_max(x, lengths, backend=None, block=4096):
@@ -110,32 +144,16 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096):
         return segment_abs_sum_max_reference(x, lengths)
     triton, kernel, _ = _kernels()
     x = x.reshape(-1).contiguous()
-    starts_t, stops_t, per = _device_tables(lengths, block, x.device)
-    programs = starts_t.numel()
+    blocks = block_table(lengths, x.device, block)
+    programs = blocks.starts.numel()
     part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
     part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     count_launch("segment_abs_sum_max")
-    kernel[(programs,)](x, starts_t, stops_t, part_sum, part_max, BLOCK=block)
+    kernel[(programs,)](x, blocks.starts, blocks.stops, part_sum, part_max, BLOCK=block)
     # unsafe=True: the lengths are the package's own block table (the default checks
     # them with two host synchronisations per call)
-    return (torch.segment_reduce(part_sum, "sum", lengths=per, unsafe=True),
-            torch.segment_reduce(part_max, "max", lengths=per, unsafe=True))
-
-
-_DEVICE_TABLES = {}
-
-
-def _device_tables(lengths, block, device):
-    """:func:`_block_table` as int64 tensors on ``device``, copied there once per
-    (lengths, block, device), not at every call."""
-    key = (lengths, block, str(device))
-    tables = _DEVICE_TABLES.get(key)
-    if tables is None:
-        if len(_DEVICE_TABLES) > 256:
-            _DEVICE_TABLES.clear()
-        tables = _DEVICE_TABLES[key] = tuple(
-            torch.tensor(v, dtype=torch.int64, device=device) for v in _block_table(lengths, block))
-    return tables
+    return (torch.segment_reduce(part_sum, "sum", lengths=blocks.counts, unsafe=True),
+            torch.segment_reduce(part_max, "max", lengths=blocks.counts, unsafe=True))
 
 
 # -- counts above a grid of thresholds per segment ----------------------------------------

@@ -8,7 +8,7 @@ quantized for an all-zero tensor).
 
 Buckets (many tensors end to end, each with its own threshold): ``pack_segments`` and
 ``decode_segments`` cover every tensor in one launch each.  Their programs walk blocks of
-*words* that never straddle two tensors (``histogram_select.block_table`` over the
+*words* that never straddle two tensors (``segmented.block_table`` over the
 tensors' word counts ``ceil(n_s / 16)``), so a program reads its tensor's threshold (or
 every rank's scale of it) once; tensor ``s``'s words start at ``sum_{j<s} ceil(n_j/16)``,
 its values at ``sum_{j<s} n_j``: the same words as packing each tensor alone, end to
@@ -232,7 +232,7 @@ def _segment_table(lengths, device, block_words):
     key = (lengths, block_words, str(device))
     table = _TABLES.get(key)
     if table is None:
-        from .histogram_select import block_table
+        from .segmented import block_table
         if len(_TABLES) > 256:
             _TABLES.clear()
         words = [-(-n // PER_WORD) for n in lengths]

@@ -116,7 +116,7 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
     return None
 
 
-def rangefloat_encode_segments(values, seg, segments, lengths, e, m):
+def rangefloat_encode_segments(values, counts, lengths, e, m):
     """No bucket fast path in TensorFlow: the codec encodes tensor by tensor."""
     return None
 

@@ -87,20 +87,17 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
     return rangefloat.decode_ranks(data, emax, counts, e, m)
 
 
-def rangefloat_encode_segments(values, seg, segments, lengths, e, m):
+def rangefloat_encode_segments(values, counts, lengths, e, m):
     """Optional fast path of the codec's per-tensor encode of a bucket: ``(bytes,
-    headers)`` of ``values`` in ``segments`` tensors (host ``lengths``, or ``seg`` the
-    ascending tensor of each value) in two launches where :func:`bucket_codec_kernels`;
-    None elsewhere (the codec encodes tensor by tensor)."""
+    headers)`` of ``values`` in tensors of host ``lengths`` (or of device ``counts``, the
+    values per tensor) in two launches where :func:`bucket_codec_kernels`; None elsewhere
+    (the codec encodes tensor by tensor)."""
     from ...kernels import pick_backend, rangefloat_segments
     if pick_backend(values) != "triton":
         return None
     if lengths is not None:
         return rangefloat_segments.encode_segments(values, None, e, m, lengths=lengths)
-    seg = seg.to(_torch.int64)                   # (bincount would synchronise on CUDA)
-    counts = _torch.zeros(segments, dtype=_torch.int64, device=values.device)
-    return rangefloat_segments.encode_segments(
-        values, counts.index_add_(0, seg, _torch.ones_like(seg)), e, m)
+    return rangefloat_segments.encode_segments(values, counts, e, m)
 
 
 def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None):

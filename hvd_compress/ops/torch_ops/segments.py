@@ -92,8 +92,10 @@ def host_all(t):
 
 
 def segment_counts(seg, segments):
-    """int64 number of entries of each segment."""
-    return _torch.bincount(seg.long(), minlength=segments)
+    """int64 number of entries of each segment (an ``index_add_``: ``bincount`` would
+    synchronise with the host on CUDA to size its output)."""
+    seg = seg.long()
+    return segment_sum_int(_torch.ones_like(seg), seg, segments)
 
 
 def stack_cols(ts):
@@ -128,16 +130,16 @@ def histogram_search_supported():
 
 
 def layout_constant(what, layout, values, dtype, like):
-    """A small per-tensor constant of a bucket (k, n, ...) on ``like``'s device, copied
-    there once per (what, layout, device)."""
+    """A small per-tensor constant of a bucket (k, n, ...) on ``like``'s device: the
+    list ``values()`` returns, made and copied there once per (what, layout, device)."""
     return _per_layout(what, layout, like.device,
-                       lambda: _torch.tensor(values, dtype=dtype, device=like.device))
+                       lambda: _torch.tensor(list(values()), dtype=dtype, device=like.device))
 
 
 def bucket_blocks(layout, like):
     """The bucket's blocks that never straddle two tensors (on ``like``'s device)."""
-    from ...kernels import histogram_select
-    return histogram_select.block_table(layout.numels, like.device)
+    from ...kernels import segmented
+    return segmented.block_table(layout.numels, like.device)
 
 
 def search_start(lo_bits, hi_bits, abs_sum, abs_max):
