@@ -108,8 +108,10 @@ def hierarchy(hvd, transport_cls, transport):
 
 
 def wanted(compressors):
-    """Whether a compressor of ``compressors`` is ``hier:`` (needs the hosts' sets)."""
-    return any(getattr(c, "hierarchical", False) for c in compressors)
+    """Whether a compressor of ``compressors`` (or a candidate of an ``auto`` among them)
+    is ``hier:`` (needs the hosts' sets)."""
+    return any(getattr(m, "hierarchical", False)
+               for c in compressors for m in [c, *getattr(c, "members", ())])
 
 
 def for_compressors(hvd, transport_cls, transport, compressors):

@@ -28,7 +28,9 @@ What the driver does besides the protocol (:mod:`.protocol`):
   :class:`~.hierarchical.HierarchicalExchange` over the ``hierarchy`` the glue gave
   (local and cross transports); before the first one, :func:`~.hierarchical.check_hosts`
   checks the hosts once (ValueError on every rank for uneven hosts or differing specs).
-  Without a hierarchy, a ValueError naming ``hier:``.
+  Without a hierarchy, a ValueError naming ``hier:``.  ``auto`` may have ``hier:``
+  candidates: the hosts are checked at its first launch, and its ``carry`` gets the
+  worker's place so residuals move between flat and hierarchical candidates.
 
 This module imports no framework and no Horovod.
 """
@@ -99,17 +101,23 @@ class Driver:
         index = None
         if getattr(compressor, "adaptive", False):
             auto, key = compressor, key or layout.key
+            hosts = None
+            if any(getattr(m, "hierarchical", False) for m in auto.members):
+                self.check_hosts(auto)     # at the first launch, whatever auto chooses
+                local, cross = self.hierarchy
+                hosts = (local.rank, local.size, cross.size)
             auto.launched(key)
             index, compressor = auto.choose(key)
             if self.blocking:          # time this exchange alone
                 self.finish(list(self.in_flight))
             if tensor is not None:
-                tensor = ops.reshape(auto.carry(layout, ops.flatten(tensor), compressor, ops),
-                                     layout.shapes[0])
+                tensor = ops.reshape(auto.carry(layout, ops.flatten(tensor), compressor, ops,
+                                                hosts), layout.shapes[0])
             else:
-                flat = auto.carry(layout, flat, compressor, ops)
+                flat = auto.carry(layout, flat, compressor, ops, hosts)
         if getattr(compressor, "hierarchical", False):
-            self.check_hosts(compressor)
+            if index is None:          # auto's candidates were checked with auto's spec
+                self.check_hosts(compressor)
             name = layout.names[0] if tensor is not None else layout.key
             c = compressor.for_tensor(name, tensor) if tensor is not None else compressor
             ex = HierarchicalExchange(c, self.hierarchy, name, tensor=tensor, flat=flat,

@@ -74,28 +74,63 @@ def _whole_sizes(layout, parts):
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def plan_shards(layout, parts, whole=False):
-    """``[(size, Layout or None)]``, one per shard (module docstring: "Shards")."""
-    sizes = _whole_sizes(layout, parts) if whole else shard_sizes(layout.total, parts)
+def _cut(layout, sizes):
+    """Per shard (cut into ``sizes``), its pieces ``[(name, shape, offset in the bucket,
+    numel)]``: a tensor wholly inside keeps its name and shape, a tensor cut by a
+    boundary contributes the 1-D piece ``<name>/shard<index>``."""
     out, a = [], 0
     for index, size in enumerate(sizes):
-        b = a + size
-        names, shapes = [], []
+        b, pieces = a + size, []
         for name, shape, o, m in zip(layout.names, layout.shapes, layout.offsets, layout.numels):
             lo, hi = max(a, o), min(b, o + m)
             if hi <= lo:
                 continue
-            if (lo, hi) == (o, o + m):
-                names.append(name)
-                shapes.append(shape)
-            else:
-                names.append(f"{name}/shard{index}")
-                shapes.append((hi - lo,))
-        lay = make_layout(names, shapes)._replace(key=f"{layout.key}/shard{index}") \
-            if names else None
-        out.append((size, lay))
+            whole = (lo, hi) == (o, o + m)
+            pieces.append((name if whole else f"{name}/shard{index}",
+                           shape if whole else (hi - lo,), lo, hi - lo))
+        out.append(pieces)
         a = b
     return out
+
+
+def plan_shards(layout, parts, whole=False):
+    """``[(size, Layout or None)]``, one per shard (module docstring: "Shards")."""
+    sizes = _whole_sizes(layout, parts) if whole else shard_sizes(layout.total, parts)
+    out = []
+    for index, (size, pieces) in enumerate(zip(sizes, _cut(layout, sizes))):
+        lay = make_layout([p[0] for p in pieces], [p[1] for p in pieces])._replace(
+            key=f"{layout.key}/shard{index}") if pieces else None
+        out.append((size, lay))
+    return out
+
+
+def residual_places(layout, hosts=None):
+    """Where a residual of this bucket's tensors may sit on a worker: ``{name: (offset,
+    numel)}`` in the bucket, for the tensors' own names (the flat exchange's keys) and,
+    with ``hosts`` = ``(local rank, L, H)``, the pieces ``<name>/shard<l>`` of the
+    hierarchical exchange's even cut into L shards (what ``auto`` moves between flat
+    and ``hier:`` candidates: :meth:`~hvd_compress.strategies.auto.Auto.carry`)."""
+    places = {n: (o, m) for n, o, m in zip(layout.names, layout.offsets, layout.numels)}
+    if hosts is not None and hosts[1] > 1:
+        for pieces in _cut(layout, shard_sizes(layout.total, hosts[1])):
+            places.update((p[0], (p[2], p[3])) for p in pieces)
+    return places
+
+
+def residual_names(compressor, layout, hosts=None):
+    """The residual names ``compressor`` keeps for this bucket on this worker (with
+    ``hosts`` = ``(local rank, L, H)``): the tensors' names for a flat exchange (and for
+    ``hier:`` with L = 1), the pieces of shard ``local rank`` for ``hier:`` (none when
+    H = 1: nothing is compressed), none without error feedback."""
+    if not compressor.ef:
+        return set()
+    if not getattr(compressor, "hierarchical", False) or hosts is None or hosts[1] == 1:
+        return set(layout.names)
+    if hosts[2] == 1:
+        return set()
+    whole = compressor.inner.name in WHOLE_TENSORS
+    lay = plan_shards(layout, hosts[1], whole)[hosts[0]][1]
+    return set(lay.names) if lay is not None else set()
 
 
 def _spec_hash(spec):

@@ -149,3 +149,27 @@ def test_uneven_hosts_are_a_clear_error_on_every_rank(jobs):
     for rank in jobs["uneven"]:
         msg = str(rank["uneven_error"])
         assert "uneven hosts" in msg and "rank 2: 1" in msg, msg
+
+
+@pytest.mark.parametrize("via", VIA)
+def test_auto_switches_flat_to_hier_to_dense_and_leaves_no_residual_behind(jobs, via):
+    """auto (topk | hier:topk | none, one calibration step each): step 0 is the flat
+    top-k sum; after the dense step 2 the three aggregates add up to every worker's
+    gradients, so the residuals moved between the flat and the hierarchical scheme (flat
+    residuals outside a worker's shard, then the shard pieces) were all sent."""
+    ranks = _ranks(jobs, via)
+    for n in SHAPES:
+        for s in range(3):
+            for r, rank in enumerate(ranks):
+                np.testing.assert_array_equal(rank[f"auto|{s}|{n}"], ranks[0][f"auto|{s}|{n}"],
+                                              err_msg=f"rank {r} {n} step {s}")
+        flat0 = sum(topk(grad(r, 0, n).reshape(-1)) for r in range(4))
+        np.testing.assert_allclose(ranks[0][f"auto|0|{n}"].reshape(-1), flat0, rtol=1e-5,
+                                   atol=1e-5)
+        total = sum(grad(r, s, n).astype(np.float64) for r in range(4) for s in range(3))
+        got = sum(ranks[0][f"auto|{s}|{n}"].astype(np.float64) for s in range(3))
+        np.testing.assert_allclose(got, total, rtol=1e-5, atol=1e-4, err_msg=n)
+    if via != "tf":                 # the host's dense bytes: only the hier: step has them
+        for rank in ranks:
+            host = [rank[f"auto|{s}|stats"][2] for s in range(3)]
+            assert host[0] == 0 and host[1] > 0 and host[2] == 0, host

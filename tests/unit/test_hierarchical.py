@@ -14,6 +14,7 @@ import torch
 import hvd_compress
 from hvd_compress import buckets
 from hvd_compress.exchange import Driver, Exchange
+from hvd_compress.exchange.driver import find_auto
 from hvd_compress.exchange.hierarchical import plan_shards, shard_sizes
 from hvd_compress.exchange.in_process import World, hosts
 from hvd_compress.ops import torch_ops
@@ -52,7 +53,8 @@ def _run(transports, comps, steps, lay=LAY, first=0, average=False, tensor=False
     per rank, the list of (result numpy, exchange)."""
     def rank(r):
         glob, hier = transports[r]
-        d = Driver(glob, stats[r] if stats else Stats(), average=average, hierarchy=hier)
+        d = Driver(glob, stats[r] if stats else Stats(), average=average, hierarchy=hier,
+                   auto=find_auto([comps[r]]))
         got = []
         for s in range(first, first + steps):
             g = torch.from_numpy(_grad(r, s, lay))
@@ -398,6 +400,77 @@ def test_the_ddp_hook_refuses_hier_at_construction():
         CompressionState(compression="hier:topk:density=0.01")
 
 
-def test_auto_refuses_a_hier_candidate_naming_it():
-    with pytest.raises(ValueError, match="auto does not choose the hierarchical exchange"):
-        hvd_compress.from_spec("auto:candidates=none|hier:topk:density=0.01")
+AUTO_SWITCHES = ["topk:density=0.05", "hier:topk:density=0.05", "laplace_topk:density=0.05",
+                 "hier:twobit", "none"]
+
+
+def _held(auto, lay, hosts):
+    """Every residual this worker holds for ``lay``'s tensors, placed in the bucket."""
+    from hvd_compress.exchange.hierarchical import residual_places
+    out = np.zeros(lay.total, np.float64)
+    for name, (offset, numel) in residual_places(lay, hosts).items():
+        r = auto.residual(name)
+        if r is not None:
+            out[offset:offset + numel] += r.double().numpy()
+    return out
+
+
+@pytest.mark.parametrize("tensor", [False, True])
+def test_auto_switches_between_flat_and_hier_candidates_and_loses_nothing(tensor):
+    """auto with flat and hier: candidates, calibrating one step each (topk, hier:topk,
+    laplace_topk, hier:twobit, none): every rank gets the same aggregate each step, and
+    after each step what was summed so far plus every residual held anywhere is the sum
+    of every worker's gradients (a residual left by one scheme is sent by the next), so
+    after the last step (none) nothing is left behind."""
+    sizes, L, steps = [2, 2], 2, len(AUTO_SWITCHES)
+    lay = LAY if not tensor else buckets.layout(["w"], [(LAY.total,)])
+    comps = [hvd_compress.Auto(candidates=AUTO_SWITCHES, calibrate=steps, trial=0, every=0,
+                               verbose=False) for _ in range(4)]
+    got = _run(hosts(sizes, torch_ops, timeout=30), comps, steps, lay=lay, tensor=tensor)
+    total = np.zeros(lay.total, np.float64)
+    aggregate = np.zeros(lay.total, np.float64)
+    for s in range(steps):
+        for r in range(4):
+            np.testing.assert_array_equal(got[r][s][0], got[0][s][0])
+        assert got[0][s][1].hierarchical == AUTO_SWITCHES[s].startswith("hier:"), s
+        total += sum(_grad(r, s, lay).astype(np.float64) for r in range(4))
+        aggregate += got[0][s][0]
+    held = sum(_held(comps[r], lay, (r % L, L, 2)) for r in range(4))
+    np.testing.assert_allclose(aggregate + held, total, rtol=1e-5, atol=1e-4)
+    assert np.abs(held).max() == 0            # none, last, sent every residual
+
+
+def test_auto_carries_pieces_and_other_shards_residuals_into_the_gradient():
+    from hvd_compress.exchange.hierarchical import residual_names
+    auto = hvd_compress.Auto(candidates=["topk:density=0.5", "hier:topk:density=0.5", "none"],
+                             calibrate=3, trial=0, verbose=False)
+    flat, hier, none = auto.members
+    lay = buckets.layout(["a", "b"], [(3,), (5,)])        # 2 shards of 4: b is cut
+    place = (1, 2, 2)                                     # local rank 1 of 2, 2 hosts
+    assert residual_names(hier, lay, place) == {"b/shard1"}
+    assert residual_names(flat, lay, place) == {"a", "b"}
+    assert residual_names(hier, lay, (0, 2, 1)) == set()  # one host: nothing compressed
+    assert residual_names(hier, lay, (0, 1, 3)) == {"a", "b"}   # L = 1: flat
+    store = auto._state(torch_ops)
+    store.set("residual/a", torch.tensor([1.0, 2.0, 3.0]))
+    store.set("residual/b", torch.tensor([4.0, 5.0, 6.0, 7.0, 8.0]))
+    g = torch.zeros(8)
+    out = auto.carry(lay, g.clone(), hier, torch_ops, place)   # a and b are not its own
+    torch.testing.assert_close(out, torch.arange(1.0, 9.0))
+    assert auto.residual("a") is None and auto.residual("b") is None
+    store.set("residual/b/shard1", torch.tensor([10.0, 20.0, 30.0, 40.0]))
+    assert auto.carry(lay, g.clone(), hier, torch_ops, place).equal(g)   # its own piece
+    out = auto.carry(lay, g.clone(), flat, torch_ops, place)           # flat: the piece goes
+    torch.testing.assert_close(out, torch.tensor([0.0] * 4 + [10.0, 20.0, 30.0, 40.0]))
+    assert auto.residual("b/shard1") is None
+
+
+def test_auto_with_a_hier_candidate_needs_the_hosts():
+    world = World(1, torch_ops, timeout=5)
+    d = Driver(world.transport(0), Stats(), average=False)
+    auto = hvd_compress.from_spec("auto:candidates=none|hier:topk:density=0.01")
+    with pytest.raises(ValueError, match="'hier:' needs the hosts"):
+        d.launch(auto, LAY, flat=torch.zeros(LAY.total))
+    from hvd_compress import hosts as hosts_mod
+    assert hosts_mod.wanted([auto]) and not hosts_mod.wanted(
+        [hvd_compress.from_spec("auto:candidates=none|topk:density=0.01")])

@@ -11,6 +11,8 @@ aggregate with the numpy reference of the scheme (tests/reference.py).  Cases:
   every piece, stats; then a checkpoint after step 2 restored into a new optimizer,
   step 3 again (must be bit for bit the first run's).
 - ``tensor``: tensor by tensor (bucket_mb=0), op=Average, 2 steps.
+- ``auto``: ``auto`` with candidates topk, hier:topk and none, calibrating one step
+  each (so it switches flat -> hier -> dense): aggregates and the slow/fast link bytes.
 - ``mismatch``: rank 3 asks for another density: ValueError on every rank.
 
 With MODE=uneven (launched on hosts of 2 and 1 workers) each rank only records the
@@ -26,6 +28,8 @@ FRAMEWORK = sys.argv[1]
 OUT = os.environ["OUT_DIR"]
 SHAPES = {"a.weight": (40, 30), "b.weight": (30, 20), "c.bias": (7,)}
 SPEC = "hier:topk:density=0.05"
+AUTO = ("auto:candidates=topk:density=0.05|hier:topk:density=0.05|none,calibrate=3,"
+        "trial=0,every=0,verbose=0")
 
 
 def grad(rank, step, name):
@@ -91,6 +95,13 @@ def torch_main(record):
         for n, g in step(params, opt, s).items():
             record[f"tensor|{s}|{n}"] = g
 
+    params, opt = make(spec=AUTO)
+    for s in range(3):
+        for n, g in step(params, opt, s).items():
+            record[f"auto|{s}|{n}"] = g
+        record[f"auto|{s}|stats"] = np.array(
+            [opt.stats.as_dict()[k] for k in ("last_sent", "last_dense", "last_host_sent")])
+
     try:
         params, opt = make(spec="hier:topk:density=0.1" if rank == 3 else SPEC)
         step(params, opt, 0)
@@ -144,6 +155,10 @@ def tf_main(record):
     for s in range(2):
         for n, g in step(comp, s, op=hvd.Average, bucket_mb=0, graph=True).items():
             record[f"tensor|{s}|{n}"] = g
+    comp = hvd_compress.from_spec(AUTO)
+    for s in range(3):
+        for n, g in step(comp, s).items():
+            record[f"auto|{s}|{n}"] = g
     try:
         step(hvd_compress.from_spec("hier:topk:density=0.1" if rank == 3 else SPEC), 0)
     except ValueError as e:

@@ -35,10 +35,6 @@ def parse(candidates):
             raise ValueError(f"auto: bad candidate {c!r}: {e}") from None
         if getattr(m, "adaptive", False) or m.name in ("policy", "hylo"):
             raise ValueError(f"auto: candidate {m.spec!r} is not a single compressor")
-        if getattr(m, "hierarchical", False):
-            raise ValueError(f"auto: candidate {m.spec!r}: auto does not choose the "
-                             "hierarchical exchange (its step model is flat); pass "
-                             "compression='hier:<spec>' itself")
         if not m.segmented or m.collective not in ("allreduce", "allgather"):
             raise ValueError(f"auto: candidate {m.spec!r} cannot be chosen per bucket: "
                              "candidates must take buckets of several tensors "

@@ -49,11 +49,13 @@ link, a changed placement) everything is calibrated again.
 
 **Switching keeps nothing behind**: all candidates share one error-feedback store, so a
 tensor's residual goes on with the next candidate; a candidate without error feedback
-(none, fp16) adds the residual to the next gradient it sends.  ``state_dict()`` holds
+(none, fp16) adds the residual to the next gradient it sends, and between flat and
+``hier:`` candidates the residuals the next one keys differently travel the same way
+(:mod:`.residuals`).  ``state_dict()`` holds
 the residuals, the decision and the calibration: a restored run resumes with the same
 choices.
 
-Imports: the standard library, :mod:`hvd_compress.compressors.base`, ``memory``,
+Imports: the standard library, :mod:`hvd_compress.compressors.base`, :mod:`.residuals`,
 ``spec``, ``buckets``, ``log`` and the step model (:mod:`.model`); no framework.
 """
 import math
@@ -62,8 +64,7 @@ import time
 
 from ...compressors.base import Compressor, register
 from ...log import info_rank0
-from ...memory import ResidualMemory
-from . import report
+from . import report, residuals
 from .candidates import DEFAULT_CANDIDATES, label, parse  # noqa: F401 (re-exported)
 from .model import BucketCost, _measured, combine, decide, predict
 
@@ -408,27 +409,17 @@ class Auto(Compressor):
     def _state(self, ops):
         store = super()._state(ops)
         for m in self.members:              # one store: a residual goes on with the next
-            m._store, m._ops = store, ops
+            for c in (m, getattr(m, "inner", m)):      # hier: its inner compressor's
+                c._store, c._ops = store, ops
         return store
 
-    def carry(self, layout, flat, compressor, ops):
-        """Before ``compressor`` sends ``flat`` (the tensors of ``layout`` end to end): one
-        without error feedback sends the residuals the others left with this gradient.
-        The glue calls it before every compress (it also makes the candidates share one
-        store)."""
-        store = self._state(ops)
-        if compressor.ef:
-            return flat
-        have = set(store.keys())
-        keys = [ResidualMemory.PREFIX + n for n in layout.names]
-        if not have.intersection(keys):
-            return flat
-        parts = [store.pop(k) if k in have else ops.zeros(n, flat.dtype, flat)
-                 for k, n in zip(keys, layout.numels)]
-        r = ops.cast(parts[0] if len(parts) == 1 else ops.concat(parts), flat.dtype)
-        if ops.supports_inplace():
-            return ops.add_into(flat, r, flat)
-        return flat + r
+    def carry(self, layout, flat, compressor, ops, hosts=None):
+        """Before ``compressor`` sends ``flat`` (the tensors of ``layout`` end to end):
+        the residuals it will not use itself travel with this gradient
+        (:func:`.residuals.carry`; ``hosts``: ``(local rank, L, H)`` where there are
+        ``hier:`` candidates).  The glue calls it before every compress (it also makes
+        the candidates share one store)."""
+        return residuals.carry(self._state(ops), layout, flat, compressor, ops, hosts)
 
     # -- not a codec itself -------------------------------------------------------------
     def compress(self, tensor, name=None):

@@ -1,0 +1,54 @@
+"""``auto``'s residuals across switches: what travels with the gradient when a bucket's
+candidate changes.
+
+All candidates share one error-feedback store (keys ``residual/<name>``).  A flat
+candidate keys a tensor's residual by the tensor's name on every worker; a ``hier:``
+candidate keys the pieces of the shard this worker compresses (``<name>`` for a tensor
+wholly inside it, ``<name>/shard<l>`` for a cut one), and only on that worker
+(:mod:`hvd_compress.exchange.hierarchical`).  Before candidate ``c`` sends a bucket,
+every residual of its tensors that ``c`` will not use itself is added to this worker's
+gradient and dropped:
+
+- ``c`` without error feedback (none, fp16): all of them;
+- ``c`` flat: the ``hier:`` pieces;
+- ``c`` ``hier:``: the flat residuals and pieces outside this worker's shard.
+
+Every exchange (flat or hierarchical) sums over all P workers, so a residual added on
+the worker that holds it reaches the aggregate exactly once: with ``e`` every residual
+held anywhere, ``sum over steps of the aggregates + sum e`` stays the sum of every
+worker's gradients through any sequence of switches (tests/unit/test_hierarchical.py).
+
+Imports: :mod:`hvd_compress.memory` and :mod:`hvd_compress.exchange.hierarchical`
+(framework-free); tensors go through :mod:`hvd_compress.ops`.
+"""
+from ...exchange.hierarchical import residual_names, residual_places
+from ...memory import ResidualMemory
+
+
+def carry(store, layout, flat, compressor, ops, hosts=None):
+    """``flat`` (the tensors of ``layout`` end to end, about to be sent by
+    ``compressor``) plus the residuals in ``store`` that ``compressor`` will not use
+    (module docstring), which are removed from ``store``.  ``hosts``: ``(local rank, L,
+    H)`` of this worker where ``hier:`` candidates exist, else None."""
+    keep = residual_names(compressor, layout, hosts)
+    have = set(store.keys())
+    places = residual_places(layout, hosts)
+    moved = sorted((places[n], ResidualMemory.PREFIX + n) for n in places
+                   if n not in keep and ResidualMemory.PREFIX + n in have)
+    if not moved:
+        return flat
+    parts, at = [], 0
+    for (offset, numel), key in moved:    # disjoint: one scheme's names at a time
+        if offset < at:
+            raise ValueError(f"auto: overlapping residuals for bucket {layout.key!r} "
+                             f"({key!r}); the error-feedback store is inconsistent")
+        if offset > at:
+            parts.append(ops.zeros(offset - at, flat.dtype, flat))
+        parts.append(ops.cast(ops.flatten(store.pop(key)), flat.dtype))
+        at = offset + numel
+    if at < layout.total:
+        parts.append(ops.zeros(layout.total - at, flat.dtype, flat))
+    r = parts[0] if len(parts) == 1 else ops.concat(parts)
+    if ops.supports_inplace():
+        return ops.add_into(flat, r, flat)
+    return flat + r
