@@ -85,7 +85,7 @@ class _Alone:
         return True
 
 
-def hierarchy(hvd, transport_cls, transport):
+def hierarchy(hvd, transport_cls, transport, host_arrays=None):
     """This worker's :class:`~hvd_compress.exchange.hierarchical.Hierarchy`: ``local``
     and ``cross`` as ``transport_cls(process_set)``.  Collective: every rank calls it at
     the same point (the glue does so when it is built).  ``transport``: the global
@@ -104,7 +104,30 @@ def hierarchy(hvd, transport_cls, transport):
     sets = group_sets(hvd, wanted, purpose="the hierarchical exchange (hier:)", hint=HINT)
     me = hvd.rank()
     mine = [next(g for g in groups if me in g) for groups in (local, cross)]
-    return Hierarchy(*(transport_cls(sets[g] if len(g) > 1 else _Alone()) for g in mine))
+    local_t, cross_t = (transport_cls(sets[g] if len(g) > 1 else _Alone()) for g in mine)
+    if host_arrays is not None and len(mine[0]) > 1:
+        local_t = shared_host(local_t, host_arrays)
+    return Hierarchy(local_t, cross_t)
+
+
+def shared_host(local, host_arrays):
+    """``local`` (a host's Horovod transport) as a
+    :class:`~hvd_compress.exchange.shared_host.SharedHost` when every worker of the host
+    can use shared memory (:func:`~hvd_compress.exchange.shared_host.usable`; one float
+    allgather on the host's set, so a worker that cannot, or was told not to, keeps the
+    whole host on Horovod's collectives), else ``local`` itself.  ``host_arrays``:
+    ``(to_numpy, from_numpy)`` of the glue's framework."""
+    import random
+
+    from .exchange import shared_host as sh
+    from .log import info_rank0
+    mine = [1.0 if sh.usable() else 0.0, float(random.SystemRandom().getrandbits(40))]
+    rows = local.allgather_floats(mine, "hier.shared_host")
+    if not all(r[0] for r in rows):
+        return local
+    info_rank0(local.rank, "hierarchical exchange: the workers of a host sum and gather "
+               "through shared memory (HVD_COMPRESS_SHARED_HOST=0: Horovod's collectives)")
+    return sh.SharedHost(local, int(rows[0][1]), *host_arrays)
 
 
 def wanted(compressors):
@@ -114,9 +137,9 @@ def wanted(compressors):
                for c in compressors for m in [c, *getattr(c, "members", ())])
 
 
-def for_compressors(hvd, transport_cls, transport, compressors):
+def for_compressors(hvd, transport_cls, transport, compressors, host_arrays=None):
     """:func:`hierarchy` when a compressor of ``compressors`` is ``hier:``, else None
     (nothing is gathered or added).  Every rank calls it with the same compressors."""
     if not wanted(compressors):
         return None
-    return hierarchy(hvd, transport_cls, transport)
+    return hierarchy(hvd, transport_cls, transport, host_arrays)

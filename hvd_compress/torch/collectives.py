@@ -76,6 +76,19 @@ class HorovodTorch(ProcessSetTransport):
         return hvd.allgather(t, name=PREFIX + name, process_set=self.process_set).tolist()
 
 
+def host_array(tensor):
+    """A numpy array sharing a CPU tensor's memory, for the shared-memory collectives
+    inside a host (:mod:`hvd_compress.exchange.shared_host`); None for a tensor on a
+    device, or of a dtype numpy lacks (bfloat16): those go through Horovod."""
+    if tensor.device.type != "cpu" or tensor.dtype == torch.bfloat16 or tensor.is_sparse:
+        return None
+    return tensor.detach().numpy()
+
+
+#: ``(to_numpy, from_numpy)`` for :func:`hvd_compress.hosts.hierarchy`
+HOST_ARRAYS = (host_array, torch.from_numpy)
+
+
 class _Done:
     """What :func:`allreduce_async` returns for an empty tensor: nothing to exchange."""
 

@@ -110,7 +110,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               auto=find_auto([e[2] for e in entries]),
                               hierarchy=hosts.for_compressors(
                                   hvd, collectives.HorovodTorch, transport,
-                                  [e[2] for e in entries]) if process_set.included() else None)
+                                  [e[2] for e in entries], collectives.HOST_ARRAYS)
+                              if process_set.included() else None)
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         self._momentum = None
         if schedule is not None:

@@ -173,3 +173,11 @@ def test_auto_switches_flat_to_hier_to_dense_and_leaves_no_residual_behind(jobs,
         for rank in ranks:
             host = [rank[f"auto|{s}|stats"][2] for s in range(3)]
             assert host[0] == 0 and host[1] > 0 and host[2] == 0, host
+
+
+@pytest.mark.parametrize("via", ["torch", "harness"])
+def test_pytorch_workers_of_a_host_use_shared_memory(jobs, via):
+    """The aggregates above came through the shared-memory transport inside each host
+    (hvd_compress/exchange/shared_host.py); TensorFlow keeps Horovod's collectives."""
+    for rank in _ranks(jobs, via):
+        assert str(rank["host_transport"]) == "SharedHost"

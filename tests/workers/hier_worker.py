@@ -73,6 +73,7 @@ def torch_main(record):
         return
 
     params, opt = make()
+    record["host_transport"] = np.array(type(opt._driver.hierarchy.local).__name__)
     record["bucket_order"] = np.array([list(lay.names) for lay in opt._layouts][0])
     for s in range(3):
         if s == 2:

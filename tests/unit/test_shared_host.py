@@ -1,0 +1,221 @@
+"""The shared-memory collectives inside a host (hvd_compress/exchange/shared_host.py):
+workers are threads here, each with its own SharedHost mapping the others' files in
+/dev/shm (the same files and counters as between processes; through real horovodrun
+processes: tests/integration/test_hier_horovod.py).  The base transport is the
+in-process World's (rank, size and the fallback for tensors shared memory does not take)."""
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_compress import hosts
+from hvd_compress.exchange import shared_host as sh
+from hvd_compress.exchange.in_process import World
+from hvd_compress.ops import torch_ops
+from hvd_compress.torch.collectives import HOST_ARRAYS
+
+pytestmark = pytest.mark.skipif(not sh.usable(), reason="shared memory needs Linux x86-64")
+
+
+def _run(size, fn, timeout=5.0, token=None):
+    token = token if token is not None else np.random.randint(1 << 30)
+    world = World(size, torch_ops, timeout=30)
+    out, errors = [None] * size, [None] * size
+    transports = [sh.SharedHost(world.transport(r), token, *HOST_ARRAYS, timeout=timeout)
+                  for r in range(size)]
+
+    def target(r):
+        try:
+            out[r] = fn(r, transports[r])
+        except BaseException as e:     # noqa: BLE001 - returned to the test
+            errors[r] = e
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for t in transports:
+        t.close()
+    return out, errors
+
+
+def _done(gen):
+    """A synchronous collective's result (it must not yield)."""
+    try:
+        next(gen)
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError("a shared-memory collective yielded")
+
+
+def _data(rank, step, n):
+    return torch.from_numpy(np.random.RandomState(100 * step + rank).standard_normal(n)
+                            .astype(np.float32))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_reducescatter_allgather_allreduce_match_numpy_and_grow(size):
+    """Many collectives in a row, with sizes that grow past the first 1 MB slot (a new
+    file per worker) and shrink again; shard sums in local-rank order, bit for bit."""
+    lengths = [10, 300_000, 7, 1_000_000, 5]
+
+    def fn(r, t):
+        got = []
+        for s, n in enumerate(lengths):
+            x = _data(r, s, n)
+            sizes = [n // size + (i < n % size) for i in range(size)]
+            piece, sent, received = _done(t.reducescatter(x, "rs", sizes))
+            (gathered,), _, _ = _done(t.allgather((piece,), "ag"))
+            total, _, _ = _done(t.allreduce(x, "ar"))
+            got.append((piece.numpy().copy(), gathered.numpy().copy(), total.numpy().copy(),
+                        sent, received))
+        return got
+
+    out, errors = _run(size, fn)
+    assert errors == [None] * size, errors
+    for s, n in enumerate(lengths):
+        every = [_data(r, s, n).numpy() for r in range(size)]
+        want = every[0].copy()
+        for e in every[1:]:
+            want += e
+        sizes = [n // size + (i < n % size) for i in range(size)]
+        bounds = np.cumsum([0] + sizes)
+        for r in range(size):
+            piece, gathered, total, sent, received = out[r][s]
+            assert np.array_equal(piece, want[bounds[r]:bounds[r + 1]]), (s, r)
+            assert np.array_equal(gathered, want), (s, r)
+            assert np.array_equal(total, want), (s, r)
+            assert sent == received == 4 * n * (size - 1) // size
+
+
+def test_allgather_of_different_lengths_and_2d_rows_in_rank_order():
+    def fn(r, t):
+        a = torch.arange(6 * (r + 1), dtype=torch.int64).reshape(r + 1, 6) + 100 * r
+        (out,), _, _ = _done(t.allgather((a,), "rows"))
+        return out.numpy()
+
+    out, errors = _run(3, fn)
+    assert errors == [None] * 3, errors
+    want = np.concatenate([np.arange(6 * (r + 1)).reshape(r + 1, 6) + 100 * r
+                           for r in range(3)])
+    for got in out:
+        assert np.array_equal(got, want)
+
+
+def test_tensors_shared_memory_does_not_take_go_through_the_base_transport():
+    def fn(r, t):
+        x = torch.full((4,), float(r + 1), dtype=torch.bfloat16)
+        gen = t.allreduce(x, "bf16")
+        w = next(gen)                 # the World's collective: a Wait
+        try:
+            gen.send(w.wait())
+        except StopIteration as stop:
+            return stop.value[0]
+
+    out, errors = _run(2, fn)
+    assert errors == [None] * 2, errors
+    assert all(o.dtype == torch.bfloat16 and o.tolist() == [3.0] * 4 for o in out)
+
+
+def test_a_peer_that_never_arrives_is_an_error_naming_it_not_a_hang():
+    def fn(r, t):
+        if r == 1:
+            return None               # local rank 1 never starts the collective
+        return _done(t.allreduce(torch.ones(3), "lonely"))
+
+    out, errors = _run(2, fn, timeout=0.5)
+    assert isinstance(errors[0], RuntimeError), errors
+    assert "local rank 1 did not" in str(errors[0]) and "HVD_COMPRESS_SHARED_HOST=0" in \
+        str(errors[0])
+
+
+def test_files_are_removed_when_closed():
+    token = np.random.randint(1 << 30)
+    out, errors = _run(2, lambda r, t: _done(t.allreduce(torch.ones(300_000), "x")),
+                       token=token)
+    assert errors == [None] * 2
+    assert not [f for f in os.listdir(sh.DIRECTORY) if f.startswith(f"hvd_compress_{token}_")]
+
+
+def test_every_worker_of_the_host_must_agree_or_the_host_keeps_horovods(monkeypatch):
+    """One worker that cannot (or was told HVD_COMPRESS_SHARED_HOST=0): the whole host
+    stays on the base transport; when all can, all switch."""
+    real, local = sh.usable, threading.local()
+    monkeypatch.setattr(sh, "usable", lambda: local.ok and real())   # per thread here
+
+    def build(oks):
+        world, out = World(2, torch_ops, timeout=30), [None, None]
+
+        def run(r):
+            local.ok = oks[r]
+            out[r] = hosts.shared_host(world.transport(r), HOST_ARRAYS)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return [type(o).__name__ for o in out], out
+
+    assert build([True, False])[0] == ["LocalTransport", "LocalTransport"]
+    names, out = build([True, True])
+    assert names == ["SharedHost", "SharedHost"]
+    assert out[0].prefix == out[1].prefix            # local rank 0's token, for both
+    for t in out:
+        t.close()
+
+
+@pytest.mark.parametrize("spec", ["hier:topk:density=0.05", "hier:laplace_topk:density=0.02",
+                                  "hier:twobit"])
+def test_the_hierarchical_exchange_over_shared_memory_is_bit_for_bit_the_same(spec):
+    """2 hosts x 2 workers: 3 steps of a bucket through the hierarchical exchange with the
+    host's steps in shared memory give every rank the very aggregates (and residuals)
+    of the same exchange over the in-process collectives."""
+    import hvd_compress
+    from hvd_compress import buckets
+    from hvd_compress.exchange import Driver
+    from hvd_compress.exchange.hierarchical import Hierarchy
+    from hvd_compress.exchange.in_process import hosts as sim_hosts
+    from hvd_compress.stats import Stats
+    lay = buckets.layout(["a", "b", "c"], [(40, 30), (30, 20), (7,)])
+
+    def run(shared):
+        transports = sim_hosts([2, 2], torch_ops, timeout=30)
+        tokens = [np.random.randint(1 << 30) for _ in range(2)]
+        if shared:
+            transports = [(g, Hierarchy(sh.SharedHost(h.local, tokens[r // 2], *HOST_ARRAYS),
+                                        h.cross)) for r, (g, h) in enumerate(transports)]
+        comps = [hvd_compress.from_spec(spec) for _ in range(4)]
+        out = [None] * 4
+
+        def rank(r):
+            glob, hier = transports[r]
+            d = Driver(glob, Stats(), average=False, hierarchy=hier)
+            got = []
+            for s in range(3):
+                ex = d.launch(comps[r], lay, flat=_data(r, s, lay.total))
+                d.finish([ex])
+                d.end_step()
+                got.append(ex.result.numpy().copy())
+            out[r] = got
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if shared:
+            for _, h in transports:
+                h.local.close()
+        return out, comps
+
+    (a, ca), (b, cb) = run(False), run(True)
+    for r in range(4):
+        for s in range(3):
+            assert np.array_equal(a[r][s], b[r][s]), (r, s)
+        sa, sb = ca[r].state_dict()["state"], cb[r].state_dict()["state"]
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
