@@ -148,10 +148,7 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
         t1 = time.perf_counter()
         opt.synchronize()
         t2 = time.perf_counter()
-        if spec == "horovod":
-            with opt.skip_synchronize():
-                opt.step()
-        else:
+        with opt.skip_synchronize():
             opt.step()
         t3 = time.perf_counter()
         step += 1
