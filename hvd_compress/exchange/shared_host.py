@@ -253,7 +253,7 @@ class SharedHost(Transport):
         lengths, q = self._round(np.array([a.shape[0] if a.ndim else 1], np.int64))
         lengths = [int(x[0]) for x in lengths]
         self._done(q)
-        row = a.size // max(a.shape[0], 1) if a.ndim else 1
+        row = int(np.prod(a.shape[1:], dtype=np.int64)) if a.ndim > 1 else 1
         width = max(lengths) * row
         buf = np.zeros(width, a.dtype)
         buf[:a.size] = a.reshape(-1)

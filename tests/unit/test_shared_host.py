@@ -105,6 +105,20 @@ def test_allgather_of_different_lengths_and_2d_rows_in_rank_order():
         assert np.array_equal(got, want)
 
 
+def test_a_worker_with_nothing_to_send_gets_the_others_and_does_not_hang():
+    def fn(r, t):
+        a = torch.arange(5.0) + 10 * r if r != 1 else torch.zeros(0)
+        (out,), _, _ = _done(t.allgather((a,), "maybe_empty"))
+        piece, _, _ = _done(t.reducescatter(torch.ones(2), "tiny", [1, 1, 0]))
+        return out.numpy(), piece.numpy()
+
+    out, errors = _run(3, fn)
+    assert errors == [None] * 3, errors
+    want = np.concatenate([np.arange(5.0), np.arange(5.0) + 20])
+    assert all(np.array_equal(o, want) for o, _ in out)
+    assert [p.tolist() for _, p in out] == [[3.0], [3.0], []]
+
+
 def test_tensors_shared_memory_does_not_take_go_through_the_base_transport():
     def fn(r, t):
         x = torch.full((4,), float(r + 1), dtype=torch.bfloat16)
