@@ -113,21 +113,35 @@ def hierarchy(hvd, transport_cls, transport, host_arrays=None):
 def shared_host(local, host_arrays):
     """``local`` (a host's Horovod transport) as a
     :class:`~hvd_compress.exchange.shared_host.SharedHost` when every worker of the host
-    can use shared memory (:func:`~hvd_compress.exchange.shared_host.usable`; one float
-    allgather on the host's set, so a worker that cannot, or was told not to, keeps the
-    whole host on Horovod's collectives), else ``local`` itself.  ``host_arrays``:
+    can use shared memory (:func:`~hvd_compress.exchange.shared_host.usable`, and its
+    files could be made: two float allgathers on the host's set, so a worker that cannot,
+    or was told not to, keeps the whole host on Horovod's collectives), else ``local``
+    itself.  ``host_arrays``:
     ``(to_numpy, from_numpy)`` of the glue's framework."""
     import random
 
     from .exchange import shared_host as sh
-    from .log import info_rank0
+    from .log import info_rank0, logger
     mine = [1.0 if sh.usable() else 0.0, float(random.SystemRandom().getrandbits(40))]
     rows = local.allgather_floats(mine, "hier.shared_host")
     if not all(r[0] for r in rows):
         return local
+    try:
+        shared, why = sh.SharedHost(local, int(rows[0][1]), *host_arrays), ""
+    except (OSError, RuntimeError) as e:       # e.g. /dev/shm full: the whole host falls
+        shared, why = None, str(e)             # back, not only this worker
+    made = local.allgather_floats([0.0 if shared is None else 1.0], "hier.shared_host.made")
+    if not all(r[0] for r in made):
+        if shared is not None:
+            shared.close()
+        logger.warning("hvd_compress hierarchical exchange: shared memory inside the host "
+                       "is not available on every worker of this host (%s); using "
+                       "Horovod's collectives",
+                       why or "another worker of the host could not set it up")
+        return local
     info_rank0(local.rank, "hierarchical exchange: the workers of a host sum and gather "
                "through shared memory (HVD_COMPRESS_SHARED_HOST=0: Horovod's collectives)")
-    return sh.SharedHost(local, int(rows[0][1]), *host_arrays)
+    return shared
 
 
 def wanted(compressors):

@@ -19,7 +19,9 @@ NCCL's intra-node transports use it; :class:`SharedHost` does the same:
   not depend on who arrives first; an allgather concatenates the slots in local-rank
   order); publish ``done = q``;
 - a slot grows (a new file, a new generation in the header) when a collective needs
-  more than it holds;
+  more than it holds; its pages are reserved when it is made, so a full ``/dev/shm``
+  (Docker gives 64 MB unless ``--shm-size`` says more) is a RuntimeError saying so, not
+  a crash on a later write;
 - a peer that does not arrive within ``timeout`` seconds is a RuntimeError naming it
   (a dead or diverged worker must not hang the others).
 
@@ -71,10 +73,25 @@ class _File:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:   # reserve the pages now: a full /dev/shm is an error here, not a
+                    os.posix_fallocate(fd, 0, size)   # SIGBUS on the first write
+                except OSError as e:
+                    os.close(fd)
+                    fd = None
+                    os.unlink(path)
+                    free = os.statvfs(DIRECTORY)
+                    raise RuntimeError(
+                        f"hvd_compress shared-memory exchange inside the host: cannot "
+                        f"reserve {size / 2**20:.1f} MiB in {DIRECTORY} ({e.strerror}; "
+                        f"{free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): enlarge it "
+                        "(docker run --shm-size=...), use smaller buckets (bucket_mb=), or "
+                        "set HVD_COMPRESS_SHARED_HOST=0 for Horovod's collectives") from None
+            elif os.fstat(fd).st_size < size or size < HEADER:
+                raise FileNotFoundError(path)        # still being created: try again
             self.map = mmap.mmap(fd, size)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         self.path, self.size = path, size
         self.head = np.frombuffer(self.map, np.int64, 4, 0)
 
@@ -151,8 +168,8 @@ class SharedHost(Transport):
         while True:
             if f is None:
                 try:
-                    f = _File(self._path(rank, gen), os.path.getsize(self._path(rank, gen)),
-                              create=False)
+                    path = self._path(rank, gen)
+                    f = _File(path, os.path.getsize(path), create=False)
                 except FileNotFoundError:
                     self._wait_tick(deadline, rank, "create its shared-memory file")
                     continue

@@ -233,3 +233,42 @@ def test_the_hierarchical_exchange_over_shared_memory_is_bit_for_bit_the_same(sp
         sa, sb = ca[r].state_dict()["state"], cb[r].state_dict()["state"]
         assert sa.keys() == sb.keys()
         assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+
+
+def test_a_full_dev_shm_is_an_error_saying_so_not_a_crash(monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sh.os, "posix_fallocate", full)
+    token = np.random.randint(1 << 30)
+    with pytest.raises(RuntimeError, match=r"cannot reserve 1\.0 MiB in /dev/shm.*shm-size"):
+        sh.SharedHost(World(1, torch_ops).transport(0), token, *HOST_ARRAYS)
+    assert not [f for f in os.listdir(sh.DIRECTORY) if f.startswith(f"hvd_compress_{token}_")]
+
+
+def test_a_worker_that_cannot_make_its_files_keeps_the_whole_host_on_horovods(monkeypatch,
+                                                                              caplog):
+    import errno
+    real, local = sh.os.posix_fallocate, threading.local()
+
+    def maybe_full(fd, offset, length):
+        if getattr(local, "full", False):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(sh.os, "posix_fallocate", maybe_full)
+    world, out = World(2, torch_ops, timeout=30), [None, None]
+
+    def run(r):
+        local.full = r == 1
+        out[r] = hosts.shared_host(world.transport(r), HOST_ARRAYS)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [type(o).__name__ for o in out] == ["LocalTransport", "LocalTransport"]
+    assert "not available on every worker" in caplog.text
