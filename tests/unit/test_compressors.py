@@ -340,3 +340,27 @@ def test_checkpoint_without_a_tensor_names_it(framework):
     restored.compress(make(10), "a")                       # in the checkpoint: fine
     with pytest.raises(ValueError, match=r"residuals for 1 tensors but none for 'b'"):
         restored.compress(make(7), "b")
+
+
+def test_torch_random_indices_are_a_uniform_k_subset_without_a_permutation_of_n():
+    """randomk's indices (torch): k distinct, in range, the same for the same (seed,
+    step), new for a new step, and every position about equally often (both paths:
+    first distinct draws for k <= n/16, a permutation above)."""
+    import numpy as np
+    from hvd_compress.ops import torch_ops
+    STEPS = 600
+    for n, k in [(1000, 50), (1000, 400)]:
+        counts = np.zeros(n)
+        for step in range(STEPS):
+            idx = torch_ops.random_indices(n, k, 7, step).numpy()
+            assert idx.dtype == np.int32 and len(set(idx.tolist())) == k
+            assert idx.min() >= 0 and idx.max() < n
+            counts[idx] += 1
+        p = k / n                     # each position: Binomial(STEPS, p) times
+        chi2 = ((counts - STEPS * p) ** 2).sum() / (STEPS * p * (1 - p))
+        assert abs(chi2 - (n - 1)) < 5 * np.sqrt(2 * (n - 1)), (n, k, chi2)  # chi2(n-1)
+        assert np.array_equal(torch_ops.random_indices(n, k, 7, 3).numpy(),
+                              torch_ops.random_indices(n, k, 7, 3).numpy())
+        assert not np.array_equal(torch_ops.random_indices(n, k, 7, 3).numpy(),
+                                  torch_ops.random_indices(n, k, 7, 4).numpy())
+    assert torch_ops.random_indices(10, 0, 1, 1).numel() == 0
