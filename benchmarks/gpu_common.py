@@ -1,0 +1,112 @@
+"""What the GPU benchmarks share (``benchmarks/gpu_bench.py`` and the modules it loads:
+``gpu_profile.py``, ``gpu_summary.py``): the device's peak bandwidth, sizes, JSON, CUDA
+event timing, Laplace test data, the two-rank aggregate, and :func:`sibling`, which loads
+a benchmark module of this folder by its path (this folder is not put on ``sys.path``:
+``benchmarks/select.py`` is named like the standard library's ``select``).
+"""
+import datetime
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sibling(name):
+    """Module ``benchmarks/<name>.py``, loaded once by its path."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+
+# Peak memory bandwidth (GB/s) by device name, most specific first (vendor data sheets).
+PEAK_GBPS = [("GH200", 4000), ("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000),
+             ("H100", 3350), ("H800", 3350), ("B200", 8000), ("A100-SXM4-80GB", 2039),
+             ("A100 80GB PCIe", 1935), ("A100", 1555), ("L40S", 864), ("L4", 300),
+             ("A10G", 600), ("V100", 900), ("T4", 320)]
+
+
+def peak_gbps(device_name, override=None):
+    if override:
+        return float(override)
+    for key, value in PEAK_GBPS:
+        if device_name and key.lower() in device_name.lower():
+            return float(value)
+    return None
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def write_json(path, obj):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=False, default=str))
+
+
+def device_info(torch):
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda_available": torch.cuda.is_available(), "date": datetime.date.today().isoformat()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception as e:   # noqa: BLE001 - reported, not fatal here
+        info["triton"] = None
+        info["triton_error"] = f"{type(e).__name__}: {e}"
+    if info["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+                    multiprocessors=p.multi_processor_count, memory_GiB=round(p.total_memory / 2**30, 1),
+                    cuda_runtime=torch.version.cuda, device_count=torch.cuda.device_count())
+    else:
+        info["device"] = None
+    return info
+
+
+def cuda_timeit(torch, fn, repeat, warmup=2):
+    """Median seconds of ``fn()`` between CUDA events (host-side gaps included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def laplace_cuda(torch, n, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    u = torch.rand(n, generator=g, device="cuda") - 0.5
+    return -torch.sign(u) * torch.log1p(-2 * u.abs())
+
+
+def aggregate(compressor, payloads):
+    """What the glue's collective hands to decompress (allreduce: sum; allgather: concat)."""
+    import torch
+    if compressor.collective == "allreduce":
+        return payloads[0] + payloads[1]
+    return tuple(torch.cat([p[i] for p in payloads]) for i in range(len(payloads[0])))
+
+
+def load_json(path):
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        return {"error": f"unreadable {path.name}: {e}"}
