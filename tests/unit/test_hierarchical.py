@@ -5,7 +5,6 @@ References are numpy, written here from the scheme: host sums, shards cut as Hor
 reduce-scatter cuts (pieces of tensors named <tensor>/shard<l>), per-piece compression
 with error feedback, the cross-host sum, the local gather."""
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from hvd_compress.exchange.hierarchical import plan_shards, shard_sizes
 from hvd_compress.exchange.in_process import World, hosts
 from hvd_compress.ops import torch_ops
 from hvd_compress.stats import Stats
+from threads import run_ranks
 from reference import (hier_pieces, hier_reference, powersgd_reference,
                        reference_contribution, topk_mask)
 
@@ -29,23 +29,6 @@ MATRICES = buckets.layout(["a.weight", "b.weight"], [(40, 30), (30, 20)])
 
 def _grad(rank, step, lay=LAY):
     return np.random.RandomState(1000 * step + rank).standard_normal(lay.total).astype(np.float32)
-
-
-def _threads(size, fn):
-    out, errors = [None] * size, [None] * size
-
-    def target(r):
-        try:
-            out[r] = fn(r)
-        except BaseException as e:       # noqa: BLE001 - returned to the test
-            errors[r] = e
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out, errors
 
 
 def _run(transports, comps, steps, lay=LAY, first=0, average=False, tensor=False, stats=None):
@@ -67,7 +50,7 @@ def _run(transports, comps, steps, lay=LAY, first=0, average=False, tensor=False
             d.end_step()
             got.append((ex.result.numpy().copy(), ex))
         return got
-    out, errors = _threads(len(transports), rank)
+    out, errors = run_ranks(len(transports), rank)
     for e in errors:
         if e is not None:
             raise e
@@ -279,7 +262,7 @@ def test_uneven_hosts_raise_on_every_rank(sizes):
     def rank(r):
         d = Driver(transports[r][0], Stats(), average=True, hierarchy=transports[r][1])
         d.launch(comps[r], LAY, flat=torch.from_numpy(_grad(r, 0)))
-    _, errors = _threads(len(comps), rank)
+    _, errors = run_ranks(len(comps), rank)
     for e in errors:
         assert isinstance(e, ValueError) and "uneven hosts" in str(e) and "hier:" in str(e), e
 
@@ -292,7 +275,7 @@ def test_mismatched_specs_raise_on_every_rank():
     def rank(r):
         d = Driver(transports[r][0], Stats(), average=True, hierarchy=transports[r][1])
         d.launch(comps[r], LAY, flat=torch.from_numpy(_grad(r, 0)))
-    _, errors = _threads(4, rank)
+    _, errors = run_ranks(4, rank)
     for e in errors:
         assert isinstance(e, ValueError) and "configured differently" in str(e), e
 

@@ -15,6 +15,7 @@ from hvd_compress.exchange import shared_host as sh
 from hvd_compress.exchange.in_process import World
 from hvd_compress.ops import torch_ops
 from hvd_compress.torch.collectives import HOST_ARRAYS
+from threads import run_ranks
 
 pytestmark = pytest.mark.skipif(not sh.usable(), reason="shared memory needs Linux x86-64")
 
@@ -22,21 +23,9 @@ pytestmark = pytest.mark.skipif(not sh.usable(), reason="shared memory needs Lin
 def _run(size, fn, timeout=5.0, token=None):
     token = token if token is not None else np.random.randint(1 << 30)
     world = World(size, torch_ops, timeout=30)
-    out, errors = [None] * size, [None] * size
     transports = [sh.SharedHost(world.transport(r), token, *HOST_ARRAYS, timeout=timeout)
                   for r in range(size)]
-
-    def target(r):
-        try:
-            out[r] = fn(r, transports[r])
-        except BaseException as e:     # noqa: BLE001 - returned to the test
-            errors[r] = e
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out, errors = run_ranks(size, lambda r: fn(r, transports[r]), timeout=60)
     for t in transports:
         t.close()
     return out, errors
@@ -161,17 +150,14 @@ def test_every_worker_of_the_host_must_agree_or_the_host_keeps_horovods(monkeypa
     monkeypatch.setattr(sh, "usable", lambda: local.ok and real())   # per thread here
 
     def build(oks):
-        world, out = World(2, torch_ops, timeout=30), [None, None]
+        world = World(2, torch_ops, timeout=30)
 
         def run(r):
             local.ok = oks[r]
-            out[r] = hosts.shared_host(world.transport(r), HOST_ARRAYS)
+            return hosts.shared_host(world.transport(r), HOST_ARRAYS)
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        out, errors = run_ranks(2, run, timeout=30)
+        assert errors == [None, None], errors
         return [type(o).__name__ for o in out], out
 
     assert build([True, False])[0] == ["LocalTransport", "LocalTransport"]
@@ -203,7 +189,6 @@ def test_the_hierarchical_exchange_over_shared_memory_is_bit_for_bit_the_same(sp
             transports = [(g, Hierarchy(sh.SharedHost(h.local, tokens[r // 2], *HOST_ARRAYS),
                                         h.cross)) for r, (g, h) in enumerate(transports)]
         comps = [hvd_compress.from_spec(spec) for _ in range(4)]
-        out = [None] * 4
 
         def rank(r):
             glob, hier = transports[r]
@@ -214,13 +199,10 @@ def test_the_hierarchical_exchange_over_shared_memory_is_bit_for_bit_the_same(sp
                 d.finish([ex])
                 d.end_step()
                 got.append(ex.result.numpy().copy())
-            out[r] = got
+            return got
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        out, errors = run_ranks(4, rank, timeout=60)
+        assert errors == [None] * 4, errors
         if shared:
             for _, h in transports:
                 h.local.close()
@@ -259,16 +241,13 @@ def test_a_worker_that_cannot_make_its_files_keeps_the_whole_host_on_horovods(mo
         return real(fd, offset, length)
 
     monkeypatch.setattr(sh.os, "posix_fallocate", maybe_full)
-    world, out = World(2, torch_ops, timeout=30), [None, None]
+    world = World(2, torch_ops, timeout=30)
 
     def run(r):
         local.full = r == 1
-        out[r] = hosts.shared_host(world.transport(r), HOST_ARRAYS)
+        return hosts.shared_host(world.transport(r), HOST_ARRAYS)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out, errors = run_ranks(2, run, timeout=30)
+    assert errors == [None, None], errors
     assert [type(o).__name__ for o in out] == ["LocalTransport", "LocalTransport"]
     assert "not available on every worker" in caplog.text
