@@ -2,8 +2,20 @@
 read, and the GPU tests' records.  Launch helpers are in ``launch.py``, independent
 references in ``reference.py`` (import those, not this module)."""
 import os
+import platform
 
-import torch
+# Triton's interpreter computes tl.dot with numpy's matmul, and OpenBLAS's Haswell/Zen
+# sgemm kernels round a row differently by its position in the matrix (a row of a 32 x 32
+# product changes in the last bit when the rows are rolled; SkylakeX's and the SSE
+# kernels do not).  Then a kernel launched on a bucket differs in the last bit from the
+# same kernel launched tensor by tensor, though it computes each row alike (seen
+# 2026-11-25 on a machine whose environment sets OPENBLAS_CORETYPE=Haswell:
+# tests/unit/test_dct.py, test_dct_bucket.py).  The tests pin a kernel that every x86-64 CPU has and that rounds
+# a row the same wherever it is, before numpy loads OpenBLAS (torch imports numpy).
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ["OPENBLAS_CORETYPE"] = "Nehalem"
+
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors.  It must be on
 # before any kernel module is imported (triton.jit reads it at decoration time).
