@@ -92,6 +92,13 @@ def hierarchy(hvd, transport_cls, transport, host_arrays=None):
     transport (its ``allgather_floats`` gathers the places).  A group of one rank gets
     a set-free transport (its collectives are never called: the exchange skips a host
     of one worker's local steps and a single host's cross step)."""
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise ValueError(
+            "compression 'hier:' does not run under Elastic Horovod: it needs process sets "
+            "(one per host and per local rank), and Horovod 0.28.1's background loop aborts "
+            "the job when a worker is lost while process sets exist (seen here, and "
+            "horovod/horovod#4021), so elastic training would lose its fault tolerance; "
+            "use the flat exchange (drop 'hier:') with Elastic Horovod")
     if transport.size != hvd.size():
         raise ValueError("compression 'hier:' runs on Horovod's global process set (every "
                          f"worker); this optimizer's process set has {transport.size} of "

@@ -145,3 +145,13 @@ def test_joining_worker_takes_the_counters_and_starts_without_residuals(tmp_path
             if k.startswith("step/")} == counters
     assert not any(k.startswith("residual/") for k in new["compression"]["state"])
     assert any(k.startswith("residual/") for k in first["compression"]["state"])
+
+
+def test_hier_is_refused_under_elastic_naming_why(tmp_path):
+    """Horovod 0.28.1 aborts an elastic job that loses a worker while process sets exist
+    (tried: 2 hosts x 2 workers, hier:topk and even flat topk with dynamic process sets,
+    'Horovod background loop uncaught exception', exit 134), and hier: needs them: a
+    clear ValueError when the optimizer is built, not a crash at the first fault."""
+    rc, log = _elastic(tmp_path, ["localhost"], 1, WORKER, "refused", "hier:topk:density=0.1")
+    assert rc == 0, log[-3000:]
+    assert "REFUSED compression 'hier:' does not run under Elastic Horovod" in log, log[-3000:]

@@ -9,6 +9,8 @@ its compression state; rank 0 writes its final parameters.
 
 ``killed SPEC``: plain ``horovodrun -np 2`` (no Elastic); rank 1 exits at step 3.
 
+``refused SPEC``: building the optimizer under Elastic; prints the ValueError (``hier:``).
+
 ``reference SPEC COMMIT_FILE``: one process (plain ``python``, Horovod of size 1) that
 starts from a commit written above and runs the remaining steps on rank 0's data.
 """
@@ -160,5 +162,10 @@ if __name__ == "__main__":
         join(sys.argv[2])
     elif sys.argv[1] == "killed":
         killed(sys.argv[2])
+    elif sys.argv[1] == "refused":
+        try:
+            build(sys.argv[2])
+        except ValueError as e:
+            print("REFUSED", e, flush=True)
     else:
         reference(sys.argv[2], sys.argv[3])
