@@ -49,7 +49,7 @@ import weakref
 
 import numpy as np
 
-from .protocol import Transport, standard_traffic
+from .protocol import Transport, _collective, standard_traffic
 
 HEADER = 64                  #: bytes: arrived, done, generation, capacity (int64 each)
 DIRECTORY = "/dev/shm"
@@ -238,7 +238,7 @@ class SharedHost(Transport):
     def allreduce(self, tensor, name, inplace_of=None):
         a = self.to_numpy(tensor)
         if a is None:
-            return (yield from self.base.allreduce(tensor, name, inplace_of))
+            return (yield from _collective(self.base.allreduce(tensor, name, inplace_of)))
         parts, q = self._round(a)
         out = parts[0].copy()
         for p in parts[1:]:
@@ -250,7 +250,7 @@ class SharedHost(Transport):
     def reducescatter(self, tensor, name, sizes):
         a = self.to_numpy(tensor)
         if a is None or a.ndim != 1 or len(sizes) != self.size:
-            return (yield from self.base.reducescatter(tensor, name, sizes))
+            return (yield from _collective(self.base.reducescatter(tensor, name, sizes)))
         lo = sum(sizes[:self.rank])
         hi = lo + sizes[self.rank]
         parts, q = self._round(a)
@@ -264,7 +264,7 @@ class SharedHost(Transport):
     def allgather(self, tensors, name):
         arrays = [self.to_numpy(t) for t in tensors]
         if len(tensors) != 1 or arrays[0] is None:
-            return (yield from self.base.allgather(tensors, name))
+            return (yield from _collective(self.base.allgather(tensors, name)))
         a = arrays[0]
         # first dimensions may differ between workers: gather the lengths first
         lengths, q = self._round(np.array([a.shape[0] if a.ndim else 1], np.int64))

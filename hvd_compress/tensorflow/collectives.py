@@ -104,6 +104,20 @@ class HorovodTF(ProcessSetTransport):
                                  process_set=self.process_set).numpy().tolist()
 
 
+def host_array(tensor):
+    """A numpy copy of an eager CPU tensor, for the shared-memory collectives inside a
+    host (:mod:`hvd_compress.exchange.shared_host`); None inside a traced graph
+    (``tf.function``, Keras' compiled step), on a GPU, or for bfloat16: those go through
+    Horovod."""
+    if not tf.executing_eagerly() or not hasattr(tensor, "numpy") or \
+            tensor.dtype == tf.bfloat16 or "GPU" in (tensor.device or "").upper():
+        return None
+    return tensor.numpy()
+
+
+#: ``(to_numpy, from_numpy)`` for :func:`hvd_compress.hosts.hierarchy`
+HOST_ARRAYS = (host_array, tf.convert_to_tensor)
+
 _HIERARCHY = []
 
 
@@ -115,7 +129,8 @@ def hierarchy(compressors, process_set):
         return None
     if not _HIERARCHY:
         with tf.init_scope():
-            _HIERARCHY.append(hosts.hierarchy(hvd, HorovodTF, HorovodTF(process_set)))
+            _HIERARCHY.append(hosts.hierarchy(hvd, HorovodTF, HorovodTF(process_set),
+                                              HOST_ARRAYS))
     return _HIERARCHY[0]
 
 

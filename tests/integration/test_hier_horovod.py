@@ -175,9 +175,10 @@ def test_auto_switches_flat_to_hier_to_dense_and_leaves_no_residual_behind(jobs,
             assert host[0] == 0 and host[1] > 0 and host[2] == 0, host
 
 
-@pytest.mark.parametrize("via", ["torch", "harness"])
-def test_pytorch_workers_of_a_host_use_shared_memory(jobs, via):
+@pytest.mark.parametrize("via", VIA)
+def test_the_workers_of_a_host_use_shared_memory(jobs, via):
     """The aggregates above came through the shared-memory transport inside each host
-    (hvd_compress/exchange/shared_host.py); TensorFlow keeps Horovod's collectives."""
+    (hvd_compress/exchange/shared_host.py): PyTorch, and TensorFlow's eager tape (its
+    tf.function steps, the tensor-by-tensor case, go through Horovod's collectives)."""
     for rank in _ranks(jobs, via):
         assert str(rank["host_transport"]) == "SharedHost"

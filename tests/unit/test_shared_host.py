@@ -123,6 +123,34 @@ def test_tensors_shared_memory_does_not_take_go_through_the_base_transport():
     assert all(o.dtype == torch.bfloat16 and o.tolist() == [3.0] * 4 for o in out)
 
 
+class _AtOnce:
+    """A base transport whose collectives complete when called, as TensorFlow's do (not
+    generators): the shared-memory transport must hand their results back as they are."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size, self.ops = inner, inner.rank, inner.size, inner.ops
+
+    def allreduce(self, tensor, name, inplace_of=None):
+        gen = self.inner.allreduce(tensor, name)
+        try:
+            gen.send(next(gen).wait())
+        except StopIteration as stop:
+            return stop.value
+
+
+def test_a_base_whose_collectives_complete_at_once_tensorflows():
+    world = World(2, torch_ops, timeout=30)
+    token = np.random.randint(1 << 30)
+    shared = [sh.SharedHost(_AtOnce(world.transport(r)), token, *HOST_ARRAYS)
+              for r in range(2)]
+    out, errors = run_ranks(2, lambda r: _done(shared[r].allreduce(
+        torch.full((4,), float(r + 1), dtype=torch.bfloat16), "at_once"))[0], timeout=30)
+    for t in shared:
+        t.close()
+    assert errors == [None, None], errors
+    assert all(o.dtype == torch.bfloat16 and o.tolist() == [3.0] * 4 for o in out)
+
+
 def test_a_peer_that_never_arrives_is_an_error_naming_it_not_a_hang():
     def fn(r, t):
         if r == 1:

@@ -144,6 +144,8 @@ def tf_main(record):
         for n, g in step(comp, s).items():
             record[f"bucket|{s}|{n}"] = g
     record["bucket_order"] = np.array(list(reversed(SHAPES)))
+    from hvd_compress.tensorflow import collectives   # eager steps: shared memory inside
+    record["host_transport"] = np.array(type(collectives._HIERARCHY[0].local).__name__)
     for name in _piece_names():
         res = comp.residual(name)
         if res is not None:
