@@ -29,9 +29,10 @@ The counters are plain 8-byte stores and loads on a mapping shared between proce
 ordered by the data written before them: this relies on x86-64's store ordering
 (:func:`usable` says no elsewhere, and the glue keeps Horovod's collectives).  Tensors
 on a GPU, and anything else :func:`usable` refuses, go through the ``base`` transport
-(Horovod's process set of the host).  Files are removed when the transport is closed
-or the process exits (``atexit``); a killed worker can leave
-``/dev/shm/hvd_compress_*`` behind.
+(Horovod's process set of the host).  A worker removes each of its files once every
+peer has mapped it (when they have all finished the first collective that used it; the
+mappings stay valid), and at close or exit (``atexit``) whatever is left, so a worker
+killed after the host's first collectives leaves nothing in ``/dev/shm``.
 
 The transport is synchronous: its collectives complete when started (the protocol
 allows it: :func:`.protocol._collective`).  A worker blocks in one only until its host
@@ -132,7 +133,8 @@ class SharedHost(Transport):
         self.timeout = float(timeout)
         self.prefix = os.path.join(DIRECTORY, f"hvd_compress_{int(token)}")
         self.q = 0                               #: collectives done
-        self._created = []                       #: files this worker owns (removed at close)
+        self._created = []                       #: files this worker made, not yet removed
+        self._made_at = {}                       #: file -> the collective that first uses it
         self._gen = 0
         self._mine = self._own(1 << 20)
         self._peers = {}                         #: local rank -> (generation, _File)
@@ -146,8 +148,20 @@ class SharedHost(Transport):
     def _own(self, capacity):
         f = _File(self._path(self.rank, self._gen), HEADER + capacity, create=True)
         self._created.append(f.path)
+        self._made_at[f.path] = self.q + 1
         f.head[3] = capacity
         return f
+
+    def _unlink_mapped(self, done):
+        """Remove this worker's files that every peer has mapped: those first used by a
+        collective every peer has finished (``done``).  The mappings stay valid, and a
+        worker killed later leaves nothing in ``/dev/shm``."""
+        for path in [p for p in self._created if self._made_at[p] <= done]:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self._created.remove(path)
 
     def _grow(self, nbytes):
         """A slot of at least ``nbytes``: a new file, counters carried over; the peers
@@ -208,6 +222,8 @@ class SharedHost(Transport):
         deadline = time.monotonic() + self.timeout
         q = self.q + 1
         self._wait(1, q - 1, deadline, f"finish collective {q - 1}")   # slots free again
+        if self._created:
+            self._unlink_mapped(q - 1)
         self._grow(array.nbytes)
         mine = self._mine
         mine.data(array.dtype, array.size)[:] = array.reshape(-1)

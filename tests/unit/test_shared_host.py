@@ -163,12 +163,27 @@ def test_a_peer_that_never_arrives_is_an_error_naming_it_not_a_hang():
         str(errors[0])
 
 
-def test_files_are_removed_when_closed():
+def test_files_leave_dev_shm_once_every_peer_has_mapped_them():
+    """A worker killed after the first collectives leaves nothing behind: each file is
+    removed once every peer has finished a collective that used it (the first file
+    after collective 1, a grown one after the collective that grew it), while the
+    mappings keep working."""
     token = np.random.randint(1 << 30)
-    out, errors = _run(2, lambda r, t: _done(t.allreduce(torch.ones(300_000), "x")),
-                       token=token)
-    assert errors == [None] * 2
-    assert not [f for f in os.listdir(sh.DIRECTORY) if f.startswith(f"hvd_compress_{token}_")]
+
+    def files():
+        return sorted(f for f in os.listdir(sh.DIRECTORY) if f.startswith(f"hvd_compress_{token}_"))
+
+    def fn(r, t):
+        seen = []
+        for n in (10, 10, 400_000, 10, 10):          # the third grows every slot
+            _done(t.allreduce(torch.ones(n), "x"))
+            seen.append(len(files()))
+        return seen
+
+    out, errors = _run(2, fn, token=token)
+    assert errors == [None] * 2, errors
+    assert all(seen[0] >= 1 and seen[-1] == 0 for seen in out), out   # own file, then none
+    assert files() == []
 
 
 def test_every_worker_of_the_host_must_agree_or_the_host_keeps_horovods(monkeypatch):
