@@ -140,3 +140,10 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Everything is written.  Skip the interpreter's teardown: a Gloo thread torch leaves
+    # behind still aborts a rank there now and then ("terminate called without an
+    # active exception", exit -6; seen 2026-11-25 in about 1 of 3 runs, also after
+    # destroy_process_group), which says nothing about what was tested.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
