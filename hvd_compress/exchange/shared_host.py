@@ -93,7 +93,7 @@ class _File:
         finally:
             if fd is not None:
                 os.close(fd)
-        self.path, self.size = path, size
+        self.path = path
         self.head = np.frombuffer(self.map, np.int64, 4, 0)
 
     def data(self, dtype, count):
@@ -128,7 +128,6 @@ class SharedHost(Transport):
 
     def __init__(self, base, token, to_numpy, from_numpy, timeout=300.0):
         self.base, self.ops = base, base.ops
-        self.rank, self.size = base.rank, base.size
         self.to_numpy, self.from_numpy = to_numpy, from_numpy
         self.timeout = float(timeout)
         self.prefix = os.path.join(DIRECTORY, f"hvd_compress_{int(token)}")
@@ -140,6 +139,14 @@ class SharedHost(Transport):
         self._peers = {}                         #: local rank -> (generation, _File)
         self._closer = weakref.finalize(self, _remove, self._created)
         atexit.register(self._closer)
+
+    @property
+    def rank(self):
+        return self.base.rank
+
+    @property
+    def size(self):
+        return self.base.size
 
     # -- files ----------------------------------------------------------------------------
     def _path(self, rank, gen):
@@ -237,6 +244,14 @@ class SharedHost(Transport):
         self.q = q
         self._mine.head[1] = q
 
+    def _sum(self, parts, lo, hi):
+        """``parts[0][lo:hi] + parts[1][lo:hi] + ...``, in local-rank order (a copy:
+        the slots are written again after :meth:`_done`)."""
+        out = parts[0][lo:hi].copy()
+        for p in parts[1:]:
+            out += p[lo:hi]
+        return out
+
     def close(self):
         """Unmap and remove this worker's files (also at exit)."""
         for _, f in self._peers.values():
@@ -256,9 +271,7 @@ class SharedHost(Transport):
         if a is None:
             return (yield from _collective(self.base.allreduce(tensor, name, inplace_of)))
         parts, q = self._round(a)
-        out = parts[0].copy()
-        for p in parts[1:]:
-            out += p
+        out = self._sum(parts, 0, a.size)
         self._done(q)
         out = self.from_numpy(out.reshape(a.shape))
         return (out,) + standard_traffic(self.ops, "allreduce", tensor, out, self.size)
@@ -270,9 +283,7 @@ class SharedHost(Transport):
         lo = sum(sizes[:self.rank])
         hi = lo + sizes[self.rank]
         parts, q = self._round(a)
-        out = parts[0][lo:hi].copy()
-        for p in parts[1:]:
-            out += p[lo:hi]
+        out = self._sum(parts, lo, hi)
         self._done(q)
         out = self.from_numpy(out)
         return (out,) + standard_traffic(self.ops, "reducescatter", tensor, out, self.size)
