@@ -13,11 +13,14 @@ Packing: ``g = lcm(bits, 8) / bits`` codes fill ``lcm(bits, 8) / 8`` bytes, litt
 endian (4 bits: 2 codes/byte; 6: 4 codes/3 bytes; 8: 1/byte; 12: 2/3 bytes;
 16: 1/2 bytes).  Codes are padded to whole groups.
 
-Many segments with an exponent each (a bucket's tensors, the gathered ranks' tensors) in
-a fixed number of launches: :mod:`.rangefloat_segments`.
+This module holds the format, the torch references, the CPU path (table lookups) and the
+launchers for one tensor.  The Triton kernels live in :mod:`.rangefloat_segments`, which
+codes many segments with an exponent each (a bucket's tensors, the gathered ranks'
+tensors) in a fixed number of launches; one tensor is the same kernels without a block
+table (``TABLE=False``).
 
-Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
-own package.
+Imports: the standard library, numpy, torch; and modules of its own package (which
+import Triton on first launch).
 """
 import functools
 import math
@@ -25,7 +28,7 @@ import math
 import numpy as np
 import torch
 
-from ._backend import count_launch, pick_backend
+from ._backend import pick_backend
 
 SPLITS = {4: (2, 1), 6: (3, 2), 8: (4, 3), 12: (5, 6), 16: (5, 10)}   # bits: (e, m)
 
@@ -34,67 +37,6 @@ def group(bits):
     """``(codes per group, bytes per group)`` for a code width."""
     lcm = bits * 8 // math.gcd(bits, 8)
     return lcm // bits, lcm // 8
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """Import Triton and define the kernels (once, on first launch)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _encode_kernel(x_ptr, emax_ptr, out_ptr, n, n_groups, E_BITS: tl.constexpr,
-                       M_BITS: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
-                       BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        grp = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        lane = tl.arange(0, G)
-        idx = grp[:, None] * G + lane[None, :]
-        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-        bits = x.to(tl.int32, bitcast=True)
-        sign = (bits >> 31) & 1
-        expf = (bits >> 23) & 0xFF
-        mant = bits & 0x7FFFFF
-        shift: tl.constexpr = 23 - M_BITS
-        q = (mant + (1 << (shift - 1))) >> shift
-        carry = q >> M_BITS
-        q = q & ((1 << M_BITS) - 1)
-        q = tl.where((expf == 255) & (mant != 0), (1 << M_BITS) - 1, q)      # NaN stays NaN
-        c = tl.load(emax_ptr) - (expf - 127 + carry) + 1
-        q = tl.where(c < 1, (1 << M_BITS) - 1, q)
-        c = tl.where(c < 1, 1, c)
-        zero = (expf == 0) | (c > (1 << E_BITS) - 1)
-        code = tl.where(zero, 0, (sign << (E_BITS + M_BITS)) | (c << M_BITS) | q).to(tl.int64)
-        word = tl.sum(code << ((E_BITS + M_BITS + 1) * lane[None, :]).to(tl.int64), axis=1)
-        byte = tl.arange(0, 4)
-        out = ((word[:, None] >> (8 * byte[None, :]).to(tl.int64)) & 0xFF).to(tl.uint8)
-        tl.store(out_ptr + grp[:, None] * NB + byte[None, :], out,
-                 mask=(grp < n_groups)[:, None] & (byte < NB)[None, :])
-
-    @triton.jit
-    def _decode_kernel(in_ptr, emax_ptr, out_ptr, n_groups, emax_stride, E_BITS: tl.constexpr,
-                       M_BITS: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
-                       BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        grp = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        byte = tl.arange(0, 4)
-        ok = grp < n_groups
-        raw = tl.load(in_ptr + grp[:, None] * NB + byte[None, :],
-                      mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
-        word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
-        lane = tl.arange(0, G)
-        B: tl.constexpr = E_BITS + M_BITS + 1
-        code = ((word[:, None] >> (B * lane[None, :]).to(tl.int64)) & ((1 << B) - 1)).to(tl.int32)
-        sign = (code >> (E_BITS + M_BITS)) & 1
-        c = (code >> M_BITS) & ((1 << E_BITS) - 1)
-        q = code & ((1 << M_BITS) - 1)
-        emax = tl.load(emax_ptr + grp * emax_stride, mask=ok, other=0)   # stride 0: one exponent
-        expf = emax[:, None] - c + 1 + 127
-        bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
-        value = tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))
-        tl.store(out_ptr + grp[:, None] * G + lane[None, :], value, mask=ok[:, None])
-
-    return triton, _encode_kernel, _decode_kernel
 
 
 def max_exponent(x):
@@ -277,16 +219,9 @@ def encode(x, emax, e, m, backend=None, block=256):
     """Pack the rangefloat codes of flat ``x`` into bytes (kernel on CUDA)."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return encode_cpu(x, emax, e, m)
-    triton, encode_kernel, _ = _kernels()
-    x = x.reshape(-1).contiguous()
-    g, nb = group(1 + e + m)
-    n_groups = -(-x.numel() // g)
-    out = torch.empty(n_groups * nb, dtype=torch.uint8, device=x.device)
+    from .rangefloat_segments import encode_flat
     emax = torch.as_tensor(emax, dtype=torch.int32, device=x.device).reshape(1)
-    count_launch("rangefloat_encode")
-    encode_kernel[(triton.cdiv(n_groups, block),)](x, emax, out, x.numel(), n_groups, E_BITS=e,
-                                                   M_BITS=m, G=g, NB=nb, BLOCK=block)
-    return out
+    return encode_flat(x.reshape(-1).contiguous(), emax, e, m, block)
 
 
 def decode(data, emax_per_group, e, m, backend=None, block=256, out=None):
@@ -299,17 +234,12 @@ def decode(data, emax_per_group, e, m, backend=None, block=256, out=None):
             emax_per_group = emax_per_group.reshape(1).expand(data.numel() // group(1 + e + m)[1])
         got = decode_cpu(data, emax_per_group, e, m)
         return got if out is None else out[:got.numel()].copy_(got)
-    triton, _, decode_kernel = _kernels()
+    from .rangefloat_segments import decode_flat
     g, nb = group(1 + e + m)
-    n_groups = data.numel() // nb
     if out is None:
-        out = torch.empty(n_groups * g, dtype=torch.float32, device=data.device)
+        out = torch.empty(data.numel() // nb * g, dtype=torch.float32, device=data.device)
     emax = emax_per_group.to(torch.int32).reshape(-1).contiguous()
-    count_launch("rangefloat_decode")
-    decode_kernel[(triton.cdiv(n_groups, block),)](data.contiguous(), emax, out, n_groups,
-                                                   0 if emax.numel() == 1 else 1,
-                                                   E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block)
-    return out
+    return decode_flat(data.contiguous(), emax, e, m, block, out)
 
 
 def decode_ranks(data, emax, counts, e, m, backend=None):

@@ -22,6 +22,10 @@ end to end (each segment's codes padded to whole groups), with the exponent of
   segments end to end.  The headers are checked on the device and read back in one
   host synchronisation with the sizes (none where the counts are known on the host).
 
+The same two kernels code a single tensor for :mod:`.rangefloat` (``encode_flat``,
+``decode_flat``): with ``TABLE=False`` program ``i`` takes values ``[i * block,
+(i + 1) * block)`` of one segment, and decoding may take an exponent per group.
+
 Tables: programs walk blocks of ``block`` values (a multiple of every group size) that
 never straddle two segments.  Counts known on the host (a bucket's layout): the table of
 :func:`.segmented.block_table`, built once per layout.  Counts on the device (a
@@ -60,12 +64,20 @@ def _kernels():
 
     @triton.jit
     def _encode_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
-                       out_ptr, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
-                       NB: tl.constexpr, BLOCK: tl.constexpr):
+                       out_ptr, n, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
+                       NB: tl.constexpr, BLOCK: tl.constexpr, TABLE: tl.constexpr):
+        # TABLE: the block of a segment from the table; else one segment of n values
         pid = tl.program_id(0)
-        start = tl.load(starts_ptr + pid)
-        stop = tl.load(stops_ptr + pid)
-        s = tl.load(segs_ptr + pid)
+        if TABLE:
+            start = tl.load(starts_ptr + pid)
+            stop = tl.load(stops_ptr + pid)
+            s = tl.load(segs_ptr + pid)
+            first = tl.load(gstart_ptr + s) + (start - tl.load(vstart_ptr + s)) // G
+        else:
+            start = pid.to(tl.int64) * BLOCK
+            stop = n
+            s = 0
+            first = start // G
         GROUPS: tl.constexpr = BLOCK // G
         grp = tl.arange(0, GROUPS)
         lane = tl.arange(0, G)
@@ -88,23 +100,32 @@ def _kernels():
         word = tl.sum(code << ((E_BITS + M_BITS + 1) * lane[None, :]).to(tl.int64), axis=1)
         byte = tl.arange(0, 4)
         out = ((word[:, None] >> (8 * byte[None, :]).to(tl.int64)) & 0xFF).to(tl.uint8)
-        at = tl.load(gstart_ptr + s) + (start - tl.load(vstart_ptr + s)) // G + grp   # out group
+        at = first + grp                                                   # out group
         tl.store(out_ptr + at[:, None] * NB + byte[None, :], out,
                  mask=((start + grp * G) < stop)[:, None] & (byte < NB)[None, :])
 
     @triton.jit
     def _decode_kernel(in_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
-                       out_ptr, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
-                       NB: tl.constexpr, BLOCK: tl.constexpr):
+                       out_ptr, n, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
+                       NB: tl.constexpr, BLOCK: tl.constexpr, TABLE: tl.constexpr,
+                       PER_GROUP: tl.constexpr):
+        # TABLE: as in _encode_kernel; PER_GROUP (without TABLE): an exponent per group
         pid = tl.program_id(0)
-        start = tl.load(starts_ptr + pid)
-        stop = tl.load(stops_ptr + pid)
-        s = tl.load(segs_ptr + pid)
+        if TABLE:
+            start = tl.load(starts_ptr + pid)
+            stop = tl.load(stops_ptr + pid)
+            s = tl.load(segs_ptr + pid)
+            first = tl.load(gstart_ptr + s) + (start - tl.load(vstart_ptr + s)) // G
+        else:
+            start = pid.to(tl.int64) * BLOCK
+            stop = n
+            s = 0
+            first = start // G
         GROUPS: tl.constexpr = BLOCK // G
         grp = tl.arange(0, GROUPS)
         byte = tl.arange(0, 4)
         ok = (start + grp * G) < stop
-        at = tl.load(gstart_ptr + s) + (start - tl.load(vstart_ptr + s)) // G + grp   # in group
+        at = first + grp                                                   # in group
         raw = tl.load(in_ptr + at[:, None] * NB + byte[None, :],
                       mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
         word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
@@ -114,7 +135,11 @@ def _kernels():
         sign = (code >> (E_BITS + M_BITS)) & 1
         c = (code >> M_BITS) & ((1 << E_BITS) - 1)
         q = code & ((1 << M_BITS) - 1)
-        expf = tl.load(emax_ptr + s) - c + 1 + 127
+        if PER_GROUP:
+            emax = tl.load(emax_ptr + at, mask=ok, other=0)[:, None]
+        else:
+            emax = tl.load(emax_ptr + s)
+        expf = emax - c + 1 + 127
         bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
         value = tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))
         idx = start + grp[:, None] * G + lane[None, :]
@@ -257,8 +282,8 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK):
     out = torch.empty(total * nb, dtype=torch.uint8, device=x.device)
     count_launch("rangefloat_encode_segments")
     kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, table.vstart,
-                                    table.gstart, emax, out, E_BITS=e, M_BITS=m, G=g, NB=nb,
-                                    BLOCK=block)
+                                    table.gstart, emax, out, 0, E_BITS=e, M_BITS=m, G=g, NB=nb,
+                                    BLOCK=block, TABLE=True)
     return out, torch.stack([emax, counts.to(torch.int32)], 1).reshape(-1)
 
 
@@ -311,6 +336,38 @@ def decode_segments(data, emax, counts, e, m, total=None, lengths=None, backend=
     count_launch("rangefloat_decode_segments")
     kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
                                     table.vstart, table.gstart,
-                                    emax.to(torch.int32).reshape(-1).contiguous(), out,
-                                    E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block)
+                                    emax.to(torch.int32).reshape(-1).contiguous(), out, 0,
+                                    E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
+                                    PER_GROUP=False)
+    return out
+
+
+# -- one segment, no table: the launchers of :mod:`.rangefloat` ---------------------------
+
+def encode_flat(x, emax, e, m, block):
+    """:func:`.rangefloat.encode` on CUDA: flat ``x`` with the exponent ``emax`` (int32, one
+    element, on the device) in one launch of the encode kernel, ``block`` groups per
+    program, no table."""
+    triton, _, kernel, _ = _kernels()
+    g, nb = group(1 + e + m)
+    n_groups = -(-x.numel() // g)
+    out = torch.empty(n_groups * nb, dtype=torch.uint8, device=x.device)
+    count_launch("rangefloat_encode")
+    kernel[(triton.cdiv(n_groups, block),)](x, x, x, x, x, x, emax, out, x.numel(), E_BITS=e,
+                                            M_BITS=m, G=g, NB=nb, BLOCK=block * g, TABLE=False)
+    return out
+
+
+def decode_flat(data, emax, e, m, block, out):
+    """:func:`.rangefloat.decode` on CUDA: every group of ``data`` (``g`` values each,
+    padding included) into ``out``, with one exponent (``emax`` of one element) or one per
+    group, in one launch of the decode kernel, ``block`` groups per program."""
+    triton, _, _, kernel = _kernels()
+    g, nb = group(1 + e + m)
+    n_groups = data.numel() // nb
+    count_launch("rangefloat_decode")
+    kernel[(triton.cdiv(n_groups, block),)](data, data, data, data, data, data, emax, out,
+                                            n_groups * g, E_BITS=e, M_BITS=m, G=g, NB=nb,
+                                            BLOCK=block * g, TABLE=False,
+                                            PER_GROUP=emax.numel() != 1)
     return out

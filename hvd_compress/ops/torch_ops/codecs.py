@@ -82,8 +82,12 @@ def rangefloat_decode(data, emax_per_group, e, m):
 
 def rangefloat_decode_ranks(data, emax, counts, e, m):
     """Fast path of the codec's decode: every rank's values, unpadded, decoded rank by
-    rank with one exponent each (CPU: a table per exponent; CUDA: one kernel per rank)."""
-    from ...kernels import rangefloat
+    rank with one exponent each (CPU: a table per exponent; CUDA: one kernel per rank).
+    None for a GPU tensor with ``HVD_COMPRESS_BACKEND=torch`` (the CPU path reads numpy):
+    the codec's generic decode runs there."""
+    from ...kernels import pick_backend, rangefloat
+    if pick_backend(data) == "torch" and data.device.type != "cpu":
+        return None
     return rangefloat.decode_ranks(data, emax, counts, e, m)
 
 
