@@ -160,10 +160,9 @@ class LaplaceTopK(DensitySparsifier):
         fit, bracket and tolerance; the final band is ranked within each tensor.  No
         framework top-k for small tensors here: one search serves the whole bucket."""
         T = len(lay.numels)
-        ks = [self.k(n) for n in lay.numels]
+        tol = 0.0 if self.exact else self.tol
+        k_t, slack, n_t = bucket_constants(self, lay, tol, ops, flat)
         seg = ops.segment_ids(lay, flat)
-        k_t = ops.segment_constant(ks, ops.int64, flat)
-        n_t = ops.segment_constant([float(n) for n in lay.numels], ops.float32, flat)
         abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
         t_cand = 0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)
         values, idx = ops.segment_compact_above(flat, t_cand, seg, lay)
@@ -174,17 +173,29 @@ class LaplaceTopK(DensitySparsifier):
             values, idx = ops.segment_compact_above(flat, t_cand, seg, lay)
             cseg = ops.gather(seg, idx)
         grid = ops.search_grid(flat)
-        return search_segments(ops, ops.abs(ops.to_float32(values)), idx, cseg, T, k_t, ks,
+        return search_segments(ops, ops.abs(ops.to_float32(values)), idx, cseg, T, k_t, slack,
                                t_cand, abs_max,
                                passes=exact_passes(grid) if self.exact else self.passes,
-                               tol=0.0 if self.exact else self.tol, grid=grid)
+                               tol=tol, grid=grid)
 
 
-def search_segments(ops, a, idx, seg, T, k_t, ks, lo, hi, passes, tol, grid):
+def bucket_constants(self, lay, tol, ops, like):
+    """Per-tensor ``k``, ``slack = floor(tol * k)`` (int64) and ``n`` (float32) of the
+    bucket ``lay`` on ``like``'s device, made once per (density, tol, layout, device)."""
+    k_t = ops.layout_constant(("k", self.density), lay,
+                              lambda: [self.k(n) for n in lay.numels], ops.int64, like)
+    slack = ops.layout_constant(("slack", self.density, tol), lay,
+                                lambda: [int(math.floor(tol * self.k(n))) for n in lay.numels],
+                                ops.int64, like)
+    n_t = ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32, like)
+    return k_t, slack, n_t
+
+
+def search_segments(ops, a, idx, seg, T, k_t, slack, lo, hi, passes, tol, grid):
     """:func:`search_exact_k` for ``T`` tensors at once: ``a`` (magnitudes of candidates
-    at bucket indices ``idx``, tensor ``seg`` ascending), ``k_t``/``ks`` per tensor,
-    brackets ``lo``/``hi`` per tensor.  Returns the bucket indices to send."""
-    slack = ops.segment_constant([int(math.floor(tol * k)) for k in ks], ops.int64, a)
+    at bucket indices ``idx``, tensor ``seg`` ascending), ``k_t`` and ``slack`` (the
+    count's allowed miss) per tensor, brackets ``lo``/``hi`` per tensor.  Returns the
+    bucket indices to send."""
     lo_b, hi_b = ops.float_bits(lo), ops.float_bits(hi)
     ends = ops.segment_count_above(a, seg, ops.bits_float(ops.stack_cols([lo_b, hi_b])))
     c_lo, c_hi = ends[:, 0], ends[:, 1]
@@ -297,13 +308,7 @@ def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):
     index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
     with fewer than k nonzero entries sends them all.
     """
-    tol = 0.0 if self.exact else self.tol
-    k_t = ops.layout_constant(("k", self.density), lay,
-                              lambda: [self.k(n) for n in lay.numels], ops.int64, flat)
-    slack = ops.layout_constant(("slack", self.density, tol), lay,
-                                lambda: [int(math.floor(tol * self.k(n))) for n in lay.numels],
-                                ops.int64, flat)
-    n_t = ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32, flat)
+    k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
     abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
     state = ops.search_start(ops.float_bits(0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)),

@@ -37,10 +37,11 @@ convolution kernels (``twobit_pack``, ``kernel_matrix``, ...), and range-based f
 block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers
 (``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``); and the size cut-off
 ``small_topk_below``; buckets (``concat``, ``split``, ``segment_ids``,
-``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,
+``layout_constant`` (a bucket's per-tensor k, n, ...: made once per layout and device
+in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,
 ``segment_counts``, ``segment_sum_int``, ``rows_max``/``rows_min``, ``split_sizes``,
 ``host_all``, and the choice ``segmented_search``); laplace_topk's fused search
-(``fused=1``: ``layout_constant``, ``bucket_blocks``, ``search_start``,
+(``fused=1``: ``bucket_blocks``, ``search_start``,
 ``segment_histogram``, ``histogram_pick``, ``band_select``, all PyTorch only: TensorFlow's
 ``histogram_search_supported`` is False and they raise NotImplementedError there);
 bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_segments``,

@@ -232,6 +232,24 @@ def test_bucketed_laplace_topk_counts_per_tensor_within_tolerance(spec):
                 assert abs(count - k) <= c.tol * k + 1, (step, n, count, k)
 
 
+@pytest.mark.parametrize("spec", ["laplace_topk:density=0.03,exact=1",
+                                  "laplace_topk:density=0.01,tol=0.05"])
+def test_tensorflow_segmented_search_equals_torch(spec):
+    """The bucket search written once: TensorFlow (eager and tf.function, its per-tensor
+    k and slack graph constants) selects what PyTorch selects."""
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.ops import tf_ops
+    lengths = [1, 30, 5000, 7, 20_000]
+    lay = buckets.layout([f"t{i}" for i in range(len(lengths))], [(n,) for n in lengths])
+    x = data(lengths, seed=9).cpu()
+    c = hvd_compress.from_spec(spec)
+    want = sorted(c.select_segmented(x, lay, torch_ops).tolist())
+    eager = c.select_segmented(tf.constant(x.numpy()), lay, tf_ops)
+    graph = tf.function(lambda t: c.select_segmented(t, lay, tf_ops))(tf.constant(x.numpy()))
+    assert sorted(eager.numpy().tolist()) == want
+    assert sorted(graph.numpy().tolist()) == want
+
+
 def test_segmented_exact_search_is_the_k_largest_of_each_tensor():
     lengths = [1, 30, 5000, 7, 20_000]
     lay = buckets.layout([f"t{i}" for i in range(len(lengths))], [(n,) for n in lengths])

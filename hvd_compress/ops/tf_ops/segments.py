@@ -20,8 +20,10 @@ def segment_ids(layout, like):
     return _tf.repeat(_tf.range(len(layout.numels), dtype=_tf.int32), lengths)
 
 
-def segment_constant(values, dtype, like):
-    return _tf.constant(values, dtype=dtype)
+def layout_constant(what, layout, values, dtype, like):
+    """A small per-tensor constant of a bucket (k, n, ...): the list ``values()`` returns
+    (a graph constant inside tf.function; nothing to cache)."""
+    return _tf.constant(list(values()), dtype=dtype)
 
 
 def segment_abs_sum_max(flat, layout):
@@ -88,5 +90,5 @@ def _torch_only(*_args, **_kw):
     raise NotImplementedError("laplace_topk's fused search (fused=1) runs on PyTorch tensors only")
 
 
-layout_constant = bucket_blocks = search_start = _torch_only
+bucket_blocks = search_start = _torch_only
 segment_histogram = histogram_pick = band_select = _torch_only

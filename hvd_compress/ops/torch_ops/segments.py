@@ -41,11 +41,6 @@ def segment_ids(layout, like):
                        lambda: segmented.segment_ids(layout.numels, like.device))
 
 
-def segment_constant(values, dtype, like):
-    """A small per-segment constant (k, n) on ``like``'s device."""
-    return _torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)
-
-
 def segment_abs_sum_max(flat, layout):
     """float32 ``(sum|x|, max|x|)`` per tensor of a bucket (one pass; Triton on CUDA)."""
     from ...kernels import pick_backend, segmented
