@@ -1,6 +1,7 @@
 """Counting what a bucket exchange costs on the CUDA code path: Triton launches (the
-launchers' own counter, ``hvd_compress.kernels.counting_launches``) and framework (ATen)
-ops (a ``TorchDispatchMode``).  Run with ``HVD_COMPRESS_BACKEND=triton``, so on CPU
+launchers' own counter, ``hvd_compress.kernels.counting_launches``), framework (ATen)
+ops (a ``TorchDispatchMode``) and the calls that synchronise with the host on CUDA
+(:class:`CountSyncs`).  Run with ``HVD_COMPRESS_BACKEND=triton``, so on CPU
 tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, conftest.py)."""
 import collections
 
@@ -22,6 +23,93 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+#: ATen ops whose output size or result the host must read on CUDA: each waits for the device
+SYNC_OPS = frozenset({"aten.nonzero.default", "aten.masked_select.default",
+                      "aten._unique2.default", "aten.unique_consecutive.default",
+                      "aten.unique_dim.default", "aten.bincount.default",
+                      "aten._local_scalar_dense.default"})     # item(), int(), bool(), float()
+
+
+class CountSyncs(TorchDispatchMode):
+    """The calls inside the block that synchronise with the host on CUDA (``.syncs``: a
+    Counter by call), counted on any device, so the CPU run of the CUDA code path checks
+    them: the ops of :data:`SYNC_OPS`, ``repeat_interleave`` without ``output_size``,
+    indexing with a boolean mask, and ``Tensor.tolist`` (which no dispatch mode sees on
+    the CPU: patched for the block).  Host-to-device copies of Python values are not
+    seen.  On a GPU, ``torch.cuda.set_sync_debug_mode`` counts the real ones
+    (tests/gpu/test_gpu_sync.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = collections.Counter()
+        self._tolist = None
+
+    def __enter__(self):
+        tolist, syncs = torch.Tensor.tolist, self.syncs
+
+        def counted(t):
+            syncs["Tensor.tolist"] += 1
+            return tolist(t)
+        self._tolist, torch.Tensor.tolist = tolist, counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in SYNC_OPS:
+            self.syncs[name] += 1
+        elif name == "aten.repeat_interleave.Tensor" and (kwargs or {}).get("output_size") is None:
+            self.syncs[name] += 1
+        elif name.startswith(("aten.index.Tensor", "aten.index_put")) and any(
+                i is not None and i.dtype == torch.bool for i in args[1]):
+            self.syncs[name + " (boolean mask)"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+#: spec: (compress, decompress) host synchronisations of one bucket exchange on the CUDA
+#: code path (decompress: two ranks' payloads), whatever its number of tensors
+BUCKET_SYNCS = {
+    # the payload length with the NaN/Inf flag; the indices' range
+    "laplace_topk:density=0.01,fused=1": (1, 1),
+    # ... and the values' headers, read back with the indices' range
+    "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 1),
+    "laplace_topk:density=0.01,fused=1,exact=1": (1, 1),
+    # the grid search: the count check of the candidates, the compaction's length
+    "laplace_topk:density=0.01": (2, 1),
+    "topk:density=0.01": (1, 1),
+    "topk:density=0.01,values=rangefloat8": (1, 1),
+    "twobit": (1, 0),
+    "rangefloat:bits=8": (1, 1),
+    # the band count; the indices' range with the headers (its own payload: no check)
+    "dct:density=0.01": (1, 1),
+}
+
+
+def exchange_syncs(T, spec, data, size=1000, counter=None):
+    """``(compress, decompress)`` host synchronisations of a bucket of ``T`` tensors
+    (decompress: two ranks' payloads), after a warm-up: with :class:`CountSyncs` (two
+    Counters), or ``counter(fn) -> (count, result)`` (two ints; on a GPU, its sync-debug
+    count)."""
+    lay = layout([f"t{i}" for i in range(T)], [(size + 37 * i,) for i in range(T)])
+    c = hvd_compress.from_spec(spec)
+    for step in range(2):
+        flat = data(lay.total, step)
+        if counter is not None:
+            comp, (payload, ctx) = counter(lambda: c.compress_bucket(flat, lay))
+            dec, _ = counter(lambda: c.decompress_bucket(tuple(torch.cat([p, p])
+                                                               for p in payload), ctx))
+            continue
+        with CountSyncs() as comp:
+            payload, ctx = c.compress_bucket(flat, lay)
+        with CountSyncs() as dec:
+            c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
+        comp, dec = comp.syncs, dec.syncs
+    return comp, dec
 
 
 def one_exchange(T, spec, data, size=1000):

@@ -122,6 +122,14 @@ class DCTSparse(DensitySparsifier):
                        lambda: ops.arange(cctx.numel, coefs))
         return self._payload(coefs, idx, cctx, ops), finite
 
+    def subtract_sent(self, compensated, payload, ctx, ops, inplace):
+        """``c - IDCT(scatter(own payload))``: this rank's own payload, decoded with its
+        known count and unchecked indices (no host synchronisation)."""
+        values, idx = self.own_values(payload, ops)
+        coefs = ops.scatter_sum(self.domain_ctx(ctx).numel, idx, values, ops.float32)
+        sent = ops.cast(self.from_domain(coefs, ctx, ops), compensated.dtype)
+        return ops.subtract(compensated, sent, inplace)
+
     def decode(self, payload, ctx, ops):
         lay = ctx.bucket
         if lay is not None and len(payload) == 3:

@@ -87,11 +87,14 @@ class RangeFloatCodec:
         parts = [self.encode(v, ops) for v in pieces]
         return ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])
 
-    def decode(self, data, headers, ops, lengths=None, total=None):
+    def decode(self, data, headers, ops, lengths=None, total=None, check=None):
         """Every header's values, unpadded, end to end.  ``lengths``: the counts the
         headers hold, known on the host (this rank's own payload), so not checked;
         ``total``: only their sum known on the host (a sparsifier's own payload: its
-        number of indices), so not checked either (no host synchronisation)."""
+        number of indices), so not checked either (no host synchronisation).
+        ``check``: a sparsifier's ``ops.index_check`` of its indices, verified in the
+        headers' host synchronisation where the kernels run (else left to its
+        ``finish``)."""
         n_words = ops.length(headers)
         if isinstance(n_words, int) and n_words % 2:
             raise ValueError(f"rangefloat: a header of {n_words} int32 values is not a whole "
@@ -101,7 +104,7 @@ class RangeFloatCodec:
         n_bytes = ops.length(data)                     # a tensor inside tf.function: no check
         # where the kernels run: every header's segment in one launch, checked in one sync
         fast = ops.rangefloat_decode_segments(data, emax, counts, self.e, self.m, lengths,
-                                              total)
+                                              total, check)
         if fast is not None:
             values, expected, odd = fast
             if values is None:

@@ -86,29 +86,37 @@ class Sparsifier(Compressor):
         distinct); the same bits as the dense subtraction."""
         if not self.sparse_residual:
             return super().subtract_sent(compensated, payload, ctx, ops, inplace)
-        if self.codec is None:
-            values, idx = payload
-        else:                      # its own payload: as many values as indices, unchecked
-            idx = payload[2]
-            values = self.codec.decode(payload[0], payload[1], ops, total=ops.length(idx))
+        values, idx = self.own_values(payload, ops)
         return ops.subtract_at(compensated, idx, values, inplace)
+
+    def own_values(self, payload, ops):
+        """``(values, indices)`` of this rank's *own* payload: the values decoded knowing
+        that there are as many as indices, nothing checked (no host synchronisation)."""
+        if self.codec is None:
+            return payload
+        idx = payload[2]
+        return self.codec.decode(payload[0], payload[1], ops, total=ops.length(idx)), idx
 
     def decode(self, payload, ctx, ops):
         parts = 2 if self.codec is None else 3
         if len(payload) != parts:
             raise ValueError(f"{self.name}: a payload is ({'values' if parts == 2 else 'bytes, header'}"
                              f", indices), got {len(payload)} tensors")
+        idx = payload[-1]
+        # the indices' range check: read back with the values' header check where that
+        # makes a host readback anyway (values=rangefloat* on CUDA), else on its own
+        check = ops.index_check(idx, ctx.numel, f"{self.name} ({ctx.name or 'tensor'})")
         if self.codec is None:
-            values, idx = payload
+            values = payload[0]
         else:
             try:
-                values, idx = self.codec.decode(payload[0], payload[1], ops), payload[2]
+                values = self.codec.decode(payload[0], payload[1], ops, check=check)
             except ValueError as e:
                 raise ValueError(f"{self.name} ({ctx.name or 'tensor'}) values: {e}") from None
         nv, ni = ops.length(values), ops.length(idx)
         if isinstance(nv, int) and isinstance(ni, int) and nv != ni:
             raise ValueError(f"{self.name}: payload has {nv} values but {ni} indices")
-        ops.check_indices(idx, ctx.numel, f"{self.name} ({ctx.name or 'tensor'})")
+        check.finish()
         return ops.scatter_sum(ctx.numel, idx, values, ops.float32)
 
 

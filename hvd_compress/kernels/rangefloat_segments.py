@@ -303,17 +303,21 @@ def decode_segments_reference(data, emax, counts, e, m):
     return torch.cat(out) if out else torch.zeros(0, device=data.device)
 
 
-def check_headers(data, emax, counts, e, m):
-    """``(values, expected bytes, bad)`` from one host synchronisation: ``bad`` when a
-    header holds an exponent outside [-127, 128] or a negative count; ``values`` the
-    total number of values; ``expected`` the bytes the headers describe."""
+def check_headers(data, emax, counts, e, m, extra=None):
+    """``(values, expected bytes, bad, extra)`` from one host synchronisation: ``bad``
+    when a header holds an exponent outside [-127, 128] or a negative count; ``values``
+    the total number of values; ``expected`` the bytes the headers describe; ``extra``
+    (an int64 device tensor to read back in the same synchronisation, for example the
+    payload indices' ``(min, max)``) as a list of ints, or None."""
     g, nb = group(1 + e + m)
     counts = counts.to(torch.int64)
     bad = ((emax < -127) | (emax > 128) | (counts < 0)).any()
     stats = torch.stack([counts.clamp(min=0).sum(), ((counts.clamp(min=0) + (g - 1)) // g).sum()
                          * nb, bad.to(torch.int64)])
-    values, expected, bad = stats.tolist()
-    return values, expected, bool(bad)
+    if extra is not None:
+        stats = torch.cat([stats, extra.reshape(-1).to(torch.int64)])
+    values, expected, bad, *more = stats.tolist()
+    return values, expected, bool(bad), (more if extra is not None else None)
 
 
 def decode_segments(data, emax, counts, e, m, total=None, lengths=None, backend=None,

@@ -21,6 +21,8 @@ The primitives (both modules define all of them, with the same meaning):
 ``gather(t, idx)``      ``t[idx]``
 ``scatter_sum(n, idx, v, dtype)``  zeros(n) with ``v`` summed in at ``idx``
 ``check_indices(idx, n, what)``    raise ValueError when an index is outside [0, n)
+``index_check(idx, n, what)``     the same check, ``finish()``-ed later (PyTorch: read back
+                                  with a decode's own readback where there is one)
 ``cast(t, dtype)``; ``float32``, ``float16``, ``bfloat16``, ``int16``, ``int32``
 ``bitcast(t, dtype)``   reinterpret bits (same element size)
 ``cond(pred, f, g)``    ``f()`` if ``pred`` else ``g()`` (graph-safe in TF)

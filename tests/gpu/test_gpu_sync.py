@@ -6,7 +6,10 @@ Asserted where a docstring promises a number:
 
 - ``kernels.rangefloat.max_exponent``: "no host sync" -> 0;
 - ``kernels.compact_above`` (threshold already on the device): "the only host
-  synchronisation: the size of an allocation" -> 1.
+  synchronisation: the size of an allocation" -> 1;
+- a bucket's compress and decompress: the table ``counting.BUCKET_SYNCS``, which
+  tests/unit/test_bucket_syncs.py checks on the CPU by counting the calls that wait for a
+  GPU (here the GPU says whether that count is the real one).
 
 Everything else promises no number, so the measured counts are recorded (``record``) and
 end up in the summary JSON of ``make gpu-test``: each kernel launcher, and ``compress`` and
@@ -24,6 +27,7 @@ from hvd_compress import kernels as K
 from hvd_compress.kernels import dct as D
 from hvd_compress.kernels import rangefloat as RF
 from hvd_compress.kernels import twobit as TB
+import counting  # tests/counting.py
 from gpu_helpers import CUDA_ONLY, GPU, laplace
 from test_gpu_compressors import APPROX, EXACT, aggregate, shape_for
 
@@ -163,10 +167,22 @@ def test_bucket_synchronisations_do_not_grow_with_tensors(spec, record):
     assert many == few, f"{spec}: {few} syncs for 4 tensors, {many} for 40"
 
 
+@pytest.mark.parametrize("spec", list(counting.BUCKET_SYNCS))
+def test_bucket_exchange_synchronisations_are_the_cpu_count(spec, record):
+    """compress_bucket and decompress_bucket (two ranks' payloads) of 4 and of 40
+    tensors: the real host synchronisations are those counted on the CPU."""
+    for tensors in (4, 40):
+        comp, dec = counting.exchange_syncs(tensors, spec, lambda n, step: laplace(n, seed=step)
+                                            .cuda(), counter=count_syncs)
+        record("sync_counts", f"bucket exchange {spec} ({tensors} tensors: compress, "
+               "decompress)", [comp, dec])
+        assert (comp, dec) == counting.BUCKET_SYNCS[spec], (tensors, comp, dec)
+
+
 @pytest.mark.parametrize("spec", BUCKET_RECORDED)
 def test_record_bucket_synchronisations(spec, record):
-    """Known to synchronise per tensor (randomk draws on the CPU): recorded, not
-    asserted."""
+    """Known to synchronise per tensor (randomk: each tensor's distinct draws): recorded,
+    not asserted."""
     record("sync_counts", f"compress_bucket {spec} (4 tensors)", _bucket_syncs(spec, 4))
     record("sync_counts", f"compress_bucket {spec} (40 tensors)", _bucket_syncs(spec, 40))
 

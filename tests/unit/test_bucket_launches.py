@@ -155,7 +155,7 @@ def test_decode_segments_matches_reference_and_the_cpu_decoder(bits, trusted):
         got = RS.decode_segments(data, emax, counts, e, m, lengths=LENGTHS * ranks,
                                  backend="triton")
     else:
-        total, expected, bad = RS.check_headers(data, emax, counts, e, m)
+        total, expected, bad, _ = RS.check_headers(data, emax, counts, e, m)
         assert (total, expected, bad) == (sum(LENGTHS) * ranks, data.numel(), False)
         got = RS.decode_segments(data, emax, counts, e, m, total=total, backend="triton")
     want = RS.decode_segments_reference(data, emax, counts, e, m)
@@ -170,12 +170,15 @@ def test_check_headers_flags_what_the_codec_rejects():
     e, m = RF.SPLITS[8]
     data = torch.zeros(10, dtype=torch.uint8, device=DEVICE)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    assert RS.check_headers(data, i32([3, 3]), i32([4, 6]), e, m) == (10, 10, False)
-    assert RS.check_headers(data, i32([3, 3]), i32([4, 7]), e, m)[1:] == (11, False)
+    assert RS.check_headers(data, i32([3, 3]), i32([4, 6]), e, m) == (10, 10, False, None)
+    assert RS.check_headers(data, i32([3, 3]), i32([4, 7]), e, m)[1:3] == (11, False)
     assert RS.check_headers(data, i32([3, 200]), i32([4, 6]), e, m)[2]
     assert RS.check_headers(data, i32([3, 3]), i32([4, -6]), e, m)[2]
     e6, m6 = RF.SPLITS[6]                                        # 4 codes in 3 bytes
-    assert RS.check_headers(data, i32([0, 0]), i32([5, 1]), e6, m6) == (6, 9, False)
+    assert RS.check_headers(data, i32([0, 0]), i32([5, 1]), e6, m6) == (6, 9, False, None)
+    extra = torch.tensor([-1, 2**40], dtype=torch.int64, device=DEVICE)   # read back alongside
+    assert RS.check_headers(data, i32([3, 3]), i32([4, 6]), e, m, extra) == (10, 10, False,
+                                                                            [-1, 2**40])
 
 
 def test_device_table_blocks_never_straddle_and_cover_every_value():

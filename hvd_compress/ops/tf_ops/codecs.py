@@ -121,7 +121,7 @@ def rangefloat_encode_segments(values, counts, lengths, e, m):
     return None
 
 
-def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None):
+def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None, check=None):
     """No bucket fast path in TensorFlow: the codec's generic decode runs."""
     return None
 

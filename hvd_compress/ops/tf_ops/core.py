@@ -89,6 +89,21 @@ def check_indices(idx, n, what):
     _tf.debugging.Assert(_tf.reduce_all(_tf.logical_and(idx >= 0, idx < n)), [msg])
 
 
+class _IndexCheck:
+    """:func:`check_indices` when ``finish`` is called (no readback to share here)."""
+    stats = None
+
+    def __init__(self, idx, n, what):
+        self._args = (idx, n, what)
+
+    def finish(self):
+        check_indices(*self._args)
+
+
+def index_check(idx, n, what):
+    return _IndexCheck(idx, n, what)
+
+
 def cast(t, dtype):
     return _tf.cast(t, dtype)
 

@@ -104,13 +104,14 @@ def rangefloat_encode_segments(values, counts, lengths, e, m):
     return rangefloat_segments.encode_segments(values, counts, e, m)
 
 
-def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None):
+def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None, check=None):
     """Optional fast path of the codec's decode where :func:`bucket_codec_kernels`:
     ``(values, expected bytes, bad headers)``, ``values`` every segment's (header's)
     values unpadded in one launch, or None where the headers do not describe ``data``;
     the headers checked in one host synchronisation, none for host ``lengths`` or a
-    host ``total`` (this rank's own payload).  None elsewhere (the codec's own decode
-    runs)."""
+    host ``total`` (this rank's own payload).  ``check``: an :class:`IndexCheck` read
+    back and verified in that same synchronisation (once the headers hold).  None
+    elsewhere (the codec's own decode runs)."""
     from ...kernels import pick_backend, rangefloat_segments as rs
     if pick_backend(data) != "triton":
         return None
@@ -118,9 +119,12 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
         return rs.decode_segments(data, emax, counts, e, m, lengths=lengths), data.numel(), False
     if total is not None:
         return rs.decode_segments(data, emax, counts, e, m, total=int(total)), data.numel(), False
-    total, expected, bad = rs.check_headers(data, emax, counts, e, m)
+    extra = None if check is None else check.stats
+    total, expected, bad, more = rs.check_headers(data, emax, counts, e, m, extra=extra)
     if bad or expected != data.numel():
         return None, expected, bad
+    if more is not None:
+        check.verify(*more)
     return rs.decode_segments(data, emax, counts, e, m, total=total), expected, False
 
 

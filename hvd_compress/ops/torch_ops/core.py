@@ -110,14 +110,37 @@ def scatter_sum(n, idx, values, dtype=float32):
     return out
 
 
+class IndexCheck:
+    """The range check of a payload's indices, ``[0, n)``: its ``(min, max)`` computed on
+    the device at once (``stats``, int64 ``[2]``; None when there is no index); read back
+    with another host readback where the decode makes one anyway (``verify``), else on
+    its own, one host synchronisation (``finish``)."""
+
+    def __init__(self, idx, n, what):
+        self.n, self.what = n, what
+        flat = idx.reshape(-1)
+        self.stats = _torch.stack(_torch.aminmax(flat)).to(_torch.int64) if flat.numel() else None
+
+    def verify(self, lo, hi):
+        """Raise the ValueError unless ``lo >= 0`` and ``hi < n`` (host ints)."""
+        self.stats = None
+        if lo < 0 or hi >= self.n:
+            raise ValueError(
+                f"{self.what}: payload index out of range [0, {self.n}) (min {lo}, max {hi}); "
+                "the payload is malformed or was produced for another tensor")
+
+    def finish(self):
+        """The check, if no readback has verified it yet."""
+        if self.stats is not None:
+            self.verify(*self.stats.tolist())                     # one host sync
+
+
+def index_check(idx, n, what):
+    return IndexCheck(idx, n, what)
+
+
 def check_indices(idx, n, what):
-    if idx.numel() == 0:
-        return
-    lo, hi = _torch.stack(_torch.aminmax(idx.reshape(-1))).tolist()   # one host sync
-    if lo < 0 or hi >= n:
-        raise ValueError(
-            f"{what}: payload index out of range [0, {n}) (min {lo}, max {hi}); "
-            "the payload is malformed or was produced for another tensor")
+    IndexCheck(idx, n, what).finish()
 
 
 def cast(t, dtype):

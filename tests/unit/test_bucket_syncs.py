@@ -1,0 +1,48 @@
+"""Host synchronisations of a bucket exchange on the CUDA code path, counted on the CPU
+(HVD_COMPRESS_BACKEND=triton: the kernels in Triton's interpreter; the calls that wait
+for a GPU counted by tests/counting.py's CountSyncs).  Compress and decompress (two
+ranks' payloads) of a bucket of 4 and of 40 tensors make the same number, the number
+stated in counting.BUCKET_SYNCS; tests/gpu/test_gpu_sync.py counts the real ones on a
+GPU against the same table."""
+import numpy as np
+import pytest
+import torch
+
+from hvd_compress.buckets import layout
+from hvd_compress.spec import from_spec
+
+import counting  # tests/counting.py
+
+
+def laplace(n, step):
+    return torch.from_numpy(np.random.default_rng(step).laplace(size=n).astype(np.float32))
+
+
+@pytest.mark.parametrize("spec", list(counting.BUCKET_SYNCS))
+def test_bucket_syncs_do_not_grow_with_its_tensors(spec, monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    got = {T: counting.exchange_syncs(T, spec, laplace) for T in (4, 40)}
+    for T, (comp, dec) in got.items():
+        want = counting.BUCKET_SYNCS[spec]
+        assert (sum(comp.values()), sum(dec.values())) == want, (T, comp, dec)
+    assert got[4] == got[40]
+
+
+def test_rangefloat_values_check_indices_in_the_header_readback(monkeypatch):
+    """values=rangefloat8 on the kernel path: an index out of range is the clear error,
+    found in the one readback that also checks the values' headers."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    lay = layout(["a", "b"], [(300,), (5000,)])
+    c = from_spec("topk:density=0.01,values=rangefloat8")
+    payload, ctx = c.compress_bucket(laplace(lay.total, 0), lay)
+    data, headers, idx = (torch.cat([p, p]) for p in payload)
+    for bad in (lay.total, -1):
+        wrong = idx.clone()
+        wrong[3] = bad
+        with counting.CountSyncs() as seen, pytest.raises(ValueError, match="out of range"):
+            c.decompress_bucket((data, headers, wrong), ctx)
+        assert sum(seen.syncs.values()) == 1, seen.syncs
+    broken = headers.clone()
+    broken[0] = 500                                  # an exponent out of range wins
+    with pytest.raises(ValueError, match="malformed"):
+        c.decompress_bucket((data, broken, idx), ctx)
