@@ -89,7 +89,7 @@ def check_indices(idx, n, what):
     _tf.debugging.Assert(_tf.reduce_all(_tf.logical_and(idx >= 0, idx < n)), [msg])
 
 
-class _IndexCheck:
+class IndexCheck:
     """:func:`check_indices` when ``finish`` is called (no readback to share here)."""
     stats = None
 
@@ -101,7 +101,7 @@ class _IndexCheck:
 
 
 def index_check(idx, n, what):
-    return _IndexCheck(idx, n, what)
+    return IndexCheck(idx, n, what)
 
 
 def cast(t, dtype):
