@@ -38,13 +38,17 @@ class CountSyncs(TorchDispatchMode):
     them: the ops of :data:`SYNC_OPS`, ``repeat_interleave`` without ``output_size``,
     indexing with a boolean mask, and ``Tensor.tolist`` (which no dispatch mode sees on
     the CPU: patched for the block).  Host-to-device copies of Python values are not
-    seen.  On a GPU, ``torch.cuda.set_sync_debug_mode`` counts the real ones
-    (tests/gpu/test_gpu_sync.py)."""
+    seen.  ``host``: tensors that stay on the CPU on a GPU run too (the step counters of
+    a compressor's state), whose reads wait for nothing (held here, so that no other
+    tensor takes the id of one freed meanwhile).  On a GPU,
+    ``torch.cuda.set_sync_debug_mode`` counts the real ones (tests/gpu/test_gpu_sync.py)."""
 
-    def __init__(self):
+    def __init__(self, host=()):
         super().__init__()
         self.syncs = collections.Counter()
         self._tolist = None
+        self._held = list(host)
+        self._host = frozenset(id(t) for t in self._held)
 
     def __enter__(self):
         tolist, syncs = torch.Tensor.tolist, self.syncs
@@ -62,7 +66,8 @@ class CountSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         if name in SYNC_OPS:
-            self.syncs[name] += 1
+            if not (args and id(args[0]) in self._host):
+                self.syncs[name] += 1
         elif name == "aten.repeat_interleave.Tensor" and (kwargs or {}).get("output_size") is None:
             self.syncs[name] += 1
         elif name.startswith(("aten.index.Tensor", "aten.index_put")) and any(
@@ -87,7 +92,24 @@ BUCKET_SYNCS = {
     "rangefloat:bits=8": (1, 1),
     # the band count; the indices' range with the headers (its own payload: no check)
     "dct:density=0.01": (1, 1),
+    # the NaN/Inf check; whether the draws held k distinct indices for every tensor
+    "randomk:density=0.01": (2, 1),
+    "randomk:density=0.6": (1, 1),            # k > n / 2: the smallest keys, no check
+    # the NaN/Inf check, then nonzero's size
+    "threshold:threshold=2.5": (2, 1),
+    # the NaN/Inf check (dense payloads: nothing to check in decompress)
+    "qsgd": (1, 0),
+    "terngrad": (1, 0),
+    "onebit": (1, 0),
+    "signsgd": (1, 0),
 }
+
+
+def host_state(c):
+    """Compressor ``c``'s step counters (CPU tensors whatever the gradients' device)."""
+    store = c._store
+    return () if store is None else [v for k, v in store._tensors.items()
+                                     if k.startswith("step/")]
 
 
 def exchange_syncs(T, spec, data, size=1000, counter=None):
@@ -104,9 +126,9 @@ def exchange_syncs(T, spec, data, size=1000, counter=None):
             dec, _ = counter(lambda: c.decompress_bucket(tuple(torch.cat([p, p])
                                                                for p in payload), ctx))
             continue
-        with CountSyncs() as comp:
+        with CountSyncs(host_state(c)) as comp:
             payload, ctx = c.compress_bucket(flat, lay)
-        with CountSyncs() as dec:
+        with CountSyncs(host_state(c)) as dec:
             c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
         comp, dec = comp.syncs, dec.syncs
     return comp, dec

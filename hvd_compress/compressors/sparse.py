@@ -277,8 +277,12 @@ class RandomK(DensitySparsifier):
         self.seed = int(seed)
 
     def select(self, flat, ctx, ops, step):
-        return per_segment(lambda seg, n, st: ops.random_indices(n, self.k(n), self.seed, st, flat),
-                           flat, ctx, ops, step)
+        lay = ctx.bucket
+        if lay is None:
+            return ops.random_indices(ctx.numel, self.k(ctx.numel), self.seed, step, flat)
+        steps = step if isinstance(step, list) else [step] * len(lay.numels)
+        return ops.random_indices_segments(lay.numels, [self.k(n) for n in lay.numels],
+                                           self.seed, steps, flat)
 
 
 @register

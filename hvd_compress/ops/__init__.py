@@ -18,6 +18,8 @@ The primitives (both modules define all of them, with the same meaning):
 ``arange(n)``           int32 0..n-1
 ``random_indices(n, k, seed, step)``  ``k`` distinct int32 indices, a pure
                         function of ``(seed, step)`` (same on every rank)
+``random_indices_segments(numels, ks, seed, steps)``  the same for every tensor of a
+                        bucket (PyTorch: a fixed number of ops)
 ``gather(t, idx)``      ``t[idx]``
 ``scatter_sum(n, idx, v, dtype)``  zeros(n) with ``v`` summed in at ``idx``
 ``check_indices(idx, n, what)``    raise ValueError when an index is outside [0, n)

@@ -62,6 +62,17 @@ def random_indices(n, k, seed, step, like=None):
     return _tf.math.top_k(keys, k=k, sorted=False).indices
 
 
+def random_indices_segments(numels, ks, seed, steps, like=None):
+    """Each tensor's :func:`random_indices` (offset into the bucket), tensor by tensor."""
+    parts, offset = [], 0
+    for n, k, step in zip(numels, ks, steps):
+        k = min(int(k), int(n))
+        if k:
+            parts.append(random_indices(n, k, seed, step, like) + offset)
+        offset += int(n)
+    return _tf.concat(parts, 0) if parts else _tf.zeros([0], _tf.int32)
+
+
 def uniform(n, seed, step, like):
     """``n`` float32 draws from U[0, 1), a pure function of ``(seed, step)``."""
     seed_t = _tf.stack([_tf.cast(seed % 2**63, _tf.int64), _tf.cast(step, _tf.int64)])
