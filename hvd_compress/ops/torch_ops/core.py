@@ -5,7 +5,7 @@ and small tensor helpers.
 May import: torch; lazily, :mod:`hvd_compress.memory` (``new_store``).  Not the other
 families of this package (they import this one).
 """
-import math
+import math as _math
 
 import torch as _torch
 
@@ -172,7 +172,7 @@ def _word_columns(words, seg, device):
 
 def _first_distinct(out, numels, ks, offsets, starts, words, device):
     """Tensors with ``k <= n / 2``: the first k distinct of their draws, into ``out``."""
-    reads = [int(1.1 * n * math.log(n / (n - k))) + 64 for n, k in zip(numels, ks)]
+    reads = [int(1.1 * n * _math.log(n / (n - k))) + 64 for n, k in zip(numels, ks)]
     while True:
         seg, j = _random_table("draws", reads, device)
         lo, hi = _word_columns(words, seg, device)
