@@ -78,8 +78,9 @@ def _kernels():
 
     @triton.jit
     def _decode_segments_kernel(words_ptr, scale_ptr, out_ptr, starts_ptr, stops_ptr, segs_ptr,
-                                xoff_ptr, woff_ptr, n_ptr, ranks, words_per_rank, segments,
-                                BLOCK_W: tl.constexpr):
+                                xoff_ptr, woff_ptr, n_ptr, words_per_rank, segments,
+                                RANKS: tl.constexpr, BLOCK_W: tl.constexpr):
+        # RANKS a constexpr: a runtime loop bound fails in Triton 3.6's interpreter
         pid = tl.program_id(0)
         stop = tl.load(stops_ptr + pid)
         w = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK_W)
@@ -90,7 +91,7 @@ def _kernels():
         acc = tl.zeros([BLOCK_W, 16], dtype=tl.float32)
         word_ptrs = words_ptr + w                                # rank 0's; then a row on
         scale_at = scale_ptr + s
-        for _ in range(ranks):                                   # rank order, as the rows' sum
+        for _ in range(RANKS):                                   # rank order, as the rows' sum
             word = tl.load(word_ptrs, mask=w < stop, other=0)
             code = (word[:, None] >> (2 * lane[None, :])) & 3
             sign = tl.where(code == 1, 1.0, tl.where(code == 2, -1.0, 0.0))
@@ -304,5 +305,5 @@ def decode_segments(words, scales, lengths, backend=None, block_words=256):
     kernel[(blocks.starts.numel(),)](words.reshape(-1).contiguous(),
                                      scales.float().reshape(-1).contiguous(), out,
                                      blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
-                                     ranks, total, len(lengths), BLOCK_W=block_words)
+                                     total, len(lengths), RANKS=ranks, BLOCK_W=block_words)
     return out
