@@ -1,12 +1,13 @@
 # make demo  - set up if needed, then run the main job (2-worker MNIST with top-k compression)
 # make test  - set up if needed, then run the whole test suite (what CI runs)
 # make test-fast - set up if needed, then only the in-process tests (tests/unit, a few minutes)
+# make test-triton36 - the kernel tests in Triton 3.6's interpreter (the GPU machine's version)
 # make setup - create .venv with torch, TensorFlow, Triton and Horovod (built from source)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test test-fast demo demo-tf demo-keras demo-ddp demo-lightning demo-cssgd bench clean gpu-test
+.PHONY: setup test test-fast test-triton36 demo demo-tf demo-keras demo-ddp demo-lightning demo-cssgd bench clean gpu-test
 
 setup:
 	@bash ci/setup.sh
@@ -40,8 +41,25 @@ demo-lightning: setup
 	OMP_NUM_THREADS=1 $(PY) examples/lightning_mnist.py --compression topk:density=0.01 --epochs 5 \
 		--no-progress --log-dir $${TMPDIR:-/tmp}/hvd_compress_lightning_logs
 
+# make test-triton36 - the kernel tests (and tests/gpu on CPU tensors) in the interpreter of
+#                     Triton 3.6, the lent GPU machine's version: .venv-triton36 reuses .venv's
+#                     packages with triton 3.6.0 in front (downloaded once)
+TRITON36 := .venv-triton36
+KERNEL_TESTS := tests/unit/test_kernels.py tests/unit/test_bucket_launches.py \
+	tests/unit/test_bucket_syncs.py tests/unit/test_dct.py tests/unit/test_dct_bucket.py \
+	tests/unit/test_histogram_select.py tests/unit/test_histogram_select_review.py \
+	tests/unit/test_buckets.py
+test-triton36: setup
+	@test -x $(TRITON36)/bin/python || { $(PY) -m venv $(TRITON36) && \
+		$(PY) -c "import site; print(site.getsitepackages()[0])" > \
+		"$$($(TRITON36)/bin/python -c 'import site; print(site.getsitepackages()[0])')/zz_main_venv.pth" && \
+		$(TRITON36)/bin/pip install -q --no-deps triton==3.6.0; }
+	$(TRITON36)/bin/python -c "import triton; assert triton.__version__.startswith('3.6'), triton.__version__"
+	$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	HVD_COMPRESS_GPU_TESTS_ON_CPU=1 $(TRITON36)/bin/python -m pytest -q -p no:cacheprovider tests/gpu
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(TRITON36) build *.egg-info
 
 # make gpu-test - every kernel and compressor on CUDA, sync counts, GPU benchmarks (ci/gpu.sh);
 #                no .venv, no Horovod/TensorFlow, no network: python3 (or $$PYTHON) with torch+triton
