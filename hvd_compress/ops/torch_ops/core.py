@@ -122,14 +122,19 @@ def _segment_table(sizes, device):
 _RANDOM_TABLES = {}
 
 
-def _random_table(what, sizes, device):
-    key = (what, tuple(sizes), str(device))
+def _cached(what, values, device, make):
+    """``make()`` once per (what, values, device): a bucket layout's constants."""
+    key = (what, tuple(values), str(device))
     got = _RANDOM_TABLES.get(key)
     if got is None:
-        if len(_RANDOM_TABLES) > 256:
+        if len(_RANDOM_TABLES) > 1024:
             _RANDOM_TABLES.clear()
-        got = _RANDOM_TABLES[key] = _segment_table(sizes, device)
+        got = _RANDOM_TABLES[key] = make()
     return got
+
+
+def _random_table(what, sizes, device):
+    return _cached(what, sizes, device, lambda: _segment_table(sizes, device))
 
 
 def _host_list(values, device, dtype=_torch.int64):
@@ -138,6 +143,11 @@ def _host_list(values, device, dtype=_torch.int64):
     if _torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def _constant(values, device):
+    """:func:`_host_list` of a layout's constant (offsets, sizes, k), copied once."""
+    return _cached("list", values, device, lambda: _host_list(values, device))
 
 
 def random_indices_segments(numels, ks, seed, steps, like=None):
@@ -176,17 +186,17 @@ def _first_distinct(out, numels, ks, offsets, starts, words, device):
     while True:
         seg, j = _random_table("draws", reads, device)
         lo, hi = _word_columns(words, seg, device)
-        n = _host_list(numels, device)[seg]
+        n = _constant(numels, device)[seg]
         idx = _torch.minimum((_keys53(j, lo, hi).double() * n / 2.0**53).long(), n - 1)
-        idx = idx + _host_list(offsets, device)[seg]             # disjoint ranges per tensor
+        idx = idx + _constant(offsets, device)[seg]             # disjoint ranges per tensor
         ordered, order = _torch.sort(idx, stable=True)           # equal draws: first first
         first = _torch.ones_like(ordered, dtype=_torch.bool)
         first[1:] = ordered[1:] != ordered[:-1]
         new = _torch.empty_like(first).scatter_(0, order, first)     # in draw order
         seen = _torch.cumsum(new.long(), 0)
-        ends = _host_list([sum(reads[:i + 1]) - 1 for i in range(len(reads))], device)
+        ends = _constant([sum(reads[:i + 1]) - 1 for i in range(len(reads))], device)
         before = _torch.cat([seen.new_zeros(1), seen[ends][:-1]])
-        k_t = _host_list(ks, device)
+        k_t = _constant(ks, device)
         if bool(((seen[ends] - before) >= k_t).all()):                 # the one sync
             break
         reads = [2 * r for r in reads]                          # a longer prefix, same answer
@@ -208,16 +218,16 @@ def _smallest_keys(out, numels, ks, offsets, starts, words, device):
     order = _torch.sort(keys).indices
     order = order[_torch.sort(seg[order], stable=True).indices]   # by tensor, then key
     seg_o = seg[order]
-    rank = _torch.arange(order.numel(), device=device) - _host_list(
+    rank = _torch.arange(order.numel(), device=device) - _constant(
         [sum(numels[:i]) for i in range(len(numels))], device)[seg_o]
-    idx = j[order] + _host_list(offsets, device)[seg_o]
-    _place(out, rank < _host_list(ks, device)[seg_o], rank, seg_o, starts, idx, device)
+    idx = j[order] + _constant(offsets, device)[seg_o]
+    _place(out, rank < _constant(ks, device)[seg_o], rank, seg_o, starts, idx, device)
 
 
 def _place(out, take, rank, seg, starts, values, device):
     """``out[starts[seg] + rank] = values`` where ``take``, the rest into ``out``'s last
     (spare) slot; no host synchronisation."""
-    slot = _host_list(starts, device)[seg] + rank
+    slot = _constant(starts, device)[seg] + rank
     out.scatter_(0, _torch.where(take, slot, out.numel() - 1), values)
 
 
