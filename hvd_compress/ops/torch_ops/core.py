@@ -119,17 +119,18 @@ def _segment_table(sizes, device):
     return seg.to(device), (_torch.arange(total) - start[seg]).to(device)
 
 
-_RANDOM_TABLES = {}
+_CACHE = {}
 
 
 def _cached(what, values, device, make):
-    """``make()`` once per (what, values, device): a bucket layout's constants."""
+    """``make()`` once per (what, values, device), kept in a bounded cache: the constants
+    of a model's bucket layouts (the other families use it too)."""
     key = (what, tuple(values), str(device))
-    got = _RANDOM_TABLES.get(key)
+    got = _CACHE.get(key)
     if got is None:
-        if len(_RANDOM_TABLES) > 1024:
-            _RANDOM_TABLES.clear()
-        got = _RANDOM_TABLES[key] = make()
+        if len(_CACHE) > 1024:
+            _CACHE.clear()
+        got = _CACHE[key] = make()
     return got
 
 

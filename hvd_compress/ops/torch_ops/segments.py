@@ -9,6 +9,8 @@ May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
+from .core import _cached
+
 
 def concat(ts):
     return _torch.cat([t.reshape(-1) for t in ts])
@@ -19,19 +21,10 @@ def split(flat, lengths):
     return list(_torch.split(flat, list(lengths)))
 
 
-_PER_LAYOUT = {}
-
-
 def _per_layout(what, layout, device, make):
     """``make()``, computed once per (what, bucket layout, device) and kept (a bounded
     cache: the constants of a model's buckets)."""
-    key = (what, layout.key, layout.numels, str(device))
-    value = _PER_LAYOUT.get(key)
-    if value is None:
-        if len(_PER_LAYOUT) > 512:
-            _PER_LAYOUT.clear()
-        value = _PER_LAYOUT[key] = make()
-    return value
+    return _cached(what, (layout.key, layout.numels), device, make)
 
 
 def segment_ids(layout, like):
