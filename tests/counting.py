@@ -29,6 +29,7 @@ class CountOps(TorchDispatchMode):
 SYNC_OPS = frozenset({"aten.nonzero.default", "aten.masked_select.default",
                       "aten._unique2.default", "aten.unique_consecutive.default",
                       "aten.unique_dim.default", "aten.bincount.default",
+                      "aten.equal.default", "aten.is_nonzero.default",
                       "aten._local_scalar_dense.default"})     # item(), int(), bool(), float()
 
 
@@ -37,8 +38,10 @@ class CountSyncs(TorchDispatchMode):
     Counter by call), counted on any device, so the CPU run of the CUDA code path checks
     them: the ops of :data:`SYNC_OPS`, ``repeat_interleave`` without ``output_size``,
     indexing with a boolean mask, and ``Tensor.tolist`` (which no dispatch mode sees on
-    the CPU: patched for the block).  Host-to-device copies of Python values are not
-    seen.  ``host``: tensors that stay on the CPU on a GPU run too (the step counters of
+    the CPU: patched for the block).  Not seen: host-to-device copies of Python values,
+    ``.cpu()``/``.numpy()`` (nothing to copy on the CPU), and code that branches on
+    ``is_cuda`` (the CPU's compaction and candidate pruning in laplace_topk's grid
+    search, for example); so the GPU test against the same table is the real guard.  ``host``: tensors that stay on the CPU on a GPU run too (the step counters of
     a compressor's state), whose reads wait for nothing (held here, so that no other
     tensor takes the id of one freed meanwhile).  On a GPU,
     ``torch.cuda.set_sync_debug_mode`` counts the real ones (tests/gpu/test_gpu_sync.py)."""

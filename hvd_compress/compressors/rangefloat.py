@@ -92,9 +92,9 @@ class RangeFloatCodec:
         headers hold, known on the host (this rank's own payload), so not checked;
         ``total``: only their sum known on the host (a sparsifier's own payload: its
         number of indices), so not checked either (no host synchronisation).
-        ``check``: a sparsifier's ``ops.index_check`` of its indices, verified in the
-        headers' host synchronisation where the kernels run (else left to its
-        ``finish``)."""
+        ``check``: a sparsifier's ``ops.index_check`` of its indices, whose bounds are
+        read back in the headers' host synchronisation where the kernels run (its
+        ``finish`` raises, if need be)."""
         n_words = ops.length(headers)
         if isinstance(n_words, int) and n_words % 2:
             raise ValueError(f"rangefloat: a header of {n_words} int32 values is not a whole "

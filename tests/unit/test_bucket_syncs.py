@@ -39,10 +39,32 @@ def test_rangefloat_values_check_indices_in_the_header_readback(monkeypatch):
     for bad in (lay.total, -1):
         wrong = idx.clone()
         wrong[3] = bad
-        with counting.CountSyncs() as seen, pytest.raises(ValueError, match="out of range"):
+        with counting.CountSyncs() as seen, pytest.raises(ValueError) as error:
             c.decompress_bucket((data, headers, wrong), ctx)
         assert sum(seen.syncs.values()) == 1, seen.syncs
+        assert str(error.value).startswith("topk (") and "values" not in str(error.value)
+        assert f"index out of range [0, {lay.total})" in str(error.value)
+    wrong = torch.cat([idx, idx[:1] * 0 - 1])          # one index more, and out of range
+    with pytest.raises(ValueError, match="values but .* indices"):   # the count comes first
+        c.decompress_bucket((data, headers, wrong), ctx)
     broken = headers.clone()
     broken[0] = 500                                  # an exponent out of range wins
     with pytest.raises(ValueError, match="malformed"):
         c.decompress_bucket((data, broken, idx), ctx)
+
+
+def test_randomk_draws_do_not_depend_on_the_prefix_read(monkeypatch):
+    """randomk reads a prefix of its draws sized to hold k distinct indices and doubles
+    it when it does not: a prefix of 64 draws (several doublings) gives the same indices."""
+    from hvd_compress.ops.torch_ops import core
+    numels, ks = (1000, 5000, 37, 0, 300), (200, 50, 3, 1, 150)
+    want = core.random_indices_segments(numels, ks, 7, [3, 4, 5, 6, 7])
+
+    class Log:                                        # every prefix: 64 draws
+        @staticmethod
+        def log(_):
+            return 0.0
+    monkeypatch.setattr(core, "_math", Log)
+    got = core.random_indices_segments(numels, ks, 7, [3, 4, 5, 6, 7])
+    assert torch.equal(got, want)
+    assert got.numel() == 200 + 50 + 3 + 150

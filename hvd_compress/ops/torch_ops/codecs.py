@@ -109,8 +109,8 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
     ``(values, expected bytes, bad headers)``, ``values`` every segment's (header's)
     values unpadded in one launch, or None where the headers do not describe ``data``;
     the headers checked in one host synchronisation, none for host ``lengths`` or a
-    host ``total`` (this rank's own payload).  ``check``: an :class:`IndexCheck` read
-    back and verified in that same synchronisation (once the headers hold).  None
+    host ``total`` (this rank's own payload).  ``check``: an :class:`IndexCheck` whose
+    bounds are read back in that same synchronisation (its ``finish`` then needs none).  None
     elsewhere (the codec's own decode runs)."""
     from ...kernels import pick_backend, rangefloat_segments as rs
     if pick_backend(data) != "triton":
@@ -124,7 +124,7 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
     if bad or expected != data.numel():
         return None, expected, bad
     if more is not None:
-        check.verify(*more)
+        check.read(*more)
     return rs.decode_segments(data, emax, counts, e, m, total=total), expected, False
 
 

@@ -111,12 +111,12 @@ def _keys53(j, lo, hi):
 
 
 def _segment_table(sizes, device):
-    """``(segment of each entry, its counter within the segment)`` for host ``sizes``."""
-    sizes_t = _torch.tensor(sizes, dtype=_torch.int64)
-    total = int(sizes_t.sum())
-    seg = _torch.repeat_interleave(_torch.arange(len(sizes)), sizes_t, output_size=total)
-    start = _torch.cumsum(sizes_t, 0) - sizes_t
-    return seg.to(device), (_torch.arange(total) - start[seg]).to(device)
+    """``(segment of each entry, its counter within the segment)`` for host ``sizes``,
+    made on ``device`` (no blocking copy)."""
+    sizes_t = _host_list(sizes, device)
+    seg = _torch.repeat_interleave(_torch.arange(len(sizes), device=device), sizes_t,
+                                   output_size=sum(sizes))
+    return seg, _torch.arange(seg.numel(), device=device) - (_torch.cumsum(sizes_t, 0) - sizes_t)[seg]
 
 
 _CACHE = {}
@@ -134,10 +134,6 @@ def _cached(what, values, device, make):
     return got
 
 
-def _random_table(what, sizes, device):
-    return _cached(what, sizes, device, lambda: _segment_table(sizes, device))
-
-
 def _host_list(values, device, dtype=_torch.int64):
     """A small host list on ``device`` without a blocking copy (pinned where CUDA)."""
     t = _torch.tensor(values, dtype=dtype)
@@ -146,9 +142,15 @@ def _host_list(values, device, dtype=_torch.int64):
     return t.to(device)
 
 
-def _constant(values, device):
-    """:func:`_host_list` of a layout's constant (offsets, sizes, k), copied once."""
-    return _cached("list", values, device, lambda: _host_list(values, device))
+def _constant(values, device, make=None):
+    """:func:`_host_list` of a layout's constant (offsets, sizes, k), copied once; or
+    ``make()``'s result, made once per ``values``."""
+    return _cached("list", values, device, make or (lambda: _host_list(values, device)))
+
+
+def _uncached(values, device, make=None):
+    """:func:`_constant` made anew (for what a layout needs only now and then)."""
+    return make() if make is not None else _host_list(values, device)
 
 
 def random_indices_segments(numels, ks, seed, steps, like=None):
@@ -184,8 +186,9 @@ def _word_columns(words, seg, device):
 def _first_distinct(out, numels, ks, offsets, starts, words, device):
     """Tensors with ``k <= n / 2``: the first k distinct of their draws, into ``out``."""
     reads = [int(1.1 * n * _math.log(n / (n - k))) + 64 for n, k in zip(numels, ks)]
+    const = _constant                  # a layout's first prefix: its tables kept
     while True:
-        seg, j = _random_table("draws", reads, device)
+        seg, j = const(("draws",) + tuple(reads), device, lambda: _segment_table(reads, device))
         lo, hi = _word_columns(words, seg, device)
         n = _constant(numels, device)[seg]
         idx = _torch.minimum((_keys53(j, lo, hi).double() * n / 2.0**53).long(), n - 1)
@@ -195,12 +198,13 @@ def _first_distinct(out, numels, ks, offsets, starts, words, device):
         first[1:] = ordered[1:] != ordered[:-1]
         new = _torch.empty_like(first).scatter_(0, order, first)     # in draw order
         seen = _torch.cumsum(new.long(), 0)
-        ends = _constant([sum(reads[:i + 1]) - 1 for i in range(len(reads))], device)
+        ends = const([sum(reads[:i + 1]) - 1 for i in range(len(reads))], device)
         before = _torch.cat([seen.new_zeros(1), seen[ends][:-1]])
         k_t = _constant(ks, device)
         if bool(((seen[ends] - before) >= k_t).all()):                 # the one sync
             break
         reads = [2 * r for r in reads]                          # a longer prefix, same answer
+        const = _uncached                                       # (rare: not kept)
     rank = seen - before[seg] - 1
     _place(out, new & (rank < k_t[seg]), rank, seg, starts, idx, device)
 
@@ -208,7 +212,7 @@ def _first_distinct(out, numels, ks, offsets, starts, words, device):
 def _smallest_keys(out, numels, ks, offsets, starts, words, device):
     """Tensors with ``k > n / 2``: the positions of the k smallest of n distinct keys
     ``(32-bit hash << 31) | position``, in key order."""
-    seg, j = _random_table("keys", numels, device)
+    seg, j = _segment_table(numels, device)                 # n entries each: not kept
     lo, hi = _word_columns(words, seg, device)
     keys = ((_keys53(j, lo, hi) >> 21) << 31) | j
     if len(numels) == 1:
@@ -255,27 +259,29 @@ def scatter_sum(n, idx, values, dtype=float32):
 
 class IndexCheck:
     """The range check of a payload's indices, ``[0, n)``: its ``(min, max)`` computed on
-    the device at once (``stats``, int64 ``[2]``; None when there is no index); read back
-    with another host readback where the decode makes one anyway (``verify``), else on
-    its own, one host synchronisation (``finish``)."""
+    the device at once (``stats``, int64 ``[2]``; None when there is no index), read back
+    with another host readback where the decode makes one anyway (``read``), else on its
+    own, one host synchronisation; ``finish`` raises the ValueError, after the decoder's
+    own checks."""
 
     def __init__(self, idx, n, what):
-        self.n, self.what = n, what
+        self.n, self.what, self.bounds = n, what, None
         flat = idx.reshape(-1)
         self.stats = _torch.stack(_torch.aminmax(flat)).to(_torch.int64) if flat.numel() else None
 
-    def verify(self, lo, hi):
-        """Raise the ValueError unless ``lo >= 0`` and ``hi < n`` (host ints)."""
-        self.stats = None
+    def read(self, lo, hi):
+        """The host's ``(min, max)``, read back with something else."""
+        self.bounds = (lo, hi)
+
+    def finish(self):
+        """Raise the ValueError unless every index is in ``[0, n)``."""
+        if self.stats is None:
+            return
+        lo, hi = self.bounds if self.bounds is not None else self.stats.tolist()   # one sync
         if lo < 0 or hi >= self.n:
             raise ValueError(
                 f"{self.what}: payload index out of range [0, {self.n}) (min {lo}, max {hi}); "
                 "the payload is malformed or was produced for another tensor")
-
-    def finish(self):
-        """The check, if no readback has verified it yet."""
-        if self.stats is not None:
-            self.verify(*self.stats.tolist())                     # one host sync
 
 
 def index_check(idx, n, what):
