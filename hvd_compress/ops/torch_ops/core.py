@@ -5,6 +5,7 @@ and small tensor helpers.
 May import: torch; lazily, :mod:`hvd_compress.memory` (``new_store``).  Not the other
 families of this package (they import this one).
 """
+import itertools as _itertools
 import math as _math
 
 import torch as _torch
@@ -82,8 +83,8 @@ def random_indices(n, k, seed, step, like=None):
 # -- a uniformly random k-subset (draws are exchangeable), O(k log k); the prefix read is
 # 1.1 n ln(n / (n - k)) + 64 draws (k distinct take n ln(n / (n - k)) on average), doubled
 # (one host synchronisation a bucket says whether it held enough) until it holds k
-# distinct, so the answer does not depend on the prefix.  Else the positions of the k smallest of the n distinct keys
-# (key_j >> 21) << 31 | j (a 32-bit hash, ties by position).
+# distinct, so the answer does not depend on the prefix.  Else the positions of the k
+# smallest of the n distinct keys (key_j >> 21) << 31 | j (a 32-bit hash, ties by position).
 
 _M32 = 0xFFFFFFFF
 
@@ -116,7 +117,8 @@ def _segment_table(sizes, device):
     sizes_t = _host_list(sizes, device)
     seg = _torch.repeat_interleave(_torch.arange(len(sizes), device=device), sizes_t,
                                    output_size=sum(sizes))
-    return seg, _torch.arange(seg.numel(), device=device) - (_torch.cumsum(sizes_t, 0) - sizes_t)[seg]
+    start = _torch.cumsum(sizes_t, 0) - sizes_t
+    return seg, _torch.arange(seg.numel(), device=device) - start[seg]
 
 
 _CACHE = {}
@@ -142,15 +144,14 @@ def _host_list(values, device, dtype=_torch.int64):
     return t.to(device)
 
 
-def _constant(values, device, make=None):
-    """:func:`_host_list` of a layout's constant (offsets, sizes, k), copied once; or
-    ``make()``'s result, made once per ``values``."""
-    return _cached("list", values, device, make or (lambda: _host_list(values, device)))
+def _constant(values, device):
+    """:func:`_host_list` of a layout's constant (offsets, sizes, k), copied once."""
+    return _cached("list", values, device, lambda: _host_list(values, device))
 
 
-def _uncached(values, device, make=None):
-    """:func:`_constant` made anew (for what a layout needs only now and then)."""
-    return make() if make is not None else _host_list(values, device)
+def _starts(sizes):
+    """Where each of ``sizes`` starts when they are laid end to end (exclusive sums)."""
+    return [0, *_itertools.accumulate(sizes)][:len(sizes)]
 
 
 def random_indices_segments(numels, ks, seed, steps, like=None):
@@ -160,15 +161,13 @@ def random_indices_segments(numels, ks, seed, steps, like=None):
     tensor alone.  A fixed number of ops for the whole bucket; one host synchronisation
     where some tensor has ``k <= n / 2``."""
     device = like.device if like is not None else _torch.device("cpu")
-    offsets = [0]
-    for n in numels[:-1]:
-        offsets.append(offsets[-1] + int(n))
+    offsets = _starts([int(n) for n in numels])
     ks = [min(int(k), int(n)) for k, n in zip(ks, numels)]
     words = [_mix(seed, int(s)) for s in steps]
     drawn = [i for i, (n, k) in enumerate(zip(numels, ks)) if k and 2 * k <= n]
     keyed = [i for i, (n, k) in enumerate(zip(numels, ks)) if k and 2 * k > n]
     out = _torch.empty(sum(ks) + 1, dtype=_torch.int64, device=device)   # + a spare slot
-    starts = [sum(ks[:i]) for i in range(len(ks))]
+    starts = _starts(ks)
     for group, fill in ((drawn, _first_distinct), (keyed, _smallest_keys)):
         if group:
             fill(out, [int(numels[i]) for i in group], [ks[i] for i in group],
@@ -186,9 +185,15 @@ def _word_columns(words, seg, device):
 def _first_distinct(out, numels, ks, offsets, starts, words, device):
     """Tensors with ``k <= n / 2``: the first k distinct of their draws, into ``out``."""
     reads = [int(1.1 * n * _math.log(n / (n - k))) + 64 for n, k in zip(numels, ks)]
-    const = _constant                  # a layout's first prefix: its tables kept
+    keep = True                        # a layout's first prefix: its tables kept
     while True:
-        seg, j = const(("draws",) + tuple(reads), device, lambda: _segment_table(reads, device))
+        ends = [s + r - 1 for s, r in zip(_starts(reads), reads)]
+        if keep:
+            seg, j = _cached("draws", reads, device, lambda: _segment_table(reads, device))
+            ends = _constant(ends, device)
+        else:                          # (rare: not kept)
+            seg, j = _segment_table(reads, device)
+            ends = _host_list(ends, device)
         lo, hi = _word_columns(words, seg, device)
         n = _constant(numels, device)[seg]
         idx = _torch.minimum((_keys53(j, lo, hi).double() * n / 2.0**53).long(), n - 1)
@@ -198,13 +203,11 @@ def _first_distinct(out, numels, ks, offsets, starts, words, device):
         first[1:] = ordered[1:] != ordered[:-1]
         new = _torch.empty_like(first).scatter_(0, order, first)     # in draw order
         seen = _torch.cumsum(new.long(), 0)
-        ends = const([sum(reads[:i + 1]) - 1 for i in range(len(reads))], device)
         before = _torch.cat([seen.new_zeros(1), seen[ends][:-1]])
         k_t = _constant(ks, device)
         if bool(((seen[ends] - before) >= k_t).all()):                 # the one sync
             break
-        reads = [2 * r for r in reads]                          # a longer prefix, same answer
-        const = _uncached                                       # (rare: not kept)
+        reads, keep = [2 * r for r in reads], False             # a longer prefix, same answer
     rank = seen - before[seg] - 1
     _place(out, new & (rank < k_t[seg]), rank, seg, starts, idx, device)
 
@@ -223,8 +226,7 @@ def _smallest_keys(out, numels, ks, offsets, starts, words, device):
     order = _torch.sort(keys).indices
     order = order[_torch.sort(seg[order], stable=True).indices]   # by tensor, then key
     seg_o = seg[order]
-    rank = _torch.arange(order.numel(), device=device) - _constant(
-        [sum(numels[:i]) for i in range(len(numels))], device)[seg_o]
+    rank = _torch.arange(order.numel(), device=device) - _constant(_starts(numels), device)[seg_o]
     idx = j[order] + _constant(offsets, device)[seg_o]
     _place(out, rank < _constant(ks, device)[seg_o], rank, seg_o, starts, idx, device)
 

@@ -9,7 +9,7 @@ May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
-from .core import _cached
+from .core import _cached, _host_list
 
 
 def concat(ts):
@@ -121,7 +121,7 @@ def layout_constant(what, layout, values, dtype, like):
     """A small per-tensor constant of a bucket (k, n, ...) on ``like``'s device: the
     list ``values()`` returns, made and copied there once per (what, layout, device)."""
     return _per_layout(what, layout, like.device,
-                       lambda: _torch.tensor(list(values()), dtype=dtype, device=like.device))
+                       lambda: _host_list(list(values()), like.device, dtype))
 
 
 def bucket_blocks(layout, like):
