@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test test-fast test-triton36 demo demo-tf demo-keras demo-ddp demo-lightning demo-cssgd bench clean gpu-test
+.PHONY: setup test test-fast test-triton36 demo demo-tf demo-keras demo-ddp demo-lightning demo-cssgd bench clean gpu-test gpu-dry-run
 
 setup:
 	@bash ci/setup.sh
@@ -65,3 +65,9 @@ clean:
 #                no .venv, no Horovod/TensorFlow, no network: python3 (or $$PYTHON) with torch+triton
 gpu-test:
 	@bash ci/gpu.sh
+
+# make gpu-dry-run - make gpu-test's steps without a GPU: CPU tensors, the CUDA path's kernels in
+#                   Triton's interpreter, tiny sizes, results in a temporary folder (no GPU figures;
+#                   PYTHON=.venv-triton36/bin/python for the GPU machine's Triton)
+gpu-dry-run: setup
+	@GPU_TEST_DEVICE=cpu PYTHON=$${PYTHON:-$(PY)} bash ci/gpu.sh

@@ -32,8 +32,8 @@ peak_gbps = common.peak_gbps
 parse_size = common.parse_size
 write_json = common.write_json
 device_info = common.device_info
-cuda_timeit = common.cuda_timeit
-laplace_cuda = common.laplace_cuda
+timeit = common.timeit
+laplace = common.laplace
 aggregate = common.aggregate
 ROOT = common.ROOT
 if str(ROOT) not in sys.path:
@@ -78,10 +78,16 @@ def preflight(args):
     if out["loaded_frameworks"] and "error" not in out:
         out["error"] = f"importing hvd_compress loaded {out['loaded_frameworks']}"
     try:
-        import hvd_compress.torch  # noqa: F401 - the Horovod glue; expected to fail without Horovod
-        out["glue_hvd_compress_torch"] = "imported (Horovod present)"
+        import horovod  # noqa: F401
+        horovod_here = True
+    except ImportError:
+        horovod_here = False
+    try:
+        import hvd_compress.torch  # noqa: F401 - the Horovod glue imports Horovod when used
+        out["glue_hvd_compress_torch"] = "imported" + (
+            " (Horovod present)" if horovod_here else " without Horovod (it imports Horovod when used)")
     except ImportError as e:
-        out["glue_hvd_compress_torch"] = f"not importable without Horovod ({e.__class__.__name__}), as expected"
+        out["glue_hvd_compress_torch"] = f"not importable without Horovod ({e.__class__.__name__}: {e})"
     write_json(args.out, out)
     print(f"python {out['python']} ({sys.executable}), torch {out.get('torch')}, "
           f"triton {out.get('triton')}, numpy {out.get('numpy')}")
@@ -110,7 +116,7 @@ def codecs(args):
     peak = peak_gbps(info["device"], args.peak_gbps)
     rows = []
     for n in map(parse_size, args.sizes.split(",")):
-        x = laplace_cuda(torch, n)
+        x = laplace(torch, n, args.device)
         t = x.abs().mean()
         words = TB.pack(x, t)
         emax = RF.max_exponent(x)
@@ -142,7 +148,7 @@ def codecs(args):
             cases += [(f"{spec} compress", lambda c=c: c.compress(x, "g"), 4 * n, 0),
                       (f"{spec} decompress", lambda c=c, p=payload, k=ctx: c.decompress(p, k), 4 * n, 0)]
         for name, fn, nbytes, flops in cases:
-            seconds = cuda_timeit(torch, fn, args.repeat)
+            seconds = timeit(torch, fn, args.repeat, args.device)
             row = {"op": name, "n": n, "ms": 1e3 * seconds, "bytes": nbytes,
                    "GBps": nbytes / seconds / 1e9}
             row["fraction_of_peak"] = row["GBps"] / peak if peak else None
@@ -153,8 +159,10 @@ def codecs(args):
                   + (f" ({row['fraction_of_peak']:.0%} of peak)" if peak else "")
                   + (f" {row['TFLOPs']:.1f} TFLOP/s" if flops else ""), flush=True)
         del x, words, cases
-        torch.cuda.empty_cache()
-    write_json(args.out, {"info": info, "peak_bandwidth_GBps": peak, "repeat": args.repeat,
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    write_json(args.out, {"info": info, "run_device": args.device, "peak_bandwidth_GBps": peak,
+                          "repeat": args.repeat,
                           "note": "GBps = bytes an op must read + write / median time; compress/"
                                   "decompress rows count the float32 input only",
                           "results": rows})
@@ -233,16 +241,19 @@ def models(args):
     from models import ResNetSmall, vgg_small
 
     info = device_info(torch)
-    sync = torch.cuda.synchronize
+    dev = args.device
+
+    def sync():
+        common.sync(torch, dev)
     results = []
     for model_name, build in (("vgg_small", vgg_small), ("resnet_small", ResNetSmall)):
         torch.manual_seed(0)
-        model = build().cuda()
+        model = build().to(dev)
         ranks = []
         for r in range(2):                                   # two ranks, two batches
             model.zero_grad()
-            x = torch.randn(32, 3, 32, 32, device="cuda")
-            y = torch.randint(0, 10, (32,), device="cuda")
+            x = torch.randn(32, 3, 32, 32, device=dev)
+            y = torch.randint(0, 10, (32,), device=dev)
             F.cross_entropy(model(x), y).backward()
             ranks.append([(n, p.grad.detach().clone()) for n, p in model.named_parameters()])
         params = sum(g.numel() for _, g in ranks[0])
@@ -277,13 +288,18 @@ def models(args):
                 print(f"{model_name:13s} {scheme + ' (1 bucket)':36s} compress {row['compress_ms']:8.2f} ms  "
                       f"decompress (2 ranks) {row['decompress_ms']:8.2f} ms  "
                       f"{row['ratio_vs_dense']:6.1f}x fewer bytes", flush=True)
-    write_json(args.out, {"info": info, "repeat": args.repeat,
+    write_json(args.out, {"info": info, "run_device": dev, "repeat": args.repeat,
                           "note": "per step, all parameters: compress = one rank's compress calls "
                                   "(error feedback on); decompress = decoding the aggregate of 2 ranks' "
                                   "payloads; host time with a synchronize before and after",
                           "results": results})
     print(f"wrote {args.out}")
     return 0
+
+
+DRY_RUN = ("cpu: a dry run of the GPU code path on the CPU (with TRITON_INTERPRET=1 and "
+           "HVD_COMPRESS_BACKEND=triton, the CUDA path's kernels in the interpreter); its times "
+           "are not GPU figures")
 
 
 def main():
@@ -294,16 +310,19 @@ def main():
     a.add_argument("--peak-gbps", type=float, default=None)
     a = sub.add_parser("codecs")
     a.add_argument("--out", required=True)
+    a.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=DRY_RUN)
     a.add_argument("--sizes", default="25M,100M")
     a.add_argument("--repeat", type=int, default=10)
     a.add_argument("--peak-gbps", type=float, default=None)
     a = sub.add_parser("models")
     a.add_argument("--out", required=True)
+    a.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=DRY_RUN)
     a.add_argument("--repeat", type=int, default=10)
     a.add_argument("--schemes", default=";".join(MODEL_SCHEMES),
                    help="compressor specs separated by ';' (a spec has commas of its own)")
     a = sub.add_parser("profile")
     a.add_argument("--out", required=True)
+    a.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=DRY_RUN)
     a.add_argument("--sizes", default="1M,25M")
     a.add_argument("--repeat", type=int, default=10)
     a.add_argument("--top", type=int, default=12)
@@ -311,10 +330,11 @@ def main():
     a = sub.add_parser("summary")
     a.add_argument("--results", required=True)
     a.add_argument("--keep", action="store_true", help="keep the intermediate .files")
+    a.add_argument("--dry-run", action="store_true", help="the steps ran on the CPU (GPU_TEST_DEVICE=cpu)")
     args = p.parse_args()
     if args.cmd in ("codecs", "models", "profile"):
         import torch
-        if not torch.cuda.is_available():
+        if args.device == "cuda" and not torch.cuda.is_available():
             print(f"{args.cmd}: no CUDA device; nothing to measure")
             return 3
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

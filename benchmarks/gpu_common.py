@@ -1,6 +1,6 @@
 """What the GPU benchmarks share (``benchmarks/gpu_bench.py`` and the modules it loads:
 ``gpu_profile.py``, ``gpu_summary.py``): the device's peak bandwidth, sizes, JSON, CUDA
-event timing, Laplace test data, the two-rank aggregate, and :func:`sibling`, which loads
+event timing (wall clock on a CPU dry run), Laplace test data, the two-rank aggregate, and :func:`sibling`, which loads
 a benchmark module of this folder by its path (this folder is not put on ``sys.path``:
 ``benchmarks/select.py`` is named like the standard library's ``select``).
 """
@@ -72,25 +72,39 @@ def device_info(torch):
     return info
 
 
-def cuda_timeit(torch, fn, repeat, warmup=2):
-    """Median seconds of ``fn()`` between CUDA events (host-side gaps included)."""
+def timeit(torch, fn, repeat, device="cuda", warmup=2):
+    """Median seconds of ``fn()``: between CUDA events on a GPU (host-side gaps included),
+    by ``time.perf_counter`` on the CPU (a dry run of a GPU benchmark, not a GPU figure)."""
+    import time
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync(torch, device)
     times = []
     for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def laplace_cuda(torch, n, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    u = torch.rand(n, generator=g, device="cuda") - 0.5
+def sync(torch, device):
+    """Wait for the device (nothing to wait for on the CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def laplace(torch, n, device="cuda", seed=0):
+    """n Laplace(0, 1) float32 values made on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    u = torch.rand(n, generator=g, device=device) - 0.5
     return -torch.sign(u) * torch.log1p(-2 * u.abs())
 
 

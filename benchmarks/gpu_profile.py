@@ -34,10 +34,15 @@ def profile(args):
 
     import hvd_compress
     info = device_info(torch)
+    dev = args.device
+    cuda = dev == "cuda"
     pkg = (str(ROOT / "hvd_compress"),)          # the kernels are in hvd_compress/kernels/
     results = []
 
     def sync_sites(fn):
+        if not cuda:                      # CUDA's sync-debug mode only (tests/counting.py on a CPU)
+            fn()
+            return None
         sites = Counter()
         original = warnings.showwarning
 
@@ -66,16 +71,16 @@ def profile(args):
     def timed(fn, repeat):
         times = []
         for _ in range(repeat):
-            torch.cuda.synchronize()
+            _common.sync(torch, dev)
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            _common.sync(torch, dev)
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
     for n in map(parse_size, args.sizes.split(",")):
-        g = torch.randn(n, device="cuda")
-        g2 = torch.randn(n, device="cuda")
+        g = torch.randn(n, device=dev)
+        g2 = torch.randn(n, device=dev)
         for spec in filter(None, (s.strip() for s in (args.specs or ";".join(PROFILE_SPECS)).split(";"))):
             comps = [hvd_compress.from_spec(spec), hvd_compress.from_spec(spec)]
             state = {}
@@ -93,13 +98,14 @@ def profile(args):
                    "decompress_ms": 1e3 * timed(decompress, args.repeat),
                    "compress_sync_sites": sync_sites(compress),
                    "decompress_sync_sites": sync_sites(decompress)}
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with torch_profile(activities=activities) as prof:
                 compress()
                 decompress()
-                torch.cuda.synchronize()
+                _common.sync(torch, dev)
             events = prof.key_averages()
-            row["cuda_kernels"] = sum(e.count for e in events
-                                      if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+            row["cuda_kernels"] = sum(e.count for e in events if getattr(e, "device_type", None)
+                                      == torch.autograd.DeviceType.CUDA) if cuda else None
             top = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[:args.top]
             row["top_cpu_ops"] = [{"op": e.key, "count": e.count, "cpu_ms": e.cpu_time_total / 1e3}
                                   for e in top]
@@ -107,10 +113,10 @@ def profile(args):
             print(f"\n{spec}  n={n:,}: compress (2 ranks) {row['compress_ms_two_ranks']:.3f} ms, "
                   f"decompress {row['decompress_ms']:.3f} ms, {row['cuda_kernels']} CUDA kernels")
             for what in ("compress_sync_sites", "decompress_sync_sites"):
-                for site, count in sorted(row[what].items(), key=lambda kv: -kv[1]):
+                for site, count in sorted((row[what] or {}).items(), key=lambda kv: -kv[1]):
                     print(f"   {what[:-11]:10s} sync x{count:<3d} {site}")
             for e in row["top_cpu_ops"]:
                 print(f"   cpu {e['cpu_ms']:8.3f} ms  x{e['count']:<4d} {e['op'][:90]}")
-    write_json(args.out, {"info": info, "results": results})
+    write_json(args.out, {"info": info, "run_device": dev, "results": results})
     print(f"wrote {args.out}")
     return 0

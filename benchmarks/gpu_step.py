@@ -35,10 +35,10 @@ What is measured, per model (no Horovod, no network):
   ring moves it among ``--ranks`` ranks: allreduce 2 (P-1)/P of the payload, allgather
   P-1 payloads).  Codec times are the 2-rank ones at any ``--ranks``.
 
-``--ddp-check``: two processes on one CUDA device, torch.distributed Gloo with CUDA
-tensors, the tiny first model through ``hvd_compress.ddp.register``; after 3 SGD steps
-both ranks must hold equal parameters (skipped, with the reason, without CUDA or when
-Gloo refuses CUDA tensors).  Writes ``--out``/gpu_step_<model>_<date>.json (per-bucket
+``--ddp-check``: two processes on ``--device`` (one CUDA device, or the CPU for a dry
+run), torch.distributed Gloo with tensors there, the tiny first model through
+``hvd_compress.ddp.register``; after 3 SGD steps both ranks must hold equal parameters
+(skipped, with the reason, when Gloo refuses CUDA tensors).  Writes ``--out``/gpu_step_<model>_<date>.json (per-bucket
 figures included) and .png (``<model>_tiny`` with ``--tiny``; and
 gpu_step_ddp_check_<date>.json) and prints a table.
 """
@@ -414,8 +414,7 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
     if args.ddp_check:
-        res = (models_.ddp_check(models[0], args.ddp_spec, args.device) if cuda else
-               {"status": "skipped", "reason": "no CUDA device (the check is of CUDA tensors through Gloo)"})
+        res = models_.ddp_check(models[0], args.ddp_spec, args.device)
         print(f"DDP check ({args.ddp_spec}, 2 processes, Gloo, {args.device}): {res['status']}"
               + (f" ({res.get('reason')})" if res.get("reason") else
                  f", max parameter difference {res.get('max_param_diff')}"), flush=True)

@@ -22,9 +22,18 @@
 # Environment:
 #   PYTHON          interpreter (default: python3 if it has torch, else .venv/bin/python)
 #   RESULTS_DIR     where the results go (default benchmarks/results/gpu_<date>)
-#   GPU_TEST_BUDGET seconds for all steps (default 450: the issue's 8 minutes, with margin)
+#   GPU_TEST_BUDGET seconds for all steps (default 450: the issue's 8 minutes, with margin;
+#                   1500 for a dry run)
 #   REQUIRE_CUDA=1  exit 3 when there is no CUDA device (default: exit 0, status "no_cuda")
 #   PEAK_GBPS       peak memory bandwidth of the device, if its name is not in the table
+#   GPU_TEST_DEVICE=cpu
+#                   a dry run without a GPU (make gpu-dry-run): every step on CPU tensors,
+#                   the CUDA code path's Triton kernels in the interpreter
+#                   (TRITON_INTERPRET=1, HVD_COMPRESS_BACKEND=triton), tiny sizes, the GPU
+#                   tests with HVD_COMPRESS_GPU_TESTS_ON_CPU=1; results in a temporary folder
+#                   unless RESULTS_DIR is set; status "dry_run": it shows that the steps
+#                   run, its times are no GPU figures
+#   GPU_TEST_TESTS  the test paths of step 2 (default tests/gpu, and more with CUDA)
 #
 # Exit status: 0 all passed (or no CUDA device, reported as such), 1 a test or step
 # failed, 2 the environment is unusable (no torch, hvd_compress does not import).
@@ -33,7 +42,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 START=$SECONDS
-BUDGET=${GPU_TEST_BUDGET:-450}
+BUDGET=${GPU_TEST_BUDGET:-$([ "${GPU_TEST_DEVICE:-cuda}" = cpu ] && echo 1500 || echo 450)}
 STAMP=$(date -u +%Y-%m-%d)
 
 if [ -n "${PYTHON:-}" ]; then
@@ -46,7 +55,12 @@ else
   PY=python3
 fi
 
-RESULTS=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu_$STAMP}
+DEVICE=${GPU_TEST_DEVICE:-cuda}
+case $DEVICE in
+  cuda) RESULTS=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu_$STAMP} ;;
+  cpu) RESULTS=${RESULTS_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/hvd_compress_gpu_dry_run.XXXXXX")} ;;
+  *) echo "GPU_TEST_DEVICE must be cuda or cpu, not '$DEVICE'" >&2; exit 2 ;;
+esac
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
 rm -f "$RESULTS"/.steps.tsv "$RESULTS"/.records.json "$RESULTS"/.preflight.json "$RESULTS"/.select_*
@@ -83,8 +97,12 @@ export HVD_COMPRESS_BLOCK_IMPORTS=${HVD_COMPRESS_BLOCK_IMPORTS:-horovod,tensorfl
 export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 unset HVD_COMPRESS_BACKEND TRITON_INTERPRET
+if [ "$DEVICE" = cpu ]; then         # the CUDA path's kernels, in Triton's interpreter
+  export TRITON_INTERPRET=1 HVD_COMPRESS_BACKEND=triton HVD_COMPRESS_GPU_TESTS_ON_CPU=1
+  export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Nehalem}
+fi
 
-echo "==> [gpu] $(date -u '+%Y-%m-%d %H:%M:%S') UTC, python: $PY, results: $RESULTS, budget ${BUDGET}s"
+echo "==> [gpu] $(date -u '+%Y-%m-%d %H:%M:%S') UTC, python: $PY, device: $DEVICE, results: $RESULTS, budget ${BUDGET}s"
 
 # run_step NAME SECONDS CMD...: run CMD with a timeout clipped to what is left of the
 # budget; record "NAME rc seconds status" for the summary.
@@ -129,27 +147,43 @@ HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/de
 
 # 2. tests (no CUDA: the GPU tests are collected and skipped, and counted as skipped)
 export HVD_COMPRESS_GPU_RECORD=$RESULTS/.records.json
-TESTS=(tests/gpu)
-[ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py \
-  tests/unit/test_histogram_select.py tests/unit/test_bucket_launches.py)
-run_step tests 240 "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
+TESTS_LIMIT=240
+[ "$DEVICE" = cpu ] && TESTS_LIMIT=900      # tests/gpu on CPU tensors, kernels interpreted
+if [ -n "${GPU_TEST_TESTS:-}" ]; then
+  read -r -a TESTS <<< "$GPU_TEST_TESTS"
+else
+  TESTS=(tests/gpu)
+  [ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py \
+    tests/unit/test_histogram_select.py tests/unit/test_bucket_launches.py)
+fi
+run_step tests "$TESTS_LIMIT" "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
   --junitxml="$RESULTS/tests.xml" "${TESTS[@]}"
 
-# 3. benchmarks (CUDA only); the key case (25M) first, each part its own JSON
-if [ "$HAVE_CUDA" = 1 ]; then
-  SELECT=("$PY" benchmarks/select.py --device cuda --no-progress --repeat 5)
-  run_step "select 25M" 90 "${SELECT[@]}" --sizes 25M --inputs laplace,gaussian,student_t2 \
+# 3. benchmarks (CUDA only, or the dry run's tiny sizes); the key case (25M) first, each
+#    part its own JSON
+if [ "$DEVICE" = cpu ]; then
+  DRY=1 BIG=4K SMALL=1K,2K HUGE=8K REPEAT=1 STEP=(--tiny --repeat 1 --warmup 0)
+  MODELS=(--repeat 1 --schemes "none;topk:density=0.01;laplace_topk:density=0.01,fused=1")
+else
+  DRY= BIG=25M SMALL=1M,4M HUGE=100M REPEAT=5 STEP=(--repeat 2 --warmup 1) MODELS=(--repeat 10)
+fi
+if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
+  SELECT=("$PY" benchmarks/select.py --device "$DEVICE" --no-progress --repeat "$REPEAT")
+  run_step "select $BIG" 90 "${SELECT[@]}" --sizes "$BIG" --inputs laplace,gaussian,student_t2 \
     --out "$RESULTS/.select_2_25M.json"
-  run_step codecs 90 "${BENCH[@]}" codecs --out "$RESULTS/codecs.json" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
-  run_step models 75 "${BENCH[@]}" models --out "$RESULTS/models.json"
-  run_step "gpu step" 75 "$PY" benchmarks/gpu_step.py --device cuda --models gpt2,resnet50 \
-    --repeat 2 --warmup 1 --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
-  run_step "select 1M,4M + real" 60 "${SELECT[@]}" --sizes 1M,4M --inputs laplace,gaussian,student_t2,real \
+  run_step codecs 90 "${BENCH[@]}" codecs --device "$DEVICE" --sizes "$BIG,$HUGE" --repeat $(( REPEAT * 2 )) \
+    --out "$RESULTS/codecs.json" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
+  run_step models 75 "${BENCH[@]}" models --device "$DEVICE" "${MODELS[@]}" \
+    --out "$RESULTS/models.json"
+  run_step "gpu step" 75 "$PY" benchmarks/gpu_step.py --device "$DEVICE" --models gpt2,resnet50 \
+    "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
+  run_step "select $SMALL + real" 60 "${SELECT[@]}" --sizes "$SMALL" --inputs laplace,gaussian,student_t2,real \
     --out "$RESULTS/.select_1_small.json"
-  run_step profile 60 "${BENCH[@]}" profile --sizes 1M,25M --repeat 5 --out "$RESULTS/profile.json"
-  run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device cuda --sizes 1M,25M \
-    --repeat 10 --out "$RESULTS"                # the peer baselines beside ours
-  run_step "select 100M" 90 "${SELECT[@]}" --sizes 100M --inputs laplace,gaussian \
+  run_step profile 60 "${BENCH[@]}" profile --device "$DEVICE" --sizes "$SMALL" --repeat "$REPEAT" \
+    --out "$RESULTS/profile.json"
+  run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device "$DEVICE" --sizes "$SMALL" \
+    --repeat $(( REPEAT * 2 )) --out "$RESULTS"                # the peer baselines beside ours
+  run_step "select $HUGE" 90 "${SELECT[@]}" --sizes "$HUGE" --inputs laplace,gaussian \
     --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,dgc,gaussian_k,sidco_exp \
     --out "$RESULTS/.select_3_100M.json"
 else
@@ -160,7 +194,7 @@ else
 fi
 
 # 4. summary
-"${BENCH[@]}" summary --results "$RESULTS"
+"${BENCH[@]}" summary --results "$RESULTS" ${DRY:+--dry-run}
 rc=$?
 echo "==> [gpu] done in $(( SECONDS - START ))s; results in $RESULTS"
 if [ "$HAVE_CUDA" != 1 ] && [ "${REQUIRE_CUDA:-0}" = 1 ]; then

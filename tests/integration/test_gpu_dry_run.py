@@ -1,0 +1,46 @@
+"""`make gpu-test`'s script (ci/gpu.sh) runs every step without a GPU: GPU_TEST_DEVICE=cpu
+puts CPU tensors through the CUDA code path (HVD_COMPRESS_BACKEND=triton, its kernels in
+Triton's interpreter), with Horovod and TensorFlow unimportable as on the lent GPU
+machine.  A lent GPU is rare: a benchmark that broke since the last GPU run would waste
+it.  This asserts that each step ran and wrote what the summary reads; no figure of it
+is a GPU figure."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ["preflight", "tests", "select 4K", "codecs", "models", "gpu step", "select 1K,2K + real",
+         "profile", "codec time", "select 8K"]
+
+
+def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
+    env = dict(os.environ, GPU_TEST_DEVICE="cpu", PYTHON=sys.executable,
+               RESULTS_DIR=str(tmp_path), GPU_TEST_TESTS="tests/gpu/test_gpu_coded.py")
+    r = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    tail = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0, tail
+    summary = json.loads((tmp_path / "gpu_summary.json").read_text())
+    assert summary["status"] == "dry_run", tail
+    assert [s["step"] for s in summary["steps"]] == STEPS
+    assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
+    assert summary["tests"]["passed"] > 0 and not summary["tests"]["failed"]
+    assert summary["preflight"]["loaded_frameworks"] == []          # no Horovod, no TF
+    figures = summary["figures"]
+    # the fused seed-000 selection ran at every size, and selected about k
+    fused = [row for row in figures["select"] if "laplace_topk_fused_ms" in row]
+    assert {row["n"] for row in fused} >= {4000, 8000}
+    assert all(0.5 <= row["laplace_topk_fused_count_over_k"] <= 2 for row in fused), fused
+    ops = {row["op"] for row in figures["codecs"]}
+    assert {"laplace_topk:density=0.01,fused=1,values=rangefloat8 compress",
+            "rangefloat8 decode", "block DCT 64", "twobit pack"} <= ops
+    schemes = {(row["model"], row["scheme"]) for row in figures["models"]}
+    assert ("resnet_small", "laplace_topk:density=0.01,fused=1 (1 bucket)") in schemes
+    steps = {(row["model"], row["spec"]) for row in figures["gpu_step"]}
+    assert ("gpt2", "laplace_topk:density=0.01") in steps and ("resnet50", "powersgd:rank=4") in steps
+    assert figures["gpu_step_ddp_check"]["status"] == "passed", figures["gpu_step_ddp_check"]
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["run_device"] == "cpu" and len(profile["results"]) >= 9
+    assert "DRY RUN" in r.stdout
