@@ -30,7 +30,7 @@ CONV = (64, 48, 3, 3)        # kernel_select needs a convolution weight
 
 EXACT = ["none", "fp16", "bf16",
          "topk:density=0.01", "topk:density=0.01,values=rangefloat8",
-         "randomk:density=0.01,seed=3", "threshold:threshold=2.5",
+         "randomk:density=0.01,seed=3", "randomk:density=0.6,seed=3", "threshold:threshold=2.5",
          "threshold:threshold=2.5,values=rangefloat6",
          "laplace_topk:density=0.01,exact=1", "laplace_topk:density=0.001,exact=1,values=rangefloat12",
          "laplace_topk:density=0.01,exact=1,fused=1",

@@ -56,15 +56,15 @@ def test_rangefloat_values_check_indices_in_the_header_readback(monkeypatch):
 def test_randomk_draws_do_not_depend_on_the_prefix_read(monkeypatch):
     """randomk reads a prefix of its draws sized to hold k distinct indices and doubles
     it when it does not: a prefix of 64 draws (several doublings) gives the same indices."""
-    from hvd_compress.ops.torch_ops import core
+    from hvd_compress.ops.torch_ops import _draws as draws
     numels, ks = (1000, 5000, 37, 0, 300), (200, 50, 3, 1, 150)
-    want = core.random_indices_segments(numels, ks, 7, [3, 4, 5, 6, 7])
+    want = draws.draw_segments(numels, ks, 7, [3, 4, 5, 6, 7])
 
     class Log:                                        # every prefix: 64 draws
         @staticmethod
         def log(_):
             return 0.0
-    monkeypatch.setattr(core, "_math", Log)
-    got = core.random_indices_segments(numels, ks, 7, [3, 4, 5, 6, 7])
+    monkeypatch.setattr(draws, "_math", Log)
+    got = draws.draw_segments(numels, ks, 7, [3, 4, 5, 6, 7])
     assert torch.equal(got, want)
     assert got.numel() == 200 + 50 + 3 + 150

@@ -364,3 +364,29 @@ def test_torch_random_indices_are_a_uniform_k_subset_without_a_permutation_of_n(
         assert not np.array_equal(torch_ops.random_indices(n, k, 7, 3).numpy(),
                                   torch_ops.random_indices(n, k, 7, 4).numpy())
     assert torch_ops.random_indices(10, 0, 1, 1).numel() == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_torch_random_indices_same_on_the_cpu_path_and_the_kernels_path(monkeypatch, backend):
+    """The CPU's own draws (numpy uint32 hashing, a k-smallest selection per tensor) give
+    the indices of the kernels' path (int64 torch ops over the bucket, what CUDA runs;
+    here HVD_COMPRESS_BACKEND=triton), in the same order, in a bucket and one by one;
+    the k-smallest path's indices ascend."""
+    import numpy as np
+    import torch
+    from hvd_compress.ops import torch_ops
+    from hvd_compress.ops.torch_ops import _draws
+    numels = (1000, 5000, 37, 0, 300, 10, 70_000, 1)
+    ks = (700, 50, 30, 1, 150, 10, 40_000, 1)              # both paths, k = n, n = 1
+    steps = [3, 4, 5, 6, 7, 8, 9, 10]
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    want = _draws.draw_segments(numels, ks, 11, steps)
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    got = _draws.draw_segments(numels, ks, 11, steps)
+    assert torch.equal(got, want)
+    offsets = np.cumsum((0,) + numels[:-1])
+    alone = [torch_ops.random_indices(n, k, 11, s) + int(o)
+             for n, k, s, o in zip(numels, ks, steps, offsets) if k]
+    assert torch.equal(torch.cat(alone), want)
+    big = torch_ops.random_indices(70_000, 40_000, 11, 9)
+    assert bool((big[1:] > big[:-1]).all())

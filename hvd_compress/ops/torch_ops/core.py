@@ -2,11 +2,11 @@
 (the same on every rank), gather / scatter, casts, control flow, error feedback's buffers
 and small tensor helpers.
 
-May import: torch; lazily, :mod:`hvd_compress.memory` (``new_store``).  Not the other
+May import: torch; lazily, its private ``_draws`` (randomk's draws, which use the
+layout helpers here) and :mod:`hvd_compress.memory` (``new_store``).  Not the other
 families of this package (they import this one).
 """
 import itertools as _itertools
-import math as _math
 
 import torch as _torch
 
@@ -59,6 +59,22 @@ def arange(n, like=None):
     return _torch.arange(n, dtype=_torch.int32, device=device)
 
 
+def random_indices(n, k, seed, step, like=None):
+    """``min(k, n)`` distinct int32 indices of ``range(n)``, a uniformly random subset, a
+    pure function of ``(seed, step)``: the same on every rank and every device
+    (:func:`random_indices_segments` with one tensor)."""
+    return random_indices_segments((n,), (k,), seed, [step], like)
+
+
+def random_indices_segments(numels, ks, seed, steps, like=None):
+    """int32 indices into a bucket of tensors of ``numels`` (end to end): for tensor
+    ``i``, ``min(ks[i], numels[i])`` distinct indices drawn with ``(seed, steps[i])``
+    (offset to the bucket); what :func:`random_indices` gives each tensor alone.  The
+    generator and its two paths are in ``_draws``."""
+    from ._draws import draw_segments
+    return draw_segments(numels, ks, seed, steps, like)
+
+
 def _mix(seed, step):
     # SplitMix64-style mix of (seed, step) into a 63-bit generator seed.
     x = (int(seed) * 0x9E3779B97F4A7C15 + int(step) + 0x632BE59BD9B4E019) & (2**64 - 1)
@@ -67,49 +83,7 @@ def _mix(seed, step):
     return (x ^ (x >> 31)) & (2**63 - 1)
 
 
-def random_indices(n, k, seed, step, like=None):
-    """``min(k, n)`` distinct int32 indices of ``range(n)``, a uniformly random subset in
-    a random order, a pure function of ``(seed, step)``: the same on every rank and every
-    device (:func:`random_indices_segments` with one tensor)."""
-    return random_indices_segments((n,), (k,), seed, [step], like)
-
-
-# A counter-based generator in int64 torch ops, so that the draws of a whole bucket are a
-# fixed number of ops on any device and equal on the CPU and CUDA.  Draw j of a tensor
-# whose (seed, step) mixes to the 64-bit word (hi, lo): the 53-bit key
-#   key_j = (H(H(2j ^ lo) ^ hi) << 21) | (H(H(2j + 1 ^ lo) ^ hi) >> 11),
-# H = lowbias32 (C. Wellons' 32-bit integer hash, a bijection), uniform index
-# floor(key_j n / 2^53).  k <= n / 2: the first k distinct indices of draws 0, 1, 2, ...
-# -- a uniformly random k-subset (draws are exchangeable), O(k log k); the prefix read is
-# 1.1 n ln(n / (n - k)) + 64 draws (k distinct take n ln(n / (n - k)) on average), doubled
-# (one host synchronisation a bucket says whether it held enough) until it holds k
-# distinct, so the answer does not depend on the prefix.  Else the positions of the k
-# smallest of the n distinct keys (key_j >> 21) << 31 | j (a 32-bit hash, ties by position).
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x, c):
-    """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32) and a 32-bit constant ``c``, with
-    no int64 overflow (``c`` in two 16-bit halves)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _hash32(x):
-    """lowbias32: a bijection of [0, 2^32) that mixes every bit (int64 in, int64 out)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _keys53(j, lo, hi):
-    """53-bit keys (int64) of counters ``j`` (< 2^31) under key words ``lo``, ``hi``."""
-    a = _hash32(_hash32((2 * j) ^ lo) ^ hi)
-    b = _hash32(_hash32((2 * j + 1) ^ lo) ^ hi)
-    return (a << 21) | (b >> 11)
-
+# -- bucket layouts: tables and constants made once (segments and the draws use them) ----
 
 def _segment_table(sizes, device):
     """``(segment of each entry, its counter within the segment)`` for host ``sizes``,
@@ -152,90 +126,6 @@ def _constant(values, device):
 def _starts(sizes):
     """Where each of ``sizes`` starts when they are laid end to end (exclusive sums)."""
     return [0, *_itertools.accumulate(sizes)][:len(sizes)]
-
-
-def random_indices_segments(numels, ks, seed, steps, like=None):
-    """int32 indices into a bucket of tensors of ``numels`` (end to end): for tensor
-    ``i``, ``min(ks[i], numels[i])`` distinct indices drawn with ``(seed, steps[i])``
-    (offset to the bucket), tensor by tensor; what :func:`random_indices` gives each
-    tensor alone.  A fixed number of ops for the whole bucket; one host synchronisation
-    where some tensor has ``k <= n / 2``."""
-    device = like.device if like is not None else _torch.device("cpu")
-    offsets = _starts([int(n) for n in numels])
-    ks = [min(int(k), int(n)) for k, n in zip(ks, numels)]
-    words = [_mix(seed, int(s)) for s in steps]
-    drawn = [i for i, (n, k) in enumerate(zip(numels, ks)) if k and 2 * k <= n]
-    keyed = [i for i, (n, k) in enumerate(zip(numels, ks)) if k and 2 * k > n]
-    out = _torch.empty(sum(ks) + 1, dtype=_torch.int64, device=device)   # + a spare slot
-    starts = _starts(ks)
-    for group, fill in ((drawn, _first_distinct), (keyed, _smallest_keys)):
-        if group:
-            fill(out, [int(numels[i]) for i in group], [ks[i] for i in group],
-                 [offsets[i] for i in group], [starts[i] for i in group],
-                 [words[i] for i in group], device)
-    return out[:-1].to(_torch.int32)
-
-
-def _word_columns(words, seg, device):
-    """The (lo, hi) key words of each entry, from one word per segment."""
-    w = _host_list([[x & _M32, x >> 32] for x in words], device)
-    return w[:, 0][seg], w[:, 1][seg]
-
-
-def _first_distinct(out, numels, ks, offsets, starts, words, device):
-    """Tensors with ``k <= n / 2``: the first k distinct of their draws, into ``out``."""
-    reads = [int(1.1 * n * _math.log(n / (n - k))) + 64 for n, k in zip(numels, ks)]
-    keep = True                        # a layout's first prefix: its tables kept
-    while True:
-        ends = [s + r - 1 for s, r in zip(_starts(reads), reads)]
-        if keep:
-            seg, j = _cached("draws", reads, device, lambda: _segment_table(reads, device))
-            ends = _constant(ends, device)
-        else:                          # (rare: not kept)
-            seg, j = _segment_table(reads, device)
-            ends = _host_list(ends, device)
-        lo, hi = _word_columns(words, seg, device)
-        n = _constant(numels, device)[seg]
-        idx = _torch.minimum((_keys53(j, lo, hi).double() * n / 2.0**53).long(), n - 1)
-        idx = idx + _constant(offsets, device)[seg]             # disjoint ranges per tensor
-        ordered, order = _torch.sort(idx, stable=True)           # equal draws: first first
-        first = _torch.ones_like(ordered, dtype=_torch.bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        new = _torch.empty_like(first).scatter_(0, order, first)     # in draw order
-        seen = _torch.cumsum(new.long(), 0)
-        before = _torch.cat([seen.new_zeros(1), seen[ends][:-1]])
-        k_t = _constant(ks, device)
-        if bool(((seen[ends] - before) >= k_t).all()):                 # the one sync
-            break
-        reads, keep = [2 * r for r in reads], False             # a longer prefix, same answer
-    rank = seen - before[seg] - 1
-    _place(out, new & (rank < k_t[seg]), rank, seg, starts, idx, device)
-
-
-def _smallest_keys(out, numels, ks, offsets, starts, words, device):
-    """Tensors with ``k > n / 2``: the positions of the k smallest of n distinct keys
-    ``(32-bit hash << 31) | position``, in key order."""
-    seg, j = _segment_table(numels, device)                 # n entries each: not kept
-    lo, hi = _word_columns(words, seg, device)
-    keys = ((_keys53(j, lo, hi) >> 21) << 31) | j
-    if len(numels) == 1:
-        _place(out, _torch.ones(ks[0], dtype=_torch.bool, device=device),
-               _torch.arange(ks[0], device=device), seg[:ks[0]], starts,
-               _torch.topk(keys, ks[0], largest=False, sorted=True).indices + offsets[0], device)
-        return
-    order = _torch.sort(keys).indices
-    order = order[_torch.sort(seg[order], stable=True).indices]   # by tensor, then key
-    seg_o = seg[order]
-    rank = _torch.arange(order.numel(), device=device) - _constant(_starts(numels), device)[seg_o]
-    idx = j[order] + _constant(offsets, device)[seg_o]
-    _place(out, rank < _constant(ks, device)[seg_o], rank, seg_o, starts, idx, device)
-
-
-def _place(out, take, rank, seg, starts, values, device):
-    """``out[starts[seg] + rank] = values`` where ``take``, the rest into ``out``'s last
-    (spare) slot; no host synchronisation."""
-    slot = _constant(starts, device)[seg] + rank
-    out.scatter_(0, _torch.where(take, slot, out.numel() - 1), values)
 
 
 def uniform(n, seed, step, like):
@@ -433,3 +323,4 @@ def repeat_interleave(values, repeats):
 def constant(array, like):
     """A float32 tensor on ``like``'s device from a numpy array."""
     return _torch.as_tensor(array, dtype=_torch.float32).to(like.device)
+
