@@ -149,9 +149,9 @@ HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/de
 export HVD_COMPRESS_GPU_RECORD=$RESULTS/.records.json
 TESTS_LIMIT=240
 [ "$DEVICE" = cpu ] && TESTS_LIMIT=900      # tests/gpu on CPU tensors, kernels interpreted
-if [ -n "${GPU_TEST_TESTS:-}" ]; then
-  read -r -a TESTS <<< "$GPU_TEST_TESTS"
-else
+TESTS=()
+[ -n "${GPU_TEST_TESTS:-}" ] && read -r -a TESTS <<< "$GPU_TEST_TESTS"
+if [ "${#TESTS[@]}" = 0 ]; then      # (blank: the default, never pytest's whole suite)
   TESTS=(tests/gpu)
   [ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py \
     tests/unit/test_histogram_select.py tests/unit/test_bucket_launches.py)
@@ -162,10 +162,11 @@ run_step tests "$TESTS_LIMIT" "$PY" -m pytest -p no:cacheprovider -ra -q -o juni
 # 3. benchmarks (CUDA only, or the dry run's tiny sizes); the key case (25M) first, each
 #    part its own JSON
 if [ "$DEVICE" = cpu ]; then
-  DRY=1 BIG=4K SMALL=1K,2K HUGE=8K REPEAT=1 STEP=(--tiny --repeat 1 --warmup 0)
+  DRY=1 BIG=4K SMALL=1K,2K HUGE=8K PROF=1K,4K REPEAT=1 STEP=(--tiny --repeat 1 --warmup 0)
   MODELS=(--repeat 1 --schemes "none;topk:density=0.01;laplace_topk:density=0.01,fused=1")
 else
-  DRY= BIG=25M SMALL=1M,4M HUGE=100M REPEAT=5 STEP=(--repeat 2 --warmup 1) MODELS=(--repeat 10)
+  DRY= BIG=25M SMALL=1M,4M HUGE=100M PROF=1M,25M REPEAT=5 STEP=(--repeat 2 --warmup 1)
+  MODELS=(--repeat 10)
 fi
 if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
   SELECT=("$PY" benchmarks/select.py --device "$DEVICE" --no-progress --repeat "$REPEAT")
@@ -179,9 +180,9 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
   run_step "select $SMALL + real" 60 "${SELECT[@]}" --sizes "$SMALL" --inputs laplace,gaussian,student_t2,real \
     --out "$RESULTS/.select_1_small.json"
-  run_step profile 60 "${BENCH[@]}" profile --device "$DEVICE" --sizes "$SMALL" --repeat "$REPEAT" \
+  run_step profile 60 "${BENCH[@]}" profile --device "$DEVICE" --sizes "$PROF" --repeat "$REPEAT" \
     --out "$RESULTS/profile.json"
-  run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device "$DEVICE" --sizes "$SMALL" \
+  run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device "$DEVICE" --sizes "$PROF" \
     --repeat $(( REPEAT * 2 )) --out "$RESULTS"                # the peer baselines beside ours
   run_step "select $HUGE" 90 "${SELECT[@]}" --sizes "$HUGE" --inputs laplace,gaussian \
     --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,dgc,gaussian_k,sidco_exp \

@@ -17,7 +17,8 @@ STEPS = ["preflight", "tests", "select 4K", "codecs", "models", "gpu step", "sel
 
 def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     env = dict(os.environ, GPU_TEST_DEVICE="cpu", PYTHON=sys.executable,
-               RESULTS_DIR=str(tmp_path), GPU_TEST_TESTS="tests/gpu/test_gpu_coded.py")
+               RESULTS_DIR=str(tmp_path), GPU_TEST_TESTS="tests/gpu/test_gpu_coded.py",
+               GPU_TEST_BUDGET="780")       # every step ends within the budget: a clean failure
     r = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     tail = (r.stdout + r.stderr)[-4000:]

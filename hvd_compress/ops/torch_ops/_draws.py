@@ -177,7 +177,8 @@ def _smallest_keys(out, numels, ks, offsets, starts, words, device):
     seg, j = _segment_table(numels, device)                 # n entries each: not kept
     keys = (_draw_keys(words, seg, j, device, full=False) << 31) | j
     order = _torch.sort(keys).indices
-    order = order[_torch.sort(seg[order], stable=True).indices]   # by tensor, then key
+    if len(numels) > 1:
+        order = order[_torch.sort(seg[order], stable=True).indices]   # by tensor, then key
     seg_o = seg[order]
     rank = _torch.arange(order.numel(), device=device) - _constant(_starts(numels), device)[seg_o]
     take = _torch.empty_like(seg, dtype=_torch.bool).scatter_(
