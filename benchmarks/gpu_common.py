@@ -1,8 +1,9 @@
 """What the GPU benchmarks share (``benchmarks/gpu_bench.py`` and the modules it loads:
 ``gpu_profile.py``, ``gpu_summary.py``): the device's peak bandwidth, sizes, JSON, CUDA
-event timing (wall clock on a CPU dry run), Laplace test data, the two-rank aggregate, and :func:`sibling`, which loads
-a benchmark module of this folder by its path (this folder is not put on ``sys.path``:
-``benchmarks/select.py`` is named like the standard library's ``select``).
+event timing (wall clock on a CPU dry run), Laplace test data, the two-rank aggregate,
+and :func:`sibling`, which loads a benchmark module of this folder by its path (this
+folder is not put on ``sys.path``: ``benchmarks/select.py`` is named like the standard
+library's ``select``).
 """
 import datetime
 import importlib.util

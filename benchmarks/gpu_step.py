@@ -38,9 +38,9 @@ What is measured, per model (no Horovod, no network):
 ``--ddp-check``: two processes on ``--device`` (one CUDA device, or the CPU for a dry
 run), torch.distributed Gloo with tensors there, the tiny first model through
 ``hvd_compress.ddp.register``; after 3 SGD steps both ranks must hold equal parameters
-(skipped, with the reason, when Gloo refuses CUDA tensors).  Writes ``--out``/gpu_step_<model>_<date>.json (per-bucket
-figures included) and .png (``<model>_tiny`` with ``--tiny``; and
-gpu_step_ddp_check_<date>.json) and prints a table.
+(skipped, with the reason, when Gloo refuses CUDA tensors).  Writes
+``--out``/gpu_step_<model>_<date>.json (per-bucket figures included) and .png
+(``<model>_tiny`` with ``--tiny``; and gpu_step_ddp_check_<date>.json) and prints a table.
 """
 import sys
 from pathlib import Path

@@ -42,7 +42,6 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 START=$SECONDS
-BUDGET=${GPU_TEST_BUDGET:-$([ "${GPU_TEST_DEVICE:-cuda}" = cpu ] && echo 1500 || echo 450)}
 STAMP=$(date -u +%Y-%m-%d)
 
 if [ -n "${PYTHON:-}" ]; then
@@ -55,10 +54,19 @@ else
   PY=python3
 fi
 
+# What the device decides: results folder, time limits, benchmark sizes and repeats
 DEVICE=${GPU_TEST_DEVICE:-cuda}
 case $DEVICE in
-  cuda) RESULTS=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu_$STAMP} ;;
-  cpu) RESULTS=${RESULTS_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/hvd_compress_gpu_dry_run.XXXXXX")} ;;
+  cuda)
+    RESULTS=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu_$STAMP}
+    BUDGET=${GPU_TEST_BUDGET:-450} TESTS_LIMIT=240 DRY=
+    BIG=25M SMALL=1M,4M HUGE=100M PROF=1M,25M REPEAT=5 STEP=(--repeat 2 --warmup 1)
+    MODELS=(--repeat 10) ;;
+  cpu)                                # tests/gpu on CPU tensors, kernels interpreted
+    RESULTS=${RESULTS_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/hvd_compress_gpu_dry_run.XXXXXX")}
+    BUDGET=${GPU_TEST_BUDGET:-1500} TESTS_LIMIT=900 DRY=1
+    BIG=4K SMALL=1K,2K HUGE=8K PROF=1K,4K REPEAT=1 STEP=(--tiny --repeat 1 --warmup 0)
+    MODELS=(--repeat 1 --schemes "none;topk:density=0.01;laplace_topk:density=0.01,fused=1") ;;
   *) echo "GPU_TEST_DEVICE must be cuda or cpu, not '$DEVICE'" >&2; exit 2 ;;
 esac
 mkdir -p "$RESULTS"
@@ -147,8 +155,6 @@ HAVE_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/de
 
 # 2. tests (no CUDA: the GPU tests are collected and skipped, and counted as skipped)
 export HVD_COMPRESS_GPU_RECORD=$RESULTS/.records.json
-TESTS_LIMIT=240
-[ "$DEVICE" = cpu ] && TESTS_LIMIT=900      # tests/gpu on CPU tensors, kernels interpreted
 TESTS=()
 [ -n "${GPU_TEST_TESTS:-}" ] && read -r -a TESTS <<< "$GPU_TEST_TESTS"
 if [ "${#TESTS[@]}" = 0 ]; then      # (blank: the default, never pytest's whole suite)
@@ -161,13 +167,6 @@ run_step tests "$TESTS_LIMIT" "$PY" -m pytest -p no:cacheprovider -ra -q -o juni
 
 # 3. benchmarks (CUDA only, or the dry run's tiny sizes); the key case (25M) first, each
 #    part its own JSON
-if [ "$DEVICE" = cpu ]; then
-  DRY=1 BIG=4K SMALL=1K,2K HUGE=8K PROF=1K,4K REPEAT=1 STEP=(--tiny --repeat 1 --warmup 0)
-  MODELS=(--repeat 1 --schemes "none;topk:density=0.01;laplace_topk:density=0.01,fused=1")
-else
-  DRY= BIG=25M SMALL=1M,4M HUGE=100M PROF=1M,25M REPEAT=5 STEP=(--repeat 2 --warmup 1)
-  MODELS=(--repeat 10)
-fi
 if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
   SELECT=("$PY" benchmarks/select.py --device "$DEVICE" --no-progress --repeat "$REPEAT")
   run_step "select $BIG" 90 "${SELECT[@]}" --sizes "$BIG" --inputs laplace,gaussian,student_t2 \

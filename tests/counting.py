@@ -41,7 +41,8 @@ class CountSyncs(TorchDispatchMode):
     the CPU: patched for the block).  Not seen: host-to-device copies of Python values,
     ``.cpu()``/``.numpy()`` (nothing to copy on the CPU), and code that branches on
     ``is_cuda`` (the CPU's compaction and candidate pruning in laplace_topk's grid
-    search, for example); so the GPU test against the same table is the real guard.  ``host``: tensors that stay on the CPU on a GPU run too (the step counters of
+    search, for example); so the GPU test against the same table is the real guard.
+    ``host``: tensors that stay on the CPU on a GPU run too (the step counters of
     a compressor's state), whose reads wait for nothing (held here, so that no other
     tensor takes the id of one freed meanwhile).  On a GPU,
     ``torch.cuda.set_sync_debug_mode`` counts the real ones (tests/gpu/test_gpu_sync.py)."""

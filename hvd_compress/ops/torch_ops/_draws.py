@@ -47,11 +47,15 @@ def _hash32(x):
     return x ^ (x >> 16)
 
 
+def _key32(c, lo, hi):
+    """``H(H(c ^ lo) ^ hi)``: the 32-bit key of counter ``c`` (int64, < 2^32)."""
+    return _hash32(_hash32(c ^ lo) ^ hi)
+
+
 def _keys53(j, lo, hi):
     """53-bit keys (int64) of counters ``j`` (< 2^31) under key words ``lo``, ``hi``."""
-    a = _hash32(_hash32((2 * j) ^ lo) ^ hi)
-    b = _hash32(_hash32((2 * j + 1) ^ lo) ^ hi)
-    return (a << 21) | (b >> 11)
+    return (_key32(2 * j, lo, hi) << 21) | (_key32(2 * j + 1, lo, hi) >> 11)
+
 
 _CHUNK = 1 << 16                      # uint32 entries a chunk: 256 KiB, in cache
 
@@ -68,9 +72,8 @@ def _np_hash32(x):
 
 def _host_keys(j, words, seg=None, full=True):
     """On the CPU, the keys of counters ``j`` (int64) of segments ``seg`` (None: all of
-    segment 0) under one word a segment: :func:`_keys53` (``full``) or its first hash
-    ``H(H(2j ^ lo) ^ hi)`` (the 32-bit key of the k-smallest path); int64, bit for bit
-    what the torch ops give."""
+    segment 0) under one word a segment: :func:`_keys53` (``full``) or ``_key32(2j)``
+    (the k-smallest path's key); int64, bit for bit what the torch ops give."""
     jn = j.numpy()
     sn = seg.numpy() if seg is not None else None
     los = _np.array([w & _M32 for w in words], dtype=_np.uint32)
@@ -93,7 +96,7 @@ def _draw_keys(words, seg, j, device, full=True):
     if _host_path(device):
         return _host_keys(j, words, seg, full)
     lo, hi = _word_columns(words, seg, device)
-    return _keys53(j, lo, hi) if full else _hash32(_hash32((2 * j) ^ lo) ^ hi)
+    return _keys53(j, lo, hi) if full else _key32(2 * j, lo, hi)
 
 
 def _host_path(device):
@@ -176,15 +179,16 @@ def _smallest_keys(out, numels, ks, offsets, starts, words, device):
         return
     seg, j = _segment_table(numels, device)                 # n entries each: not kept
     keys = (_draw_keys(words, seg, j, device, full=False) << 31) | j
+    first = _constant(_starts(numels), device)             # each tensor's first entry
     order = _torch.sort(keys).indices
     if len(numels) > 1:
         order = order[_torch.sort(seg[order], stable=True).indices]   # by tensor, then key
     seg_o = seg[order]
-    rank = _torch.arange(order.numel(), device=device) - _constant(_starts(numels), device)[seg_o]
+    rank = _torch.arange(order.numel(), device=device) - first[seg_o]
     take = _torch.empty_like(seg, dtype=_torch.bool).scatter_(
         0, order, rank < _constant(ks, device)[seg_o])
     seen = _torch.cumsum(take.long(), 0)                    # rank in position order
-    before = _torch.cat([seen.new_zeros(1), seen])[_constant(_starts(numels), device)]
+    before = _torch.cat([seen.new_zeros(1), seen])[first]
     _place(out, take, seen - before[seg] - 1, seg, starts, j + _constant(offsets, device)[seg], device)
 
 

@@ -323,4 +323,3 @@ def repeat_interleave(values, repeats):
 def constant(array, like):
     """A float32 tensor on ``like``'s device from a numpy array."""
     return _torch.as_tensor(array, dtype=_torch.float32).to(like.device)
-
