@@ -369,6 +369,23 @@ def test_close_predictions_are_tried_for_real_and_the_measured_fastest_wins():
     assert auto.choice == {"b": 0}
 
 
+def test_a_compressing_choice_must_be_measured_faster_than_none_in_the_trial():
+    """The model prefers topk (predicted 5% faster); measured only 4% faster than none
+    (noise on a fast link: seen on plain loopback), none stays; 10% faster, topk."""
+    for measured_topk, expected in ((0.192, 0), (0.18, 1)):
+        auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=3,
+                    verbose=False)
+        times = {"b": [(0.0, 0.100, 0.0, 1e6), (0.0, 0.095, 0.0, 1e4)]}
+        comm = FakeComm()
+        for _ in range(2):
+            drive(auto, comm, times)
+        assert auto.phase == "trial" and auto.trials == [{"b": 1}, {"b": 0}]
+        auto.trial_times = [[0.5, measured_topk, measured_topk], [0.5, 0.20, 0.20]]
+        auto._finish_trials(comm)
+        assert auto.choice == {"b": expected}, measured_topk
+        assert auto.expected == pytest.approx((0.20, measured_topk)[expected])
+
+
 def test_far_worse_predictions_are_not_tried():
     auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=3, verbose=False)
     times = {"b": [(0.0, 4.0, 0.0, 1e8), (0.01, 0.01, 0.01, 1e6)]}   # none 100x slower

@@ -33,7 +33,9 @@ choice, the current one, the first candidate everywhere, each candidate alone; a
 ``1 + tries``) are each run for real, overlapped as in training, for ``trial`` steps
 (default 5; 0: trust the model); the model's choice is kept unless another was measured
 ``trial_margin`` (5%) faster (median step of the slowest rank, the first step of each
-left out).  The table shows predicted and measured step times.
+left out), and a choice that compresses must also be measured ``trial_margin`` faster
+than the first candidate everywhere where that was tried (a tie keeps ``none``).  The
+table shows predicted and measured step times.
 
 **Watch**: every 10 steps the measured step (median, slowest rank) is compared with the
 one the decision expected.  Slower by more than ``drift``: that figure becomes the
@@ -59,29 +61,19 @@ Imports: the standard library, :mod:`hvd_compress.compressors.base`, :mod:`.resi
 ``spec``, ``buckets``, ``log`` and the step model (:mod:`.model`); no framework.
 """
 import math
-import statistics
 import time
 
 from ...compressors.base import Compressor, register
 from ...log import info_rank0
 from . import report, residuals
 from .candidates import DEFAULT_CANDIDATES, label, parse  # noqa: F401 (re-exported)
-from .model import BucketCost, _measured, combine, decide, predict
+from .model import BucketCost, _median, _warm, bucket_costs, combine, decide, first_measured, \
+    predict
+
 
 def _label(option):
     """A combination (bucket key -> candidate index) as a plain string key."""
     return ";".join(f"{k}={v}" for k, v in sorted(option.items()))
-
-
-def _warm(samples):
-    """The samples less the first where there are several (it warms caches, kernels)."""
-    samples = list(samples)
-    return samples[1:] if len(samples) > 1 else samples
-
-
-def _median(samples):
-    samples = list(samples)
-    return statistics.median(samples) if samples else 0.0
 
 
 @register
@@ -107,7 +99,8 @@ class Auto(Compressor):
     segmented = True
     margin = 0.01               #: a choice must beat the first candidate's step by this
                                 #: fraction
-    trial_margin = 0.05         #: a tried combination must beat the model's choice by this
+    trial_margin = 0.05         #: a tried combination must beat the model's choice (and a
+                                #: compressing one the first candidate) by this
     window = 0.5                #: combinations predicted within 1.5x of the best are tried
     tries = 3                   #: and at most this many besides the model's choice
     WATCH = 10                  #: steps between comparisons of the measured step with the
@@ -245,21 +238,6 @@ class Auto(Compressor):
             self._watch(comm)
 
     # -- decisions ----------------------------------------------------------------------
-    def bucket_costs(self):
-        """The :class:`BucketCost` of every calibrated bucket, in launch order.  A
-        candidate never measured on a bucket (one not sent at every calibration step:
-        DDP's first step has buckets of its own) costs infinite compress seconds there,
-        so that it is not chosen for it (not free, as zero seconds would make it)."""
-        n, out = len(self.members), []
-        for key, s in self.samples.items():
-            parts = [[_median(_warm(x[j] for x in s[f"c{i}"]))
-                      for j in range(4)] if s.get(f"c{i}") else [math.inf, 0.0, 0.0, 0.0]
-                     for i in range(n)]
-            out.append(BucketCost(key, _median(_warm(s["ready"])) if s["ready"] else 0.0,
-                                  tuple(p[0] for p in parts), tuple(p[1] for p in parts),
-                                  tuple(p[2] for p in parts), tuple(p[3] for p in parts)))
-        return sorted(out, key=lambda b: (b.ready, b.key))
-
     def forget(self, key):
         """Drop bucket ``key`` (a bucket that no longer exists: DDP rebuilt its buckets)."""
         self.samples.pop(key, None)
@@ -284,14 +262,12 @@ class Auto(Compressor):
 
     def _decide(self, comm, why):
         compute = _median(self.compute) if self.compute else 0.0
-        self.costs, self.compute_s = self._combine(comm, self.bucket_costs(), compute)
+        self.costs, self.compute_s = self._combine(
+            comm, bucket_costs(self.samples, len(self.members)), compute)
         costs, compute = self.costs, self.compute_s
         keys = sorted(b.key for b in costs)
-        baseline = [0] * len(costs)
+        baseline = first_measured(costs, len(self.members))
         first = predict(costs, baseline, compute, self.scale)
-        if not math.isfinite(first):       # candidate 0 not measured on some bucket
-            baseline = _measured(costs, len(self.members))
-            first = predict(costs, baseline, compute, self.scale)
         n = len(self.members)
         mine = decide(costs, n, compute, self.scale)
         if predict(costs, mine, compute, self.scale) > first * (1 - self.margin):
@@ -327,7 +303,9 @@ class Auto(Compressor):
         """Choose among the tried combinations by their measured steps (the slowest rank's
         median, first step of each left out): the model's choice (the first) stays unless
         another was measured ``trial_margin`` (5%) faster: trials catch the model's large
-        errors, and must not follow a few steps' noise."""
+        errors, and must not follow a few steps' noise.  Where the first candidate
+        everywhere (``none``) was tried, whatever is chosen must also be measured
+        ``trial_margin`` faster than it, else it is kept: a tie does not pay for a codec."""
         measured = []
         if len(self.trials) > 1 and self.trial > 0:
             mine = [_median(_warm(t)) for t in self.trial_times]
@@ -339,6 +317,12 @@ class Auto(Compressor):
             fastest = min(range(len(measured)), key=lambda t: (measured[t], t))
             if measured[fastest] < measured[0] * (1 - self.trial_margin):
                 best = fastest
+            # and a tie goes to the first candidate: compressing must be measured faster
+            first = first_measured(self.costs, len(self.members))
+            first = dict(zip((b.key for b in self.costs), first))
+            base = next((t for t, o in enumerate(self.trials) if o == first), None)
+            if base is not None and measured[best] >= measured[base] * (1 - self.trial_margin):
+                best = base
         got = comm.broadcast([float(best)], "auto.choice")
         self.choice = dict(self.trials[int(round(got[0]))]) if self.trials else {}
         self.measured = measured

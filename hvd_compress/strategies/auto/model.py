@@ -77,7 +77,7 @@ def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9, exhaustive=20000):
                 best, choice = p, list(trial)
         return choice
     best, choice = math.inf, None
-    for cur in [[start] * len(costs) for start in range(n)] + [_measured(costs, n)]:
+    for cur in [[start] * len(costs) for start in range(n)] + [first_measured(costs, n)]:
         cur_p = predict(costs, cur, compute, scale)
         for _ in range(10):
             changed = False
@@ -94,7 +94,36 @@ def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9, exhaustive=20000):
     return choice
 
 
-def _measured(costs, n):
+def _warm(samples):
+    """The samples less the first where there are several (it warms caches, kernels)."""
+    samples = list(samples)
+    return samples[1:] if len(samples) > 1 else samples
+
+
+def _median(samples):
+    samples = list(samples)
+    return statistics.median(samples) if samples else 0.0
+
+
+def bucket_costs(samples, n):
+    """The :class:`BucketCost` of every calibrated bucket, in launch order, from the
+    calibration ``samples`` (key -> {"ready": [s], "c<i>": [[C, T, D, bytes]]}) of ``n``
+    candidates (first sample left out, medians).  A candidate never measured on a bucket
+    (one not sent at every calibration step: DDP's first step has buckets of its own)
+    costs infinite compress seconds there, so that it is not chosen for it (not free, as
+    zero seconds would make it)."""
+    out = []
+    for key, s in samples.items():
+        parts = [[_median(_warm(x[j] for x in s[f"c{i}"]))
+                  for j in range(4)] if s.get(f"c{i}") else [math.inf, 0.0, 0.0, 0.0]
+                 for i in range(n)]
+        out.append(BucketCost(key, _median(_warm(s["ready"])) if s["ready"] else 0.0,
+                              tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+                              tuple(p[2] for p in parts), tuple(p[3] for p in parts)))
+    return sorted(out, key=lambda b: (b.ready, b.key))
+
+
+def first_measured(costs, n):
     """Each bucket's first candidate with finite costs (one measured on it)."""
     return [next((c for c in range(n) if math.isfinite(b.compress[c])), 0) for b in costs]
 
