@@ -318,8 +318,8 @@ class Auto(Compressor):
             if measured[fastest] < measured[0] * (1 - self.trial_margin):
                 best = fastest
             # and a tie goes to the first candidate: compressing must be measured faster
-            first = first_measured(self.costs, len(self.members))
-            first = dict(zip((b.key for b in self.costs), first))
+            first = dict(zip((b.key for b in self.costs),
+                             first_measured(self.costs, len(self.members))))
             base = next((t for t, o in enumerate(self.trials) if o == first), None)
             if base is not None and measured[best] >= measured[base] * (1 - self.trial_margin):
                 best = base
