@@ -118,7 +118,21 @@ def test_plan_groups_by_compressor_and_size_in_backward_order():
     # gradient comes first is launched first
     assert plan == [[4], [1], [5, 3, 0]]
     small = buckets.plan(e, 1200 / 2**20)                           # 1200 bytes: 300 floats
-    assert [3] in small and [5, 0] not in small and sorted(sum(small, [])) == [0, 1, 3, 4, 5]
+    # d (1200 bytes) alone; f and a (404 bytes) share the bucket that d did not close
+    assert small == [[4], [3], [1], [5, 0]]
+    assert buckets.plan(e, 800 / 2**20) == [[5], [4], [3], [1], [0]]     # a: 400 of 800
+
+
+def test_a_tensor_of_half_a_bucket_or_more_is_a_bucket_of_its_own():
+    """CNNMLPLarge's shape: a 25.2 MB weight among small tensors fits a 25 MB bucket but
+    would wait in it for the convolutions' gradients after it; alone, it is sent as soon
+    as it is ready, and the small tensors before and after it share one bucket."""
+    none = hvd_compress.from_spec("none")
+    sizes = [864, 32, 18432, 64, 6291456, 1536, 15360, 10]      # registration order
+    e = [(f"t{i}", (n,), none, "f32", 4) for i, n in enumerate(sizes)]
+    assert buckets.plan(e, 25) == [[4], [7, 6, 5, 3, 2, 1, 0]]
+    assert buckets.plan(e, 2 * 6291456 * 4 / 2**20) == [[4], [7, 6, 5, 3, 2, 1, 0]]
+    assert buckets.plan(e, 2 * 6291456 * 4 / 2**20 + 1e-6) == [[7, 6, 5, 4, 3, 2, 1, 0]]
 
 
 @pytest.mark.parametrize("value", [-1, "x", float("nan"), float("inf")])
