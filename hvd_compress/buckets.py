@@ -104,7 +104,7 @@ def plan(entries, mb):
             buckets.append([i])
             continue
         if cur is not None and cur[1] + n * size > cap:
-            buckets.append(open_.pop(key)[0])
+            buckets.append(cur[0])
             cur = None
         if cur is None:
             cur = open_[key] = [[], 0]
