@@ -7,7 +7,10 @@ with each compressor in turn and (rank 0) writes the median step time and its sp
 Split of a step (PyTorch glue timers, see hvd_compress.stats):
   compute      forward + backward + optimizer step, minus the time spent compressing in
                backward's hooks
-  compress     compressing every gradient (inside backward, as each gradient is ready)
+  compress     compressing every gradient: inside backward, as each gradient is ready,
+               and in synchronize() the part after a first collective (``late``: a
+               two-round exchange's second message, PowerSGD's Q; hier:'s compress
+               between hosts)
   communicate  blocked on Horovod in synchronize(): communication backward did not hide
   decompress   decoding the aggregates
   other        the rest of synchronize() (launching late collectives, copying into .grad)
@@ -156,14 +159,16 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
             continue
         if spec == "horovod":    # no timers inside Horovod: synchronize() is communication
             st = dict(last_compress_s=0.0, last_wait_s=t2 - t1, last_decompress_s=0.0,
+                      last_compress_late_s=0.0,
                       last_sent=sum(4 * p.numel() for p in model.parameters()))
             st["last_dense"] = st["last_sent"]
         else:
             st = opt.stats.as_dict()
         compress, wait, decomp = st["last_compress_s"], st["last_wait_s"], st["last_decompress_s"]
-        rows.append(dict(total=t3 - t0, compute=(t1 - t0) - compress + (t3 - t2),
+        late = st["last_compress_late_s"]          # compress seconds in synchronize()
+        rows.append(dict(total=t3 - t0, compute=(t1 - t0) - (compress - late) + (t3 - t2),
                          compress=compress, communicate=wait, decompress=decomp,
-                         other=max(0.0, (t2 - t1) - wait - decomp), sent=st["last_sent"],
+                         other=max(0.0, (t2 - t1) - wait - decomp - late), sent=st["last_sent"],
                          dense=st["last_dense"]))
         if tx0 is not None:        # the host's link: every worker of the host, both sides
             rows[-1]["host_tx"] = float(slow_link_bytes() - tx0)

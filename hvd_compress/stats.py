@@ -26,7 +26,7 @@ class Stats:
     inside the host (the reduce-scatter and allgather among its workers).
     """
 
-    TIMES = ("compress_s", "wait_s", "decompress_s")
+    TIMES = ("compress_s", "wait_s", "decompress_s", "compress_late_s")
 
     def __init__(self):
         self.steps = 0
@@ -38,7 +38,7 @@ class Stats:
         self.total_exchange = dict.fromkeys(EXCHANGE, 0)
         #: Elastic Horovod: L2 norm of the residuals lost with lost workers (at the commit)
         self.lost_residual_norm = 0.0
-        self._times = [0.0, 0.0, 0.0]
+        self._times = [0.0] * len(self.TIMES)
         self._host = [0, 0]
         self.last_host = self.total_host = (0, 0)
         self.last_times = dict.fromkeys(self.TIMES, 0.0)
@@ -57,9 +57,9 @@ class Stats:
         """Count one hierarchical exchange's dense bytes inside the host."""
         self._host = [self._host[0] + int(sent), self._host[1] + int(received)]
 
-    def add_time(self, compress_s, wait_s, decompress_s):
+    def add_time(self, compress_s, wait_s, decompress_s, compress_late_s=0.0):
         """Add one tensor's seconds (PyTorch glue: wall clock of the calling thread)."""
-        for i, t in enumerate((compress_s, wait_s, decompress_s)):
+        for i, t in enumerate((compress_s, wait_s, decompress_s, compress_late_s)):
             self._times[i] += float(t)
 
     def end_step(self):
@@ -76,16 +76,19 @@ class Stats:
         self.last_times = dict(zip(self.TIMES, self._times))
         for k, t in self.last_times.items():
             self.total_times[k] += t
-        self._times = [0.0, 0.0, 0.0]
+        self._times = [0.0] * len(self.TIMES)
         self.last_host = tuple(self._host)
         self.total_host = tuple(a + b for a, b in zip(self.total_host, self._host))
         self._host = [0, 0]
 
     def as_dict(self):
         """Bytes (``last_*``, ``total_*``, ``ratio``) and, where the glue measures them
-        (PyTorch), seconds: ``last_compress_s`` (compressing, inside backward's hooks),
-        ``last_wait_s`` (blocked on Horovod in ``synchronize()``: communication that
-        backward did not hide), ``last_decompress_s``, and their ``total_*``."""
+        (PyTorch), seconds: ``last_compress_s`` (compressing: inside backward's hooks,
+        but for ``last_compress_late_s``, the part spent in ``synchronize()`` after a
+        collective completed -- a two-round exchange's second message, ``hier:``'s
+        compress between hosts), ``last_wait_s`` (blocked on Horovod in
+        ``synchronize()``: communication that backward did not hide),
+        ``last_decompress_s``, and their ``total_*``."""
         out = summarize(self.steps, self.last_sent, self.last_dense,
                         self.total_sent, self.total_dense, self.last_exchange,
                         self.total_exchange)
@@ -104,7 +107,7 @@ class Stats:
         metrics logger: ``sent_bytes``, ``dense_bytes``, ``received_bytes``,
         ``total_sent_bytes``, ``total_dense_bytes``, ``ratio`` and ``total_ratio`` (dense /
         sent; absent while nothing was sent), ``compress_s``, ``wait_s``,
-        ``decompress_s``.  TensorBoard, each step::
+        ``decompress_s``, ``compress_late_s``.  TensorBoard, each step::
 
             for k, v in opt.stats.scalars().items(): writer.add_scalar(k, v, step)
         """

@@ -158,7 +158,7 @@ class Driver:
             return
         ex.counted = True
         self.stats.add(ex.sent, ex.dense, ex.received, ex.received_local, ex.union, ex.k)
-        self.stats.add_time(ex.compress_s, ex.wait_s, ex.decompress_s)
+        self.stats.add_time(ex.compress_s, ex.wait_s, ex.decompress_s, ex.compress_late_s)
         add_local = getattr(self.stats, "add_local", None)
         if ex.hierarchical and add_local is not None:     # the fast link's dense bytes
             add_local(ex.local_sent, ex.local_received)

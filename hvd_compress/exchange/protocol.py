@@ -173,7 +173,11 @@ class Exchange:
     ``tensor``, or flat), :attr:`sent`, :attr:`received`, :attr:`received_local`,
     :attr:`union`, :attr:`k` (see :class:`hvd_compress.stats.Stats`), :attr:`dense`
     (float32 bytes of the gradient) and the seconds :attr:`compress_s` (compressing and
-    agreeing), :attr:`wait_s` (blocked on collectives), :attr:`decompress_s`.
+    agreeing), :attr:`wait_s` (blocked on collectives), :attr:`decompress_s`, and
+    :attr:`compress_late_s`: the part of ``compress_s`` spent after a collective
+    completed (a two-round exchange's second message, ``hier:``'s compress between
+    hosts), where the exchange is waited for (``synchronize()``) and not where it was
+    launched (backward's hooks).
     """
 
     hierarchical = False       #: :class:`.hierarchical.HierarchicalExchange` says True
@@ -190,7 +194,7 @@ class Exchange:
         ops = transport.ops
         self.dense = 4 * (layout.total if layout is not None else ops.numel(tensor))
         self.sent = self.received = self.received_local = self.union = self.k = 0
-        self.compress_s = self.wait_s = self.decompress_s = 0.0
+        self.compress_s = self.wait_s = self.decompress_s = self.compress_late_s = 0.0
         self.result, self.done, self.pending = None, False, None
         #: what this rank sent first (the payload, or round 1's message) and the
         #: compressor's state for decompressing (the Ctx, or the two rounds' state)
@@ -220,8 +224,12 @@ class Exchange:
     def _resume(self, value):
         start = time.perf_counter()
         try:
+            resumed = self.pending is not None          # after a collective completed
             self.pending = self._gen.send(value)
-            self.compress_s += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.compress_s += seconds
+            if resumed:
+                self.compress_late_s += seconds
         except StopIteration as stop:
             self.result, self.pending, self.done = stop.value, None, True
             self.decompress_s += time.perf_counter() - start

@@ -94,7 +94,7 @@ class _Done:
 
     done = True
     sent = received = received_local = union = k = dense = 0
-    compress_s = wait_s = decompress_s = 0.0
+    compress_s = wait_s = decompress_s = compress_late_s = 0.0
 
     def __init__(self, result):
         self.result = result

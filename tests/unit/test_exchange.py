@@ -126,6 +126,29 @@ def test_stats_count_every_exchange_once_per_step():
         assert d["last_received"] == 8 * k * (size - 1)
 
 
+@pytest.mark.parametrize("spec,late", [("topk:density=0.1", False), ("powersgd:rank=2", True),
+                                       ("topk:density=0.1,agg=union", True)])
+def test_compress_after_a_collective_is_counted_apart(spec, late):
+    """A two-round exchange agrees on its second message once its first collective is
+    done, in synchronize(): those seconds are compress_s and compress_late_s both (the
+    step-time split subtracts only the rest from backward's time); a one-round exchange
+    compresses only where it is launched."""
+    size = 2
+    world = World(size, torch_ops, timeout=20)
+    comps = [hvd_compress.from_spec(spec) for _ in range(size)]
+    stats = [Stats() for _ in range(size)]
+    _threads(size, lambda r: _step(world, r, comps, stats[r], _grads(r)))
+    for s in stats:
+        d = s.as_dict()
+        assert d["last_compress_s"] > 0
+        if late:
+            assert 0 < d["last_compress_late_s"] < d["last_compress_s"], d
+        else:
+            assert d["last_compress_late_s"] == 0, d
+        assert d["total_compress_late_s"] == d["last_compress_late_s"]
+        assert s.scalars()["compression/compress_late_s"] == d["last_compress_late_s"]
+
+
 def test_waiting_for_a_collective_another_rank_never_starts_is_an_error_not_a_hang():
     world = World(2, torch_ops, timeout=0.2)
     c = hvd_compress.from_spec("topk:density=0.1")
