@@ -98,11 +98,11 @@ def plan(entries, mb):
         if mb <= 0 or not compressor.segmented:
             buckets.append([i])
             continue
-        key = (id(compressor), dtype_key)
-        cur = open_.get(key)
         if 2 * n * size >= cap:                  # at least half a bucket: its own
             buckets.append([i])
             continue
+        key = (id(compressor), dtype_key)
+        cur = open_.get(key)
         if cur is not None and cur[1] + n * size > cap:
             buckets.append(cur[0])
             cur = None

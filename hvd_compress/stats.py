@@ -57,7 +57,7 @@ class Stats:
         """Count one hierarchical exchange's dense bytes inside the host."""
         self._host = [self._host[0] + int(sent), self._host[1] + int(received)]
 
-    def add_time(self, compress_s, wait_s, decompress_s, compress_late_s=0.0):
+    def add_time(self, compress_s, wait_s, decompress_s, compress_late_s):
         """Add one tensor's seconds (PyTorch glue: wall clock of the calling thread)."""
         for i, t in enumerate((compress_s, wait_s, decompress_s, compress_late_s)):
             self._times[i] += float(t)

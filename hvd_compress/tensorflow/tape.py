@@ -47,7 +47,7 @@ class TFStats:
         for key in self.KEYS:
             self._step[key] = self._step[key] + tf.cast(values[key], tf.int64)
 
-    def add_time(self, compress_s, wait_s, decompress_s, compress_late_s=0.0):
+    def add_time(self, compress_s, wait_s, decompress_s, compress_late_s):
         """Seconds are not counted in TensorFlow (inside ``tf.function`` they would be
         the trace's)."""
 

@@ -67,8 +67,8 @@ from ...compressors.base import Compressor, register
 from ...log import info_rank0
 from . import report, residuals
 from .candidates import DEFAULT_CANDIDATES, label, parse  # noqa: F401 (re-exported)
-from .model import BucketCost, _median, _warm, bucket_costs, combine, decide, first_measured, \
-    predict
+from .model import BucketCost, bucket_costs, combine, decide, first_measured, median, predict, \
+    warm
 
 
 def _label(option):
@@ -261,7 +261,7 @@ class Auto(Compressor):
         return out, compute
 
     def _decide(self, comm, why):
-        compute = _median(self.compute) if self.compute else 0.0
+        compute = median(self.compute) if self.compute else 0.0
         self.costs, self.compute_s = self._combine(
             comm, bucket_costs(self.samples, len(self.members)), compute)
         costs, compute = self.costs, self.compute_s
@@ -308,7 +308,7 @@ class Auto(Compressor):
         ``trial_margin`` faster than it, else it is kept: a tie does not pay for a codec."""
         measured = []
         if len(self.trials) > 1 and self.trial > 0:
-            mine = [_median(_warm(t)) for t in self.trial_times]
+            mine = [median(warm(t)) for t in self.trial_times]
             measured = [max(col) for col in zip(*comm.allgather(mine, "auto.trials"))]
         # a choice whose real steps were slower than its trial keeps the slower figure
         measured = [max(v, self.penalty.get(_label(o), 0.0)) for v, o in zip(measured, self.trials)]
@@ -351,7 +351,7 @@ class Auto(Compressor):
         ``drift``: that measurement becomes the choice's (a short trial can be flattered,
         e.g. by a token bucket's burst) and the options are tried again; faster by more
         than ``drift`` (the link got faster): calibrate again."""
-        mine = _median(self.recent[-self.WATCH:])
+        mine = median(self.recent[-self.WATCH:])
         m = max(v for (v,) in comm.allgather([mine], "auto.watch"))
         self.recent = []
         if not self.expected > 0:

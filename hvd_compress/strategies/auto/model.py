@@ -94,13 +94,13 @@ def decide(costs, n, compute=0.0, scale=1.0, eps=1e-9, exhaustive=20000):
     return choice
 
 
-def _warm(samples):
+def warm(samples):
     """The samples less the first where there are several (it warms caches, kernels)."""
     samples = list(samples)
     return samples[1:] if len(samples) > 1 else samples
 
 
-def _median(samples):
+def median(samples):
     samples = list(samples)
     return statistics.median(samples) if samples else 0.0
 
@@ -114,10 +114,10 @@ def bucket_costs(samples, n):
     zero seconds would make it)."""
     out = []
     for key, s in samples.items():
-        parts = [[_median(_warm(x[j] for x in s[f"c{i}"]))
+        parts = [[median(warm(x[j] for x in s[f"c{i}"]))
                   for j in range(4)] if s.get(f"c{i}") else [math.inf, 0.0, 0.0, 0.0]
                  for i in range(n)]
-        out.append(BucketCost(key, _median(_warm(s["ready"])) if s["ready"] else 0.0,
+        out.append(BucketCost(key, median(warm(s["ready"])) if s["ready"] else 0.0,
                               tuple(p[0] for p in parts), tuple(p[1] for p in parts),
                               tuple(p[2] for p in parts), tuple(p[3] for p in parts)))
     return sorted(out, key=lambda b: (b.ready, b.key))
