@@ -32,7 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_compress.ddp
 from hvd_compress.stats import Stats, ring_received
 from models import MnistNet as Net
-from mnist_common import Report, batches, build_compression, load_mnist, parse_args, progress
+from mnist_common import (Report, batches, build_compression, exit_skipping_teardown, load_mnist,
+                          parse_args, progress)
 
 
 def own_args():
@@ -153,3 +154,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()          # torch's Gloo may abort a rank at exit otherwise

@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from hvd_compress.ddp import CompressionState, compression_hook
 from hvd_compress.lightning import CompressionStats, DDPStrategy
 from hvd_compress.stats import human_bytes
-from mnist_common import load_mnist, parse_args
+from mnist_common import exit_skipping_teardown, load_mnist, parse_args
 from models import MnistNet
 
 
@@ -113,3 +113,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()          # torch's Gloo may abort a rank at exit otherwise
