@@ -1,6 +1,8 @@
 """Top-k selection benchmark: laplace_topk (seed 000) against torch.topk of the installed
 torch and the peers dgc, gaussian_k and sidco_exp, all through the same compressor call
-(``compress`` with ``ef=0``: selection plus gathering the values).
+(``compress`` with ``ef=0``: selection plus gathering the values).  ``topk`` is the
+topk compressor: torch.topk on CUDA, numpy's partition on the CPU (``ops.topk_indices``);
+``torch_topk`` calls torch.topk itself (``|x|``, top-k, the values gathered).
 
 For every method, size, density and input: median time per call, achieved count / k,
 the speed-up over torch.topk (``topk``) measured in the same run, and the time relative
@@ -34,6 +36,7 @@ import hvd_compress  # noqa: E402
 from mnist_common import show_progress  # noqa: E402  (no bar off a terminal)
 
 METHODS = {
+    "torch_topk": None,                                     # torch.topk itself, no compressor
     "topk": "topk:density={d},ef=0",
     "laplace_topk": "laplace_topk:density={d},ef=0,small=0",   # the search, at every size
     "laplace_topk_exact": "laplace_topk:density={d},exact=1,ef=0",
@@ -83,19 +86,27 @@ def measure(x, density, repeat, sync, methods):
     read3 = timeit(lambda: [x.sum() for _ in range(3)], repeat, sync)
     rows = {}
     for method in methods:
-        c = hvd_compress.from_spec(METHODS[method].format(d=density))
         out = {}
+        if METHODS[method] is None:                         # torch_topk
 
-        def call():
-            out["payload"] = c.compress(x, "g")[0]
+            def call():
+                i = torch.topk(x.abs(), k, sorted=False).indices
+                out["payload"] = (x[i], i)
+        else:
+            c = hvd_compress.from_spec(METHODS[method].format(d=density))
+
+            def call():
+                out["payload"] = c.compress(x, "g")[0]
 
         seconds = timeit(call, repeat, sync)
         rows[method] = {"seconds": seconds, "count": int(out["payload"][1].numel()),
                         "count_over_k": out["payload"][1].numel() / k,
                         "over_read3": seconds / read3}
     base = rows.get("topk", {}).get("seconds")
+    torch_base = rows.get("torch_topk", {}).get("seconds")
     for r in rows.values():
         r["speedup_vs_topk"] = base / r["seconds"] if base else None
+        r["speedup_vs_torch_topk"] = torch_base / r["seconds"] if torch_base else None
     return k, read3, rows
 
 
@@ -196,7 +207,7 @@ def main():
         cells = []
         for m in methods:
             v = r["methods"][m]
-            cells.append(f"{1e3 * v['seconds']:8.2f} ({v['speedup_vs_topk']:5.2f}x,"
+            cells.append(f"{1e3 * v['seconds']:8.2f} ({v['speedup_vs_topk'] or 0:5.2f}x,"
                          f"{v['count_over_k']:6.3f})")
         print(f"{r['input']:18s} {r['n']:>10d} {r['density']:>7g}  " + "  ".join(cells))
     out.parent.mkdir(parents=True, exist_ok=True)

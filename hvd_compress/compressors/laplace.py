@@ -34,11 +34,13 @@ A nonzero tensor always yields between 1 and n entries; an all-zero tensor none.
 
 Small tensors: fitting and searching cost a fixed few passes and host decisions (about
 1 ms on the CPU) that an exact top-k of a small tensor does not.  Below ``small`` values
-(default: the framework's crossover, ``ops.small_topk_below``: 262,144 values for both
-PyTorch and TensorFlow on the CPU; 2^27 on CUDA, where torch.topk was faster than the
-search up to 25M values and even at 100M on an H100), the k largest come from the framework's
-top-k instead, zeros dropped, so the contract above holds (exactly k, or every nonzero
-entry when there are fewer; ties broken by the framework, not by index).  ``exact=1``
+(default: the framework's crossover, ``ops.small_topk_below``: on the CPU 2,097,152
+values for PyTorch, whose top-k there is numpy's partition (faster than the search up
+to about 2M values), and 262,144 for TensorFlow; 2^27 on CUDA, where torch.topk was
+faster than the search up to 25M values and even at 100M on an H100), the k largest
+come from the framework's top-k instead, zeros dropped, so the contract above holds
+(exactly k, or every nonzero entry when there are fewer; ties broken by the framework,
+not by index; on the CPU with PyTorch by lowest index).  ``exact=1``
 always searches (ties by lowest index).
 
 Imports: the standard library, ``hvd_compress.buckets``; and modules of its own package.

@@ -59,24 +59,50 @@ def _kernels():
     return triton, _block_count_kernel, _compact_kernel
 
 
+NUMPY_CHUNK = 1 << 16   #: values per numpy step on the CPU (256 KiB of float32: in L2)
+
+
+def abs_above_cpu(x, t):
+    """numpy bool mask of ``|x| > t`` for a flat CPU tensor ``x`` (any float dtype, compared
+    in float32) and a float32 threshold ``t``: a 0-d or 1-element tensor or a number, or a
+    tensor of one threshold per entry.  NaN is never above.
+
+    numpy in 64K-value chunks, ``|x|`` in a reused buffer: 2.0 ms for 6.3M float32 values
+    on one core here (2026-11-25), against 6.7 ms for torch's chunked ``gt(|x|, t)``;
+    torch's compare with a scalar took 7.7-9 ms on its own."""
+    xf = x.detach().reshape(-1)
+    n = xf.numel()
+    tn = torch.as_tensor(t, dtype=torch.float32).reshape(-1).numpy()
+    per_entry = tn.size > 1
+    whole = xf.numpy() if xf.dtype == torch.float32 else None
+    mask = np.empty(n, dtype=bool)
+    buf = np.empty(min(n, NUMPY_CHUNK), dtype=np.float32)
+    for start, stop in chunks(n, NUMPY_CHUNK):
+        part = whole[start:stop] if whole is not None else xf[start:stop].float().numpy()
+        a = np.abs(part, out=buf[:stop - start])
+        np.greater(a, tn[start:stop] if per_entry else tn[0], out=mask[start:stop])
+    return mask
+
+
 def compact_above_reference(x, t, segment_ids=None):
     """``(x[sel], sel_indices_int32)`` with ``sel = |x| > t``, in index order.
 
     With ``segment_ids`` (int, one per entry), ``t`` holds one threshold per segment and
-    entry ``i`` is compared with ``t[segment_ids[i]]``."""
+    entry ``i`` is compared with ``t[segment_ids[i]]``.  On the CPU, numpy
+    (:func:`abs_above_cpu`, then ``flatnonzero``: 1.5x torch.nonzero)."""
     xf = x.reshape(-1)
     tf = torch.as_tensor(t, dtype=torch.float32, device=x.device)
     if segment_ids is not None:                  # one threshold per entry
         tf = tf[segment_ids.long()]
+    if x.device.type == "cpu":
+        idx = torch.from_numpy(np.flatnonzero(abs_above_cpu(xf, tf)))
+        return xf[idx], idx.to(torch.int32)
     per_entry = tf.numel() > 1                   # (also: t given per entry by the caller)
     mask = torch.empty(xf.numel(), dtype=torch.bool, device=x.device)
     for start, stop in chunks(xf.numel()):       # |x| of a chunk stays in cache
         t_here = tf[start:stop] if per_entry else tf
         torch.gt(xf[start:stop].float().abs(), t_here, out=mask[start:stop])
-    if x.device.type == "cpu":                   # numpy's flatnonzero: 1.5x torch.nonzero
-        idx = torch.from_numpy(np.flatnonzero(mask.numpy()))
-    else:
-        idx = torch.nonzero(mask, as_tuple=False).reshape(-1)
+    idx = torch.nonzero(mask, as_tuple=False).reshape(-1)
     return xf[idx], idx.to(torch.int32)
 
 

@@ -7,8 +7,9 @@ aggregation-aware exchange.
 On CUDA tensors ``abs_sum_max``, ``count_above`` and ``compact_above`` dispatch to the
 Triton kernels (their torch references run elsewhere).
 
-May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
+May import: numpy, torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
+import numpy as _np
 import torch as _torch
 
 from .core import _mix, numel
@@ -17,6 +18,21 @@ from .core import _mix, numel
 # -- top-k and index sets ----------------------------------------------------------------
 
 def topk_indices(scores, k):
+    """int32 indices of the ``k`` largest of 1-D ``scores`` (in no particular order).
+
+    On the CPU: numpy's introselect (``np.partition``) finds the k-th largest value
+    ``v``, then the indices above ``v`` and the first (lowest-index) ties at ``v``: 15-16 ms
+    for k = 63K of 6.3M float32 values on one core here (2026-11-25), against 109-120 ms
+    for ``torch.topk``; 0.42 against 1.76 ms at 262K values.  NaN among the k largest
+    (numpy and torch both rank it highest) goes to ``torch.topk``."""
+    n = scores.numel()
+    if scores.device.type == "cpu" and 0 < k < n and scores.is_floating_point():
+        s = scores.detach().reshape(-1).float().numpy()
+        v = _np.partition(s, n - k)[n - k]
+        above = _np.flatnonzero(s > v)
+        ties = _np.flatnonzero(s == v)[:k - len(above)]
+        if len(above) + len(ties) == k:                  # else NaN: torch ranks it
+            return _torch.from_numpy(_np.concatenate((above, ties)).astype(_np.int32))
     return _torch.topk(scores, k, sorted=False).indices.to(_torch.int32)
 
 
@@ -96,10 +112,16 @@ def moments(t):
 # -- laplace_topk's cut-offs -------------------------------------------------------------
 
 def small_topk_below(t):
-    """Tensors smaller than this take torch.topk in laplace_topk.
+    """Tensors smaller than this take the framework's top-k (:func:`topk_indices`) in
+    laplace_topk.
 
-    CPU (2026-11-22, benchmarks/select.py): torch.topk of 80k-235k values took 0.2-1.7 ms
-    against the search's ~1.1-1.6 ms, and the search wins from about 1M values: 2^18.
+    CPU, 2026-11-25 (benchmarks/results/select_cpu_2026-11-25.json; Laplace, Gaussian and
+    Student-t(2) data, densities 0.001 and 0.01): numpy's partition in
+    :func:`topk_indices` against the search, 2.5-2.9 against 2.7-5.1 ms at 1M values;
+    at 2M (a scratch run) 4.8-5.6 against 4.1-8.5 ms, the search faster in 1 case of 6;
+    at 4M 11.4-14.4 against 6.7-16.2 ms, the search faster in 4 of 6; at 25M 147-159
+    against 37-107 ms.  So 2^21.  (Until then torch.topk, 2.1-4.9x slower than the
+    partition, which the search beat from about 1M values: 2^18.)
 
     CUDA (H100, torch 2.11, the first GPU run, 2026-11-22, benchmarks/results/gpu_*):
     torch.topk took 0.3-0.5 ms at 1M-4M values, 0.8 ms at 25M and 2.6 ms at 100M; the
@@ -108,7 +130,7 @@ def small_topk_below(t):
     won up to 25M and broke even at 100M (2.5 ms against 2.2-3.1 ms), so on CUDA the
     search runs only from 2^27 values (134M; or with
     ``small=0`` / ``exact=1``)."""
-    return (1 << 27) if t.is_cuda else (1 << 18)
+    return (1 << 27) if t.is_cuda else (1 << 21)
 
 
 def search_grid(t):
