@@ -157,13 +157,12 @@ def _ddp_worker(rank, port, model_name, spec, out, device, steps):
                 json.dump(result, f, indent=1, default=str)
         dist.destroy_process_group()
     # All is written: end without the interpreter's teardown, where torch's Gloo aborts a
-    # rank now and then (exit -6; examples/mnist_common.py's exit_skipping_teardown says
-    # more), which mp.spawn would report as this check failing.
-    import os
+    # rank now and then (exit -6), which mp.spawn would report as this check failing.
     import sys
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from mnist_common import exit_skipping_teardown
+    exit_skipping_teardown()
 
 
 def ddp_check(model_name, spec, device, steps=3):
