@@ -34,13 +34,15 @@ A nonzero tensor always yields between 1 and n entries; an all-zero tensor none.
 
 Small tensors: fitting and searching cost a fixed few passes and host decisions (about
 1 ms on the CPU) that an exact top-k of a small tensor does not.  Below ``small`` values
-(default: the framework's crossover, ``ops.small_topk_below``: on the CPU 2,097,152
-values for PyTorch, whose top-k there is numpy's partition (faster than the search up
-to about 2M values), and 262,144 for TensorFlow; 2^27 on CUDA, where torch.topk was
-faster than the search up to 25M values and even at 100M on an H100), the k largest
-come from the framework's top-k instead, zeros dropped, so the contract above holds
-(exactly k, or every nonzero entry when there are fewer; ties broken by the framework,
-not by index; on the CPU with PyTorch by lowest index).  ``exact=1``
+(default: the framework's crossover, ``ops.small_topk_below``: with PyTorch on the CPU,
+whose top-k there is numpy's partition on one thread, 2^25 = 33,554,432 values when torch
+runs one thread (the partition was faster than the search at density 0.01 up to 25M
+values, and over both densities together) and 2^22 = 4,194,304 with more (the search's
+torch ops use them); 262,144 for TensorFlow; 2^27 on CUDA, where torch.topk was faster
+than the search up to 25M values and even at 100M on an H100), the k largest come from
+the framework's top-k instead, zeros dropped, so the contract above holds (exactly k, or
+every nonzero entry when there are fewer; ties broken by the framework, not by index; on
+the CPU with PyTorch by lowest index).  ``exact=1``
 always searches (ties by lowest index).
 
 Imports: the standard library, ``hvd_compress.buckets``; and modules of its own package.
@@ -91,14 +93,27 @@ class LaplaceTopK(DensitySparsifier):
         self.small = None if small is None else int(small)
         self.fused = None if fused is None else bool(int(fused))
 
-    @property
-    def finds_nonfinite(self):
-        """The fused search finds NaN/Inf in its first pass (``fused=1``)."""
-        return bool(self.fused)
+    #: select_checked finds NaN/Inf itself where it can: the fused search in its first
+    #: pass; PyTorch CPU tensors below ``small`` among their k largest ``|g|``
+    finds_nonfinite = True
 
     def select_checked(self, flat, ctx, ops, step):
-        """``(indices, finite)`` of the fused search (``fused=1``); a bucket holding
-        NaN/Inf sends every index."""
+        """``(indices, finite)``; a bucket holding NaN/Inf sends every index.  The fused
+        search (``fused=1``); tensors all below ``small`` on the PyTorch CPU: one numpy
+        partition each (``segment_abs_topk``), zeros dropped; else a finiteness check,
+        then :meth:`select`."""
+        if not self.fused:
+            numels = ctx.bucket.numels if ctx.bucket is not None else (ctx.numel,)
+            small = self.small_below(flat, ops)
+            found = None
+            if not self.exact and max(numels) < small:
+                found = ops.segment_abs_topk(flat, numels, [self.k(n) for n in numels])
+            if found is None:
+                return super().select_checked(flat, ctx, ops, step)
+            idx, finite = found
+            if not finite:
+                return ops.arange(ctx.numel, flat), finite
+            return ops.gather(idx, ops.mask_indices(ops.gather(flat, idx) != 0)), finite
         if not ops.histogram_search_supported():
             raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "
                              "PyTorch tensors only; leave fused unset for TensorFlow")

@@ -52,18 +52,17 @@ class Sparsifier(Compressor):
         raise NotImplementedError
 
     def select_checked(self, flat, ctx, ops, step):
-        """``(indices, finite)`` for ``finds_nonfinite`` sparsifiers: every index of
-        ``flat`` when it holds any NaN/Inf, else :meth:`select`'s."""
-        raise NotImplementedError
-
-    def encode(self, flat, ctx, ops, step):
-        if self.finds_nonfinite:
-            return self.encode_checked(flat, ctx, ops, step)[0]
+        """``(indices, finite)``: every index of ``flat`` when it holds any NaN/Inf, else
+        :meth:`select`'s.  Here a finiteness check (``ctx.finite`` when the caller has
+        it), then :meth:`select`; ``finds_nonfinite`` sparsifiers learn both in one pass."""
         finite = ops.all_finite(flat) if ctx.finite is None else ctx.finite
         idx = ops.cond(finite,
                        lambda: self.select(flat, ctx, ops, step),
                        lambda: ops.arange(ctx.numel, flat))
-        return self._payload(flat, idx, ctx, ops)
+        return idx, finite
+
+    def encode(self, flat, ctx, ops, step):
+        return self.encode_checked(flat, ctx, ops, step)[0]
 
     def encode_checked(self, flat, ctx, ops, step):
         idx, finite = self.select_checked(flat, ctx, ops, step)
@@ -255,10 +254,22 @@ class TopK(DensitySparsifier):
 
     name = "topk"
     segmented = True
+    finds_nonfinite = True    # PyTorch CPU: NaN/Inf surface among the k largest |g|
 
     def select(self, flat, ctx, ops, step):
         return per_segment(lambda seg, n, _: ops.topk_indices(ops.abs(seg), self.k(n)),
                            flat, ctx, ops, step)
+
+    def select_checked(self, flat, ctx, ops, step):
+        """On PyTorch CPU tensors one numpy partition per tensor gives the k largest
+        ``|g|`` and, among them, any NaN/Inf (``segment_abs_topk``), so no separate
+        finiteness pass; elsewhere a check, then :meth:`select`."""
+        numels = ctx.bucket.numels if ctx.bucket is not None else (ctx.numel,)
+        found = ops.segment_abs_topk(flat, numels, [self.k(n) for n in numels])
+        if found is None:
+            return super().select_checked(flat, ctx, ops, step)
+        idx, finite = found
+        return (idx if finite else ops.arange(ctx.numel, flat)), finite
 
 
 @register

@@ -1,5 +1,6 @@
-"""The CPU selection paths in numpy (``ops.topk_indices``: ``np.partition``;
-``kernels.compact.abs_above_cpu`` behind the compaction and count references) against
+"""The CPU selection paths in numpy (``ops.topk_indices`` and ``ops.segment_abs_topk``:
+``np.partition``, the latter also finding NaN/Inf; ``kernels.compact.abs_above_cpu``
+behind the compaction and count references) against
 brute force in torch: the same sets, ties by lowest index, NaN and Inf, half precision,
 and sizes across numpy's 64K-value chunks."""
 import numpy as np
@@ -63,3 +64,108 @@ def test_abs_above_across_chunks_with_nan_inf_and_per_entry_thresholds(dtype):
     thr = torch.tensor([0.0, 1.0, 2.5])
     assert K.count_above_reference(x, thr).tolist() == [int(brute(t).sum()) for t in thr]
     assert K.count_above_reference(x, thr[1:2]).tolist() == [int(brute(1.0).sum())]
+
+
+# -- segment_abs_topk: each tensor's top-k of |x| and the bucket's finiteness, one pass --
+
+def brute_segments(x, numels, ks):
+    out, off = [], 0
+    for n, k in zip(numels, ks):
+        out.append(lowest_index_topk(x[off:off + n].abs(), min(k, n)) + off)
+        off += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_segment_abs_topk_is_each_tensors_top_k_of_magnitudes(ties):
+    numels = (1, 7, 0, 1000, NUMPY_CHUNK + 5, 2 * NUMPY_CHUNK + 9, 3)
+    ks = (1, 2, 1, 10, 700, 1, 3)                       # k >= n: every entry
+    x = torch.from_numpy(np.random.default_rng(3).laplace(size=sum(numels)).astype(np.float32))
+    if ties:
+        x = torch.round(x * 2) / 2                      # +-v tie on |x| as well
+    idx, finite = ops.segment_abs_topk(x, numels, ks)
+    assert finite is True and idx.dtype == torch.int32
+    assert np.array_equal(idx.numpy(), brute_segments(x, numels, ks))   # index order
+
+
+def test_segment_abs_topk_reuses_its_buffer_across_sizes():
+    rng = np.random.default_rng(4)
+    for n in (50_000, 3000, 200_000, 10):               # grows, shrinks, grows
+        x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        k = max(1, n // 100)
+        idx, _ = ops.segment_abs_topk(x, (n,), (k,))
+        assert np.array_equal(idx.numpy(), lowest_index_topk(x.abs(), k))
+        assert np.array_equal(np.sort(ops.topk_indices(x, k).numpy()), lowest_index_topk(x, k))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 5000, NUMPY_CHUNK + 1])
+def test_segment_abs_topk_finds_nan_and_inf_anywhere(bad, where):
+    """Not only among the k largest: a NaN/Inf anywhere partitions into the top."""
+    x = torch.from_numpy(np.random.default_rng(5).laplace(size=NUMPY_CHUNK + 100).astype(np.float32))
+    x[where] = bad
+    numels = (5000, x.numel() - 5000)
+    assert ops.segment_abs_topk(x, numels, (1, 3)) == (None, False)
+    assert ops.segment_abs_topk(x.to(torch.float16), numels, (1, 3)) == (None, False)
+
+
+def test_topk_compress_sends_everything_for_a_non_finite_bucket_and_keeps_the_residual():
+    from hvd_compress.buckets import layout
+    from hvd_compress.spec import from_spec
+    lay = layout(["a", "b"], [(300,), (5000,)])
+    c = from_spec("topk:density=0.01")
+    g = torch.from_numpy(np.random.default_rng(6).laplace(size=lay.total).astype(np.float32))
+    (values, idx), _ = c.compress_bucket(g.clone(), lay)
+    assert idx.numel() == 3 + 50
+    before = c.state_dict()["state"]
+    bad = g.clone()
+    bad[4000] = float("inf")
+    (values, idx), _ = c.compress_bucket(bad.clone(), lay)
+    assert np.array_equal(idx.numpy(), np.arange(lay.total))        # every index
+    after = c.state_dict()["state"]
+    assert before.keys() == after.keys() == {"residual/a", "residual/b"}
+    for key in before:
+        assert torch.equal(before[key], after[key]), key           # residual left as it was
+
+
+def test_segment_abs_topk_is_not_the_kernel_path(monkeypatch):
+    """HVD_COMPRESS_BACKEND=triton runs CUDA's code on the CPU: no numpy fast path."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    assert ops.segment_abs_topk(torch.ones(10), (10,), (1,)) is None
+
+
+def test_laplace_topk_below_small_is_the_partition_with_zeros_dropped():
+    from hvd_compress.spec import from_spec
+    x = torch.from_numpy(np.random.default_rng(7).laplace(size=20_000).astype(np.float32))
+    x[::3] = 0.0                                        # 6667 zeros
+    for density in (0.01, 0.5):                         # k below / above the nonzeros
+        (values, idx), _ = from_spec(f"laplace_topk:density={density},ef=0").compress(x, "g")
+        want = lowest_index_topk(x.abs(), int(np.ceil(density * x.numel())))
+        want = want[x.numpy()[want] != 0]
+        assert np.array_equal(np.sort(idx.numpy()), want), density
+        assert torch.equal(values, x[idx.long()])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_laplace_topk_below_small_sends_a_non_finite_tensor_whole(bad):
+    from hvd_compress.spec import from_spec
+    c = from_spec("laplace_topk:density=0.01")
+    x = torch.from_numpy(np.random.default_rng(8).laplace(size=5000).astype(np.float32))
+    c.compress(x.clone(), "g")
+    before = c.residual("g").clone()
+    x[1234] = bad
+    (values, idx), _ = c.compress(x.clone(), "g")
+    assert np.array_equal(idx.numpy(), np.arange(5000))
+    assert torch.equal(c.residual("g"), before)
+
+
+def test_laplace_topk_crossover_follows_torch_threads():
+    """numpy's partition runs on one thread, the search on all of torch's."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ops.small_topk_below(torch.ones(1)) == 1 << 25
+        torch.set_num_threads(2)
+        assert ops.small_topk_below(torch.ones(1)) == 1 << 22
+    finally:
+        torch.set_num_threads(threads)

@@ -79,6 +79,11 @@ def segmented_search(t, exact):
     return bool(exact or not _tf.executing_eagerly())
 
 
+def segment_abs_topk(flat, numels, ks):
+    """No one-pass top-k with finiteness in TensorFlow: the caller checks, then selects."""
+    return None
+
+
 # -- laplace_topk's fused search: PyTorch only (its kernels are Triton's) -----------------
 
 def histogram_search_supported():

@@ -5,10 +5,13 @@ thresholds and compaction, and the choice of the segmented search.
 On CUDA tensors the per-segment passes dispatch to the Triton kernels of
 :mod:`hvd_compress.kernels.segmented`.
 
-May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
+May import: torch, :mod:`.core`, :mod:`._cpu_topk` (numpy); lazily,
+:mod:`hvd_compress.kernels`.
 """
+import numpy as _np
 import torch as _torch
 
+from . import _cpu_topk
 from .core import _cached, _host_list
 
 
@@ -108,6 +111,36 @@ def segmented_search(t, exact):
 
     So: the segmented search for ``exact=1``, each tensor's own selection otherwise."""
     return bool(exact)
+
+
+def segment_abs_topk(flat, numels, ks):
+    """``(int32 indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of
+    ``flat`` (``numels`` end to end; indices into ``flat``, in index order, ties by lowest
+    index) and whether ``flat`` holds no NaN/Inf, learnt from the same selection
+    (indices None when it is not finite).  CPU tensors only: one numpy partition per
+    tensor in a reused buffer (:mod:`._cpu_topk`): 16 ms for k = 63K of 6.3M values on
+    one core here (2026-11-25), against 30.5 ms for ``topk_indices(abs(x))`` and 1.3 ms
+    more for ``all_finite``; None on other devices and on the kernel path
+    (``HVD_COMPRESS_BACKEND=triton``, which runs CUDA's code on the CPU)."""
+    from ...kernels import pick_backend
+    if flat.device.type != "cpu" or pick_backend(flat) != "torch":
+        return None
+    x = flat.detach().reshape(-1).float().numpy()
+    parts, off = [], 0
+    for n, k in zip(numels, ks):
+        s = x[off:off + n]
+        if n and k < n:
+            idx, finite = _cpu_topk.largest(s, k, absolute=True)
+        elif n:                                           # every entry
+            idx, finite = _np.arange(n), bool(_np.isfinite(s).all())
+        else:
+            idx, finite = _np.arange(0), True
+        if not finite:
+            return None, False
+        parts.append(idx + off if off else idx)
+        off += n
+    idx = parts[0] if len(parts) == 1 else _np.concatenate(parts)
+    return _torch.from_numpy(idx.astype(_np.int32)), True
 
 
 # -- laplace_topk's fused search (laplace_topk:fused=1): hvd_compress.kernels.histogram_select

@@ -7,11 +7,12 @@ aggregation-aware exchange.
 On CUDA tensors ``abs_sum_max``, ``count_above`` and ``compact_above`` dispatch to the
 Triton kernels (their torch references run elsewhere).
 
-May import: numpy, torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
+May import: numpy, torch, :mod:`.core`, :mod:`._cpu_topk`; lazily, :mod:`hvd_compress.kernels`.
 """
 import numpy as _np
 import torch as _torch
 
+from . import _cpu_topk
 from .core import _mix, numel
 
 
@@ -20,19 +21,16 @@ from .core import _mix, numel
 def topk_indices(scores, k):
     """int32 indices of the ``k`` largest of 1-D ``scores`` (in no particular order).
 
-    On the CPU: numpy's introselect (``np.partition``) finds the k-th largest value
-    ``v``, then the indices above ``v`` and the first (lowest-index) ties at ``v``: 15-16 ms
-    for k = 63K of 6.3M float32 values on one core here (2026-11-25), against 109-120 ms
-    for ``torch.topk``; 0.42 against 1.76 ms at 262K values.  NaN among the k largest
-    (numpy and torch both rank it highest) goes to ``torch.topk``."""
+    On the CPU: numpy's introselect in a reused buffer, then one compare pass
+    (:mod:`._cpu_topk`; ties by lowest index): 15-16 ms for k = 63K of 6.3M float32 values
+    on one core here (2026-11-25), against 109-120 ms for ``torch.topk``; 0.42 against
+    1.76 ms at 262K values.  NaN among the k largest (numpy and torch both rank it
+    highest) goes to ``torch.topk``."""
     n = scores.numel()
     if scores.device.type == "cpu" and 0 < k < n and scores.is_floating_point():
-        s = scores.detach().reshape(-1).float().numpy()
-        v = _np.partition(s, n - k)[n - k]
-        above = _np.flatnonzero(s > v)
-        ties = _np.flatnonzero(s == v)[:k - len(above)]
-        if len(above) + len(ties) == k:                  # else NaN: torch ranks it
-            return _torch.from_numpy(_np.concatenate((above, ties)).astype(_np.int32))
+        idx, _ = _cpu_topk.largest(scores.detach().reshape(-1).float().numpy(), k, False)
+        if idx is not None:
+            return _torch.from_numpy(idx.astype(_np.int32))
     return _torch.topk(scores, k, sorted=False).indices.to(_torch.int32)
 
 
@@ -112,16 +110,22 @@ def moments(t):
 # -- laplace_topk's cut-offs -------------------------------------------------------------
 
 def small_topk_below(t):
-    """Tensors smaller than this take the framework's top-k (:func:`topk_indices`) in
-    laplace_topk.
+    """Tensors smaller than this take the framework's top-k in laplace_topk (on the CPU
+    ``segment_abs_topk``: numpy's partition, finiteness included).
 
-    CPU, 2026-11-25 (benchmarks/results/select_cpu_2026-11-25.json; Laplace, Gaussian and
-    Student-t(2) data, densities 0.001 and 0.01): numpy's partition in
-    :func:`topk_indices` against the search, 2.5-2.9 against 2.7-5.1 ms at 1M values;
-    at 2M (a scratch run) 4.8-5.6 against 4.1-8.5 ms, the search faster in 1 case of 6;
-    at 4M 11.4-14.4 against 6.7-16.2 ms, the search faster in 4 of 6; at 25M 147-159
-    against 37-107 ms.  So 2^21.  (Until then torch.topk, 2.1-4.9x slower than the
-    partition, which the search beat from about 1M values: 2^18.)
+    CPU, 2026-11-25 (Laplace, Gaussian and Student-t(2) data, densities 0.001 and 0.01,
+    ``benchmarks/select.py``: its ``topk`` against ``laplace_topk`` with ``small=0``).
+    numpy's partition runs on one thread; the search's torch ops on all of torch's:
+
+    - one torch thread, as each worker of ``horovodrun`` on this machine
+      (``select_cpu_crossover_1thread_2026-11-25.json``): at density 0.01 the partition
+      was faster at every size from 2M to 25M (search 0.43-0.97x its speed); at 0.001 the
+      search won 12 of 18 cases from 4M to 25M (up to 1.55x, Gaussian) and lost the
+      Student-t ones; summed over both densities and the three inputs the partition was
+      faster at every size (25M: 556 against 598 ms).  So 2^25.
+    - two threads (``select_cpu_onepass_2026-11-25.json``, ``select_cpu_crossover_*``):
+      at 2M the partition won all 6 cases, at 4M 4 of 6; at 6.3M and 8M the search won
+      4 of 6 (up to 2.4x), at 25M 5 of 6.  So 2^22.
 
     CUDA (H100, torch 2.11, the first GPU run, 2026-11-22, benchmarks/results/gpu_*):
     torch.topk took 0.3-0.5 ms at 1M-4M values, 0.8 ms at 25M and 2.6 ms at 100M; the
@@ -130,7 +134,9 @@ def small_topk_below(t):
     won up to 25M and broke even at 100M (2.5 ms against 2.2-3.1 ms), so on CUDA the
     search runs only from 2^27 values (134M; or with
     ``small=0`` / ``exact=1``)."""
-    return (1 << 27) if t.is_cuda else (1 << 21)
+    if t.is_cuda:
+        return 1 << 27
+    return (1 << 25) if _torch.get_num_threads() == 1 else (1 << 22)
 
 
 def search_grid(t):
