@@ -118,9 +118,10 @@ def segment_abs_topk(flat, numels, ks):
     ``flat`` (``numels`` end to end; indices into ``flat``, in index order, ties by lowest
     index) and whether ``flat`` holds no NaN/Inf, learnt from the same selection
     (indices None when it is not finite).  CPU tensors only: one numpy partition per
-    tensor in a reused buffer (:mod:`._cpu_topk`): 16 ms for k = 63K of 6.3M values on
-    one core here (2026-11-25), against 30.5 ms for ``topk_indices(abs(x))`` and 1.3 ms
-    more for ``all_finite``; None on other devices and on the kernel path
+    tensor in a reused buffer (:mod:`._cpu_topk`): 21.5-22.5 ms for k = 63K of 6.3M
+    values on one core here (2026-11-25), against 42-43 ms for ``all_finite`` and
+    ``topk_indices(abs(x))`` before (26-28 ms with today's ``topk_indices``); None on
+    other devices and on the kernel path
     (``HVD_COMPRESS_BACKEND=triton``, which runs CUDA's code on the CPU)."""
     from ...kernels import pick_backend
     if flat.device.type != "cpu" or pick_backend(flat) != "torch":

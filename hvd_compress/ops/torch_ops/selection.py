@@ -22,9 +22,9 @@ def topk_indices(scores, k):
     """int32 indices of the ``k`` largest of 1-D ``scores`` (in no particular order).
 
     On the CPU: numpy's introselect in a reused buffer, then one compare pass
-    (:mod:`._cpu_topk`; ties by lowest index): 15-16 ms for k = 63K of 6.3M float32 values
-    on one core here (2026-11-25), against 109-120 ms for ``torch.topk``; 0.42 against
-    1.76 ms at 262K values.  NaN among the k largest (numpy and torch both rank it
+    (:mod:`._cpu_topk`; ties by lowest index): 16-20 ms for k = 63K of 6.3M float32 values
+    on one core here (2026-11-25), against 102-120 ms for ``torch.topk``; 0.33 against
+    1.63 ms at 262K values.  NaN among the k largest (numpy and torch both rank it
     highest) goes to ``torch.topk``."""
     n = scores.numel()
     if scores.device.type == "cpu" and 0 < k < n and scores.is_floating_point():
@@ -120,12 +120,12 @@ def small_topk_below(t):
     - one torch thread, as each worker of ``horovodrun`` on this machine
       (``select_cpu_crossover_1thread_2026-11-25.json``): at density 0.01 the partition
       was faster at every size from 2M to 25M (search 0.43-0.97x its speed); at 0.001 the
-      search won 12 of 18 cases from 4M to 25M (up to 1.55x, Gaussian) and lost the
-      Student-t ones; summed over both densities and the three inputs the partition was
+      search won 13 of 18 cases from 4M to 25M (up to 1.55x, Gaussian) and lost the
+      Student-t ones below 25M; summed over both densities and the three inputs the partition was
       faster at every size (25M: 556 against 598 ms).  So 2^25.
     - two threads (``select_cpu_onepass_2026-11-25.json``, ``select_cpu_crossover_*``):
-      at 2M the partition won all 6 cases, at 4M 4 of 6; at 6.3M and 8M the search won
-      4 of 6 (up to 2.4x), at 25M 5 of 6.  So 2^22.
+      at 2M the partition won all 6 cases, at 4M 4 of 6; the search won 4 of 6 at 6.3M
+      and 5 of 6 at every size from 8M to 25M (up to 2.4x).  So 2^22.
 
     CUDA (H100, torch 2.11, the first GPU run, 2026-11-22, benchmarks/results/gpu_*):
     torch.topk took 0.3-0.5 ms at 1M-4M values, 0.8 ms at 25M and 2.6 ms at 100M; the
