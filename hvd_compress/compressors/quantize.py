@@ -137,6 +137,15 @@ class TwoBit(CodesAndScales):
     def decode_one(self, codes, scales, n, ops):
         return decode_twobit(codes, scales, n, ops)
 
+    def subtract_sent(self, compensated, payload, ctx, ops, inplace):
+        """``r = c - q``: on PyTorch CPU float32 from ``c`` and the thresholds alone (the
+        same bits, no decode); elsewhere ``c - decode(payload)``."""
+        numels = ctx.bucket.numels if ctx.bucket is not None else (ctx.numel,)
+        fast = ops.twobit_subtract_own(compensated, payload[1], numels, inplace)
+        if fast is None:
+            return super().subtract_sent(compensated, payload, ctx, ops, inplace)
+        return fast
+
     def encode_bucket(self, flat, lay, ops, step, finite):
         # where the kernels run: every tensor's threshold from one segmented pass, one
         # pack launch for the bucket (the thresholds' formula as in encode_one; the sums'

@@ -137,22 +137,62 @@ def _byte_signs():
 
 
 def pack_cpu(x, t):
-    """:func:`pack_reference`, about 30x faster: codes as bytes, four per byte, no int64."""
-    xf = x.reshape(-1)
-    xf = xf if xf.dtype == torch.float32 else xf.float()
-    n = xf.numel()
-    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    """:func:`pack_reference`, about 30x faster: codes as bytes, four per byte, no int64.
+
+    The codes come from numpy's compares in 64K-value chunks (``NUMPY_CHUNK``): torch's
+    ``ge``/``le`` against a scalar took 7.2-7.4 ms each for 6.3M float32 values on one
+    core here (2026-11-25), numpy's about 1 ms."""
+    from .compact import NUMPY_CHUNK
+    xf = x.detach().reshape(-1)
+    xn = (xf if xf.dtype == torch.float32 else xf.float()).numpy()
+    n = xn.size
+    tn = np.float32(torch.as_tensor(t, dtype=torch.float32).reshape(-1)[0])
     code = torch.zeros(-(-n // PER_WORD) * PER_WORD, dtype=torch.uint8, device=x.device)
-    head = code[:n]
-    torch.ge(xf, t, out=head.view(torch.bool))                   # 1 where x >= t
-    le = torch.le(xf, -t).view(torch.uint8)                        # 2 where x <= -t
-    head.add_(le).add_(le)
+    head = code.numpy()[:n]
+    le = np.empty(min(n, NUMPY_CHUNK), dtype=bool)
+    for start in range(0, n, NUMPY_CHUNK):
+        stop = min(n, start + NUMPY_CHUNK)
+        part, h, lo = xn[start:stop], head[start:stop], le[:stop - start]
+        np.greater_equal(part, tn, out=h.view(bool))                 # 1 where x >= t
+        np.less_equal(part, -tn, out=lo)                              # 2 where x <= -t
+        h += lo.view(np.uint8) << np.uint8(1)
     q = code.view(-1, 4)
     byte = q[:, 3] << 6
     byte |= q[:, 2] << 4
     byte |= q[:, 1] << 2
     byte |= q[:, 0]
     return byte.view(torch.int32)
+
+
+def subtract_own_cpu(c, thresholds, numels, inplace=False):
+    """``c - q`` for float32 CPU ``c`` holding ``numels`` tensors end to end, ``q`` their
+    own 2-bit quantization against ``thresholds`` (one per tensor), ``q = t * s`` with
+    ``s`` = +1 where ``c >= t``, -1 where ``c <= -t``, else 0; in place when ``inplace``.
+
+    The bits of ``c - decode(pack(c, t))``, which error feedback computed before (the
+    decoder's product is the same ``sign * t``), without the table lookup and the decoded
+    copy: numpy compares, the sign as int8, one product and one subtraction, in 64K-value
+    chunks."""
+    from .compact import NUMPY_CHUNK
+    out = c if inplace else c.clone()
+    o = out.detach().reshape(-1).numpy()
+    ts = thresholds.detach().float().reshape(-1).numpy()
+    size = min(o.size, NUMPY_CHUNK)
+    ge, le = np.empty((2, size), dtype=bool)
+    q = np.empty(size, dtype=np.float32)
+    off = 0
+    for n, t in zip(numels, ts):
+        for start in range(off, off + n, NUMPY_CHUNK):
+            part = o[start:min(off + n, start + NUMPY_CHUNK)]
+            m = part.size
+            np.greater_equal(part, t, out=ge[:m])
+            np.less_equal(part, -t, out=le[:m])
+            sign = ge[:m].view(np.int8) - le[:m].view(np.int8)
+            with np.errstate(invalid="ignore"):     # 0 * NaN/Inf: that tensor is not kept
+                np.multiply(sign, t, out=q[:m])
+            np.subtract(part, q[:m], out=part)
+        off += n
+    return out
 
 
 #: bytes per rank from which the two-rank pair table pays for its construction: a

@@ -179,3 +179,62 @@ def test_shared_primitives_agree_between_frameworks(n):
     got_tf = tf_ops.subtract_at(tf.constant(c.numpy()), tf.constant(idx.numpy()),
                                 tf.constant(vals.numpy()))
     np.testing.assert_array_equal(got_torch.numpy(), got_tf.numpy())
+
+
+def test_twobit_pack_of_nan_and_inf_across_numpy_chunks():
+    """numpy's compares in 64K chunks: NaN gets code 0, +-Inf +-1, as in the reference."""
+    from hvd_compress.kernels.compact import NUMPY_CHUNK
+    n = 2 * NUMPY_CHUNK + 21
+    x = torch.from_numpy(np.random.default_rng(9).laplace(size=n).astype(np.float32))
+    x[[0, NUMPY_CHUNK - 1, NUMPY_CHUNK, n - 1]] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), float("nan")])
+    for t in (0.5, torch.tensor(0.5), torch.tensor([0.5]), float("inf")):
+        assert torch.equal(T.pack_cpu(x, t), T.pack_reference(x, t))
+
+
+def test_twobit_residual_without_decoding_is_the_decode_subtract_bit_for_bit():
+    """Error feedback's ``c - decode(pack(c, t))`` from ``c`` and ``t`` alone, per tensor
+    of a bucket, across numpy's chunks, with ties at +-t, -0.0, NaN and +-Inf; also for
+    NaN and Inf thresholds (a non-finite tensor's scale, a sum that overflowed)."""
+    from hvd_compress.kernels.compact import NUMPY_CHUNK
+    numels = (5, NUMPY_CHUNK + 7, 1000, 1)
+    rng = np.random.default_rng(10)
+    c = torch.from_numpy(rng.laplace(size=sum(numels)).astype(np.float32))
+    c[:4] = torch.tensor([0.5, -0.5, -0.0, float("inf")])          # ties at +-t
+    c[[10, 20]] = torch.tensor([float("nan"), -float("inf")])
+    nan, inf = float("nan"), float("inf")
+    for ts in (torch.tensor([0.5, 0.25, 2.0, 0.1]), torch.tensor([nan, 0.25, inf, 0.1])):
+        want, off = [], 0
+        for n, t in zip(numels, ts):
+            seg = c[off:off + n]
+            want.append(seg - T.unpack_cpu(T.pack_cpu(seg, t), scale=t.reshape(1), n=n))
+            off += n
+        want = torch.cat(want)
+        got = T.subtract_own_cpu(c, ts, numels)
+        assert torch.equal(bits(got), bits(want)) and got.data_ptr() != c.data_ptr()
+        same = c.clone()
+        assert T.subtract_own_cpu(same, ts, numels, inplace=True).data_ptr() == same.data_ptr()
+        assert torch.equal(bits(same), bits(want))
+
+
+def test_twobit_error_feedback_is_the_same_on_the_fast_path_and_the_generic_one(monkeypatch):
+    from hvd_compress.buckets import layout
+    from hvd_compress.ops import torch_ops
+    from hvd_compress.spec import from_spec
+    lay = layout(["a", "b"], [(300,), (70_000,)])
+    grads = [torch.from_numpy(np.random.default_rng(s).laplace(size=lay.total).astype(np.float32))
+             for s in range(3)]
+
+    def run():
+        c = from_spec("twobit")
+        payloads = [c.compress_bucket(g.clone(), lay)[0] for g in grads]
+        return payloads, c.state_dict()["state"]
+
+    fast_payloads, fast_state = run()
+    monkeypatch.setattr(torch_ops, "twobit_subtract_own", lambda *a: None)
+    slow_payloads, slow_state = run()
+    for f, s in zip(fast_payloads, slow_payloads):
+        assert all(torch.equal(a, b) for a, b in zip(f, s))
+    assert fast_state.keys() == slow_state.keys()
+    for key in fast_state:
+        assert torch.equal(bits(fast_state[key]), bits(slow_state[key])), key

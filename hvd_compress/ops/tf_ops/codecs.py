@@ -38,6 +38,11 @@ def twobit_decode_sum(words, thresholds, n):
     return None
 
 
+def twobit_subtract_own(c, thresholds, numels, inplace):
+    """No fast path in TensorFlow: error feedback decodes its own payload and subtracts."""
+    return None
+
+
 def bucket_codec_kernels(flat):
     """No bucket kernels in TensorFlow: buckets are coded tensor by tensor."""
     return False
