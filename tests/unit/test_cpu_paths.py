@@ -238,3 +238,12 @@ def test_twobit_error_feedback_is_the_same_on_the_fast_path_and_the_generic_one(
     assert fast_state.keys() == slow_state.keys()
     for key in fast_state:
         assert torch.equal(bits(fast_state[key]), bits(slow_state[key])), key
+
+
+def test_twobit_subtract_own_leaves_what_it_cannot_do_in_place_to_the_generic_path():
+    from hvd_compress.ops import torch_ops
+    c = torch.randn(64, 2)
+    t = torch.tensor([0.5])
+    assert torch_ops.twobit_subtract_own(c.t(), t, (128,), True) is None       # strided
+    assert torch_ops.twobit_subtract_own(c.reshape(-1).half(), t, (128,), True) is None
+    assert torch_ops.twobit_subtract_own(c.reshape(-1), t, (128,), True) is not None

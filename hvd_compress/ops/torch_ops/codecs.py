@@ -38,9 +38,11 @@ def twobit_subtract_own(c, thresholds, numels, inplace):
     """Optional fast path of 2-bit error feedback, ``c - decode(own payload)`` from ``c``
     and the thresholds alone (the codes are ``c``'s own compares): float32 CPU tensors,
     bit-identical, no decoded copy (:func:`hvd_compress.kernels.twobit.subtract_own_cpu`).
-    None elsewhere (CUDA, the kernel path, other dtypes): the generic decode-subtract runs."""
+    None elsewhere (CUDA, the kernel path, other dtypes, a non-contiguous ``c``): the
+    generic decode-subtract runs."""
     from ...kernels import pick_backend, twobit
-    if c.device.type != "cpu" or c.dtype != _torch.float32 or pick_backend(c) != "torch":
+    if (c.device.type != "cpu" or c.dtype != _torch.float32 or not c.is_contiguous()
+            or pick_backend(c) != "torch"):
         return None
     return twobit.subtract_own_cpu(c, thresholds, numels, inplace)
 
