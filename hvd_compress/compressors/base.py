@@ -66,6 +66,12 @@ class Ctx(NamedTuple):
         lay = self.segments
         return lay if lay is not None and len(lay.names) > 1 else None
 
+    @property
+    def numels(self):
+        """The sizes of the tensors this covers, end to end: the layout's, else
+        ``(numel,)``."""
+        return self.segments.numels if self.segments is not None else (self.numel,)
+
 
 class Compressor:
     """Base class; see the module docstring for the contract."""

@@ -77,10 +77,6 @@ class DCTSparse(DensitySparsifier):
         """Buckets of several tensors, in the one-round exchange (``agg`` local)."""
         return self.agg is None
 
-    @staticmethod
-    def _numels(ctx):
-        return ctx.segments.numels if ctx.segments is not None else (ctx.numel,)
-
     def domain_ctx(self, ctx):
         if ctx.segments is None:
             padded = -(-ctx.numel // self.block) * self.block
@@ -89,10 +85,10 @@ class DCTSparse(DensitySparsifier):
         return ctx._replace(numel=lay.total, shape=(lay.total,), finite=None, segments=lay)
 
     def to_domain(self, flat, ctx, ops):
-        return ops.dct_segments(flat, self._numels(ctx), self.block), self.domain_ctx(ctx)
+        return ops.dct_segments(flat, ctx.numels, self.block), self.domain_ctx(ctx)
 
     def from_domain(self, coefs, ctx, ops):
-        return ops.idct_segments(coefs, self._numels(ctx), self.block)
+        return ops.idct_segments(coefs, ctx.numels, self.block)
 
     def select(self, coefs, cctx, ops, step):
         return self._select.select(coefs, cctx, ops, step)

@@ -51,7 +51,7 @@ import math
 
 from ..buckets import layout as _layout
 from .base import register
-from .sparse import DensitySparsifier, per_segment
+from .sparse import DensitySparsifier, per_segment, top_k_checked
 
 
 
@@ -103,16 +103,14 @@ class LaplaceTopK(DensitySparsifier):
         partition each (``segment_abs_topk``), zeros dropped; else a finiteness check,
         then :meth:`select`."""
         if not self.fused:
-            numels = ctx.bucket.numels if ctx.bucket is not None else (ctx.numel,)
-            small = self.small_below(flat, ops)
             found = None
-            if not self.exact and max(numels) < small:
-                found = ops.segment_abs_topk(flat, numels, [self.k(n) for n in numels])
+            if not self.exact and max(ctx.numels) < self.small_below(flat, ops):
+                found = top_k_checked(self, flat, ctx, ops)
             if found is None:
                 return super().select_checked(flat, ctx, ops, step)
             idx, finite = found
-            if not finite:
-                return ops.arange(ctx.numel, flat), finite
+            if not finite:                               # every index
+                return idx, finite
             return ops.gather(idx, ops.mask_indices(ops.gather(flat, idx) != 0)), finite
         if not ops.histogram_search_supported():
             raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "

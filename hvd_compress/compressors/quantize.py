@@ -86,7 +86,7 @@ class CodesAndScales(Compressor):
             raise ValueError(f"{self.name}: a payload is (codes, scales)")
         codes, scales = payload
         lay = ctx.bucket
-        numels = lay.numels if lay is not None else (ctx.numel,)
+        numels = ctx.numels
         widths = [self.sizes(n) for n in numels]
         wc, ws = sum(w for w, _ in widths), sum(s for _, s in widths)
         nc, ns = ops.length(codes), ops.length(scales)
@@ -140,8 +140,7 @@ class TwoBit(CodesAndScales):
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):
         """``r = c - q``: on PyTorch CPU float32 from ``c`` and the thresholds alone (the
         same bits, no decode); elsewhere ``c - decode(payload)``."""
-        numels = ctx.bucket.numels if ctx.bucket is not None else (ctx.numel,)
-        fast = ops.twobit_subtract_own(compensated, payload[1], numels, inplace)
+        fast = ops.twobit_subtract_own(compensated, payload[1], ctx.numels, inplace)
         if fast is None:
             return super().subtract_sent(compensated, payload, ctx, ops, inplace)
         return fast

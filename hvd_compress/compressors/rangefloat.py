@@ -161,9 +161,8 @@ class RangeFloat(Compressor):
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):
         # this rank's own payload: the counts are the tensors' sizes, known here, so the
         # decode needs neither the header check nor its host synchronisation
-        lay = ctx.bucket
-        lengths = lay.numels if lay is not None else (ctx.numel,)
-        sent = ops.sum_rows(self.codec.decode(payload[0], payload[1], ops, lengths), ctx.numel)
+        sent = ops.sum_rows(self.codec.decode(payload[0], payload[1], ops, ctx.numels),
+                            ctx.numel)
         return ops.subtract(compensated, ops.cast(sent, compensated.dtype), inplace)
 
     def decode(self, payload, ctx, ops):

@@ -263,14 +263,21 @@ class TopK(DensitySparsifier):
 
     def select_checked(self, flat, ctx, ops, step):
         """On PyTorch CPU tensors one numpy partition per tensor gives the k largest
-        ``|g|`` and, among them, any NaN/Inf (``segment_abs_topk``), so no separate
+        ``|g|`` and, among them, any NaN/Inf (:func:`top_k_checked`), so no separate
         finiteness pass; elsewhere a check, then :meth:`select`."""
-        numels = ctx.bucket.numels if ctx.bucket is not None else (ctx.numel,)
-        found = ops.segment_abs_topk(flat, numels, [self.k(n) for n in numels])
-        if found is None:
-            return super().select_checked(flat, ctx, ops, step)
-        idx, finite = found
-        return (idx if finite else ops.arange(ctx.numel, flat)), finite
+        found = top_k_checked(self, flat, ctx, ops)
+        return found if found is not None else super().select_checked(flat, ctx, ops, step)
+
+
+def top_k_checked(sparsifier, flat, ctx, ops):
+    """``(indices, finite)``: each tensor's ``sparsifier.k(n)`` largest ``|g|`` and the
+    finiteness of ``flat`` from one selection (``ops.segment_abs_topk``), every index when
+    ``flat`` holds NaN/Inf; None where the framework or device has no such path."""
+    found = ops.segment_abs_topk(flat, ctx.numels, [sparsifier.k(n) for n in ctx.numels])
+    if found is None:
+        return None
+    idx, finite = found
+    return (idx if finite else ops.arange(ctx.numel, flat)), finite
 
 
 @register

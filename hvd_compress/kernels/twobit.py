@@ -24,7 +24,7 @@ import functools
 import numpy as np
 import torch
 
-from ._backend import count_launch, pick_backend
+from ._backend import chunks, count_launch, pick_backend
 
 PER_WORD = 16
 
@@ -150,8 +150,7 @@ def pack_cpu(x, t):
     code = torch.zeros(-(-n // PER_WORD) * PER_WORD, dtype=torch.uint8, device=x.device)
     head = code.numpy()[:n]
     le = np.empty(min(n, NUMPY_CHUNK), dtype=bool)
-    for start in range(0, n, NUMPY_CHUNK):
-        stop = min(n, start + NUMPY_CHUNK)
+    for start, stop in chunks(n, NUMPY_CHUNK):
         part, h, lo = xn[start:stop], head[start:stop], le[:stop - start]
         np.greater_equal(part, tn, out=h.view(bool))                 # 1 where x >= t
         np.less_equal(part, -tn, out=lo)                              # 2 where x <= -t
@@ -182,8 +181,8 @@ def subtract_own_cpu(c, thresholds, numels, inplace=False):
     q = np.empty(size, dtype=np.float32)
     off = 0
     for n, t in zip(numels, ts):
-        for start in range(off, off + n, NUMPY_CHUNK):
-            part = o[start:min(off + n, start + NUMPY_CHUNK)]
+        for start, stop in chunks(n, NUMPY_CHUNK):
+            part = o[off + start:off + stop]
             m = part.size
             np.greater_equal(part, t, out=ge[:m])
             np.less_equal(part, -t, out=le[:m])

@@ -16,7 +16,7 @@ module does the whole selection around it:
    are kept.
 
 Indices come in index order, ties broken by lowest index.  May import: numpy; lazily,
-:mod:`hvd_compress.kernels.compact` (its chunk size).
+:mod:`hvd_compress.kernels.compact` (its chunked compare).
 """
 import threading
 
@@ -57,13 +57,9 @@ def largest(s, k, absolute):
     if absolute and not finite:        # the caller sends every index
         return None, False
     v = work[n - k]
-    if absolute:
-        from ...kernels.compact import NUMPY_CHUNK as chunk
-        buf = work[:min(n, chunk)]     # the partitioned values are not needed any more
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            _np.greater_equal(_np.abs(s[start:stop], out=buf[:stop - start]), v,
-                              out=mask[start:stop])
+    if absolute:                       # (the partitioned values are not needed any more)
+        from ...kernels.compact import NUMPY_CHUNK, abs_above_cpu
+        abs_above_cpu(s, v, inclusive=True, out=mask, buf=work[:NUMPY_CHUNK])
     else:
         _np.greater_equal(s, v, out=mask)
     idx = _np.flatnonzero(mask)
