@@ -164,20 +164,18 @@ class PowerSGD(Compressor):
         keeps ``M_w - P^ Q_w^T``."""
         ops = rnd.ops
         _check_length(p_sum, sum(rows * r for _, _, rows, _, r in rnd.mats), "P", rnd)
-        phats, qs, sent, at = [], [], [], 0
+        phats, qs, at = [], [], 0
         for m, _, rows, cols, r in rnd.mats:
             phat = ops.orthonormal_columns(ops.reshape(p_sum[at:at + rows * r], [rows, r]))
-            q = ops.matmul(m, phat, transpose_a=True)
             phats.append(phat)
-            qs.append(q)
-            sent.append(ops.matmul(phat, q, transpose_b=True))
+            qs.append(ops.matmul(m, phat, transpose_a=True))
             at += rows * r
         if rnd.memory is not None:
             finite = rnd.finite & ops.all_finite(p_sum)
-            sent = ops.concat(sent)
+            sent = list(zip(phats, qs))                      # P^ Q_w^T, tensor by tensor
             rnd.memory.update_parts(
                 rnd.parts, rnd.compensated,
-                lambda c, inplace: ops.subtract(c, ops.cast(sent, c.dtype), inplace), finite)
+                lambda c, inplace: ops.subtract_low_rank_products(c, sent, inplace), finite)
         return ops.concat(qs), rnd._replace(phats=phats)
 
     def finish(self, q_sum, rnd):
@@ -187,13 +185,13 @@ class PowerSGD(Compressor):
         _check_length(q_sum, sum(cols * r for _, _, _, cols, r in rnd.mats), "Q", rnd)
         finite = ops.all_finite(q_sum)
         state = self._state(ops)
-        out, at = [], 0
-        for (name, _), (_, q_old, _, cols, r), phat in zip(rnd.parts, rnd.mats, rnd.phats):
+        qs, at = [], 0
+        for (name, _), (_, q_old, _, cols, r) in zip(rnd.parts, rnd.mats):
             q = ops.reshape(q_sum[at:at + cols * r], [cols, r])
-            out.append(ops.reshape(ops.matmul(phat, q, transpose_b=True), [-1]))
+            qs.append(q)
             state.set(Q_PREFIX + name, ops.select(finite, q / float(rnd.size), q_old))
             at += cols * r
-        flat = ops.cast(ops.concat(out), rnd.ctx.dtype)
+        flat = ops.cast(ops.low_rank_products(list(zip(rnd.phats, qs))), rnd.ctx.dtype)
         return flat if rnd.ctx.segments is not None else ops.reshape(flat, rnd.ctx.shape)
 
     def traffic(self, proposal, gathered, values, rnd, size):

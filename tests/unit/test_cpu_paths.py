@@ -247,3 +247,57 @@ def test_twobit_subtract_own_leaves_what_it_cannot_do_in_place_to_the_generic_pa
     assert torch_ops.twobit_subtract_own(c.t(), t, (128,), True) is None       # strided
     assert torch_ops.twobit_subtract_own(c.reshape(-1).half(), t, (128,), True) is None
     assert torch_ops.twobit_subtract_own(c.reshape(-1), t, (128,), True) is not None
+
+
+def _low_rank_pairs(seed=0, shapes=((7, 2, 5), (1, 1, 9), (40, 4, 33))):
+    rng = np.random.default_rng(seed)
+    return [(torch.from_numpy(rng.standard_normal((rows, r)).astype(np.float32)),
+             torch.from_numpy(rng.standard_normal((cols, r)).astype(np.float32)))
+            for rows, r, cols in shapes]
+
+
+def test_low_rank_products_write_each_product_into_its_place():
+    """PowerSGD's ``P^ Q^T`` of every tensor of a bucket, written into one flat tensor:
+    the same bits as each ``a @ b^T`` flattened and concatenated."""
+    pairs = _low_rank_pairs()
+    expected = torch.cat([(a @ b.t()).reshape(-1) for a, b in pairs])
+    got = torch_ops.low_rank_products(pairs)
+    assert got.dtype == torch.float32 and torch.equal(bits(got), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_subtract_low_rank_products_equals_the_subtraction_of_the_product(dtype, inplace):
+    """PowerSGD's residual ``c - P^ Q_w^T`` (float32: one addmm per tensor, no product
+    tensor) equals ``c - cast(products)``; in place it is ``c``'s own buffer, else ``c``
+    is left as it was."""
+    pairs = _low_rank_pairs(1)
+    n = sum(a.shape[0] * b.shape[0] for a, b in pairs)
+    c = torch.from_numpy(np.random.default_rng(2).standard_normal(n).astype(np.float32))
+    c = c.to(dtype)
+    before = c.clone()
+    expected = before - torch_ops.low_rank_products(pairs).to(dtype)
+    got = torch_ops.subtract_low_rank_products(c, pairs, inplace)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(bits(got), bits(expected))
+    assert (got.data_ptr() == c.data_ptr()) == inplace
+    if not inplace:
+        assert torch.equal(bits(c), bits(before))
+
+
+def test_low_rank_products_agree_between_frameworks():
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.ops import tf_ops
+    pairs = _low_rank_pairs(3)
+    tf_pairs = [(tf.constant(a.numpy()), tf.constant(b.numpy())) for a, b in pairs]
+    np.testing.assert_allclose(tf_ops.low_rank_products(tf_pairs).numpy(),
+                               torch_ops.low_rank_products(pairs).numpy(), rtol=1e-5, atol=1e-5)
+    n = sum(a.shape[0] * b.shape[0] for a, b in pairs)
+    c = np.random.default_rng(4).standard_normal(n).astype(np.float32)
+    np.testing.assert_allclose(
+        tf_ops.subtract_low_rank_products(tf.constant(c), tf_pairs).numpy(),
+        torch_ops.subtract_low_rank_products(torch.from_numpy(c), pairs).numpy(),
+        rtol=1e-5, atol=1e-5)

@@ -239,3 +239,16 @@ def orthonormal_columns(m):
     """An orthonormal basis of ``m``'s columns (reduced QR's Q; float32, same shape)."""
     q, _ = _tf.linalg.qr(_tf.cast(m, _tf.float32), full_matrices=False)
     return q
+
+
+def low_rank_products(pairs):
+    """The products ``a @ b^T`` of ``pairs`` ((a, b), ...; float32, at least one),
+    flattened end to end in one float32 tensor."""
+    return _tf.concat([_tf.reshape(_tf.linalg.matmul(a, b, transpose_b=True), [-1])
+                       for a, b in pairs], 0)
+
+
+def subtract_low_rank_products(c, pairs, inplace=False):
+    """``c - cast(low_rank_products(pairs), c.dtype)`` for flat ``c`` (``inplace`` is
+    ignored: TensorFlow tensors are immutable)."""
+    return c - _tf.cast(low_rank_products(pairs), c.dtype)

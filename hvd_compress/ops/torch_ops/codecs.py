@@ -254,3 +254,35 @@ def matmul(a, b, transpose_a=False, transpose_b=False):
 def orthonormal_columns(m):
     """An orthonormal basis of ``m``'s columns (reduced QR's Q; float32, same shape)."""
     return _torch.linalg.qr(m.float(), mode="reduced").Q
+
+
+def _product_views(flat, pairs):
+    """``flat`` split into the ``(rows of a, rows of b)`` matrices of ``pairs``."""
+    sizes = [a.shape[0] * b.shape[0] for a, b in pairs]
+    return [v.view(a.shape[0], b.shape[0]) for (a, b), v in zip(pairs, _torch.split(flat, sizes))]
+
+
+def low_rank_products(pairs):
+    """The products ``a @ b^T`` of ``pairs`` ((a, b), ...; float32, at least one),
+    flattened end to end in one new float32 tensor: each product is written into its
+    place (no product tensors, no concatenation; on the CPU a fresh tensor-sized
+    allocation is a page fault per 4 KB)."""
+    out = _torch.empty(sum(a.shape[0] * b.shape[0] for a, b in pairs),
+                       dtype=_torch.float32, device=pairs[0][0].device)
+    for (a, b), view in zip(pairs, _product_views(out, pairs)):
+        _torch.matmul(a, b.t(), out=view)
+    return out
+
+
+def subtract_low_rank_products(c, pairs, inplace=False):
+    """``c - cast(low_rank_products(pairs), c.dtype)`` for flat ``c``, in place on ``c``
+    when ``inplace``.  Float32 ``c``: each product is taken off its own rows by one
+    ``addmm`` with no product tensor (equal to subtracting the product up to float32
+    rounding: the BLAS may accumulate into ``c``)."""
+    if c.dtype != _torch.float32:
+        sent = low_rank_products(pairs).to(c.dtype)
+        return c.sub_(sent) if inplace else c - sent
+    out = c if inplace else c.clone()
+    for (a, b), view in zip(pairs, _product_views(out, pairs)):
+        view.addmm_(a, b.t(), alpha=-1)
+    return out
