@@ -12,6 +12,13 @@ writes JSON and a PNG plot.
 
     python benchmarks/select.py                        # CPU: 1M, 4M, 25M, 100M
     python benchmarks/select.py --sizes 1M,25M --repeat 3
+    python benchmarks/select.py --framework tensorflow --sizes 1M,4M   # eager TF, CPU
+    python benchmarks/select.py --framework tensorflow --graph          # in tf.function
+
+With ``--framework tensorflow`` the same compressors run on TensorFlow tensors (eagerly,
+or each call traced once into a ``tf.function`` with ``--graph``, as Keras' ``fit`` runs
+them) and ``tf_top_k`` (``tf.math.top_k`` of ``|x|``, the values gathered) takes
+``torch_topk``'s place.
 """
 import sys
 from pathlib import Path
@@ -37,6 +44,7 @@ from mnist_common import show_progress  # noqa: E402  (no bar off a terminal)
 
 METHODS = {
     "torch_topk": None,                                     # torch.topk itself, no compressor
+    "tf_top_k": None,                                       # tf.math.top_k itself (TF)
     "topk": "topk:density={d},ef=0",
     "laplace_topk": "laplace_topk:density={d},ef=0,small=0",   # the search, at every size
     "laplace_topk_exact": "laplace_topk:density={d},exact=1,ef=0",
@@ -80,30 +88,48 @@ def timeit(fn, repeat, sync):
     return statistics.median(times)
 
 
-def measure(x, density, repeat, sync, methods):
-    n = x.numel()
+def numel(x):
+    return int(np.prod(tuple(x.shape)))
+
+
+def measure(x, density, repeat, sync, methods, graph=False):
+    n = numel(x)
     k = max(1, min(n, int(np.ceil(density * n))))
-    read3 = timeit(lambda: [x.sum() for _ in range(3)], repeat, sync)
+    if isinstance(x, torch.Tensor):
+        read3 = timeit(lambda: [x.sum() for _ in range(3)], repeat, sync)
+    else:
+        import tensorflow as tf
+        read3 = timeit(lambda: [tf.reduce_sum(x) for _ in range(3)], repeat, sync)
     rows = {}
     for method in methods:
         out = {}
-        if METHODS[method] is None:                         # torch_topk
+        if method == "torch_topk":
 
             def call():
                 i = torch.topk(x.abs(), k, sorted=False).indices
                 out["payload"] = (x[i], i)
         else:
-            c = hvd_compress.from_spec(METHODS[method].format(d=density))
+            if method == "tf_top_k":
 
-            def call():
-                out["payload"] = c.compress(x, "g")[0]
+                def fn(t):
+                    i = tf.math.top_k(tf.abs(t), k, sorted=False).indices
+                    return tf.gather(t, i), i
+            else:
+                c = hvd_compress.from_spec(METHODS[method].format(d=density))
+
+                def fn(t, c=c):
+                    return c.compress(t, "g")[0]
+            fn = tf.function(fn) if graph else fn
+
+            def call(fn=fn):
+                out["payload"] = fn(x)
 
         seconds = timeit(call, repeat, sync)
-        rows[method] = {"seconds": seconds, "count": int(out["payload"][1].numel()),
-                        "count_over_k": out["payload"][1].numel() / k,
+        count = numel(out["payload"][1])
+        rows[method] = {"seconds": seconds, "count": count, "count_over_k": count / k,
                         "over_read3": seconds / read3}
     base = rows.get("topk", {}).get("seconds")
-    torch_base = rows.get("torch_topk", {}).get("seconds")
+    torch_base = rows.get("torch_topk", rows.get("tf_top_k", {})).get("seconds")
     for r in rows.values():
         r["speedup_vs_topk"] = base / r["seconds"] if base else None
         r["speedup_vs_torch_topk"] = torch_base / r["seconds"] if torch_base else None
@@ -154,7 +180,10 @@ def main():
     p.add_argument("--sizes", default="1M,4M,25M,100M")
     p.add_argument("--densities", default="0.001,0.01")
     p.add_argument("--inputs", default=",".join(SYNTHETIC + ("real",)))
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=None,
+                   help="default: all but tf_top_k (torch), tf_top_k,topk,laplace_topk (TF)")
+    p.add_argument("--framework", default="torch", choices=("torch", "tensorflow"))
+    p.add_argument("--graph", action="store_true", help="TensorFlow: in tf.function")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
@@ -166,18 +195,33 @@ def main():
     info = device_info(device)
     name = info.get("gpu", "cpu").replace(" ", "_")
     stamp = datetime.date.today().isoformat()
+    to_framework = lambda t: t                                            # noqa: E731
+    if args.framework == "tensorflow":
+        if device != "cpu":
+            p.error("--framework tensorflow measures the CPU only")
+        import tensorflow as tf
+        info.update(tensorflow=tf.__version__,
+                    tf_threads=tf.config.threading.get_intra_op_parallelism_threads())
+        name = "tf_cpu_graph" if args.graph else "tf_cpu"
+        to_framework = lambda t: tf.constant(t.numpy())                   # noqa: E731
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"select_{name}_{stamp}.json")
-    methods = args.methods.split(",")
+    if args.methods is None:
+        methods = ["tf_top_k", "topk", "laplace_topk"] if args.framework == "tensorflow" \
+            else [m for m in METHODS if m != "tf_top_k"]
+    else:
+        methods = args.methods.split(",")
 
     cases = []
     for kind in args.inputs.split(","):
         if kind == "real":
             real = np.load(ROOT / "benchmarks" / "data" / "real_gradients.npz")
             for key in ("cnn_step100", "mlp_step100"):
-                cases.append((f"real_{key}", lambda key=key: torch.from_numpy(real[key]).to(device)))
+                cases.append((f"real_{key}", lambda key=key: to_framework(
+                    torch.from_numpy(real[key]).to(device))))
         else:
             for size in map(parse_size, args.sizes.split(",")):
-                cases.append((kind, lambda kind=kind, size=size: make_input(kind, size, device)))
+                cases.append((kind, lambda kind=kind, size=size: to_framework(
+                    make_input(kind, size, device))))
     densities = [float(d) for d in args.densities.split(",")]
 
     from tqdm import tqdm
@@ -187,11 +231,11 @@ def main():
     for kind, make in cases:
         x = make()
         for density in densities:
-            k, read3, rows = measure(x, density, args.repeat, sync, methods)
-            entry = {"input": kind, "n": x.numel(), "density": density, "k": k,
+            k, read3, rows = measure(x, density, args.repeat, sync, methods, args.graph)
+            entry = {"input": kind, "n": numel(x), "density": density, "k": k,
                      "read3_seconds": read3, "methods": rows}
             if device == "cuda":
-                entry["read3_bandwidth_fraction"] = 3 * 4 * x.numel() / read3 / 1e9 / \
+                entry["read3_bandwidth_fraction"] = 3 * 4 * numel(x) / read3 / 1e9 / \
                     info["copy_bandwidth_GBps"]
             results.append(entry)
             bar.update()
@@ -199,7 +243,9 @@ def main():
     bar.close()
 
     print(f"\n{info.get('gpu', 'CPU')} ({device}), torch {info['torch']}, "
-          f"{info['threads']} threads, {stamp}")
+          f"{info['threads']} threads, {stamp}"
+          + (f", TensorFlow {info['tensorflow']} ({'tf.function' if args.graph else 'eager'})"
+             if "tensorflow" in info else ""))
     header = f"{'input':18s} {'n':>10s} {'density':>7s}  " + "  ".join(f"{m:>22s}" for m in methods)
     print(header)
     print(" " * 39 + "  ".join(f"{'ms  (xtopk, cnt/k)':>22s}" for _ in methods))

@@ -169,3 +169,76 @@ def test_laplace_topk_crossover_follows_torch_threads():
         assert ops.small_topk_below(torch.ones(1)) == 1 << 22
     finally:
         torch.set_num_threads(threads)
+
+
+# -- TensorFlow on the CPU: the same numpy selection, eagerly and inside tf.function ------
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("ties", [False, True])
+def test_tf_topk_indices_are_the_k_largest_ties_by_lowest_index(graph, ties):
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.ops import tf_ops
+    n = NUMPY_CHUNK + 3
+    x = torch.from_numpy(np.random.default_rng(7).laplace(size=n).astype(np.float32)).abs()
+    if ties:
+        x = torch.round(x * 2) / 2
+    for k in (1, 655, n // 2, n - 1, n):
+        fn = (lambda t, k=k: tf_ops.topk_indices(t, k))
+        got = (tf.function(fn) if graph else fn)(tf.constant(x.numpy()))
+        assert got.dtype == tf.int32 and got.shape == (k,)
+        assert np.array_equal(np.sort(got.numpy()), lowest_index_topk(x, k)), (k, graph)
+
+
+def test_tf_topk_indices_with_nan_and_half_precision():
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.ops import tf_ops
+    x = np.array([0.5, np.nan, 2.0, 1.0, np.inf, 0.0], np.float32)
+    assert set(tf_ops.topk_indices(tf.constant(x), 2).numpy()) == {1, 4}    # NaN, then Inf
+    y = np.random.default_rng(8).laplace(size=3000).astype(np.float32)
+    for dtype in (tf.float16, tf.bfloat16):
+        t = tf.cast(tf.abs(tf.constant(y)), dtype)
+        got = tf_ops.topk_indices(t, 30).numpy()
+        assert np.array_equal(np.sort(got),
+                              lowest_index_topk(torch.from_numpy(tf.cast(t, tf.float32).numpy()), 30))
+
+
+def test_tf_segment_abs_topk_eagerly_and_its_absence_in_tf_function():
+    """Eager CPU tensors: the same indices and finiteness as PyTorch's; inside
+    tf.function None (the finiteness would not be a Python bool), and the generic
+    check-then-select runs."""
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.ops import tf_ops
+    x = torch.from_numpy(np.random.default_rng(9).laplace(size=NUMPY_CHUNK + 700).astype(np.float32))
+    numels, ks = (0, 700, 1, NUMPY_CHUNK - 1), (0, 7, 1, 650)
+    idx, finite = tf_ops.segment_abs_topk(tf.constant(x.numpy()), numels, ks)
+    assert finite and idx.dtype == tf.int32
+    assert np.array_equal(idx.numpy(), ops.segment_abs_topk(x, numels, ks)[0].numpy())
+    assert np.array_equal(idx.numpy(), brute_segments(x, numels, ks))
+    bad = x.clone()
+    bad[NUMPY_CHUNK] = float("inf")
+    assert tf_ops.segment_abs_topk(tf.constant(bad.numpy()), numels, ks) == (None, False)
+    seen = []
+    tf.function(lambda t: seen.append(tf_ops.segment_abs_topk(t, numels, ks)) or t)(
+        tf.constant(x.numpy()))
+    assert seen == [None]
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.01", "laplace_topk:density=0.01"])
+def test_tf_compressors_select_the_same_indices_as_torch_on_the_cpu(spec):
+    """A bucket through topk and laplace_topk (below ``small``: the partition), eager and
+    in tf.function, against PyTorch's: the same payload indices; a non-finite bucket
+    sends every index."""
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.buckets import layout
+    from hvd_compress.spec import from_spec
+    lay = layout(["a", "b"], [(300,), (5000,)])
+    g = np.random.default_rng(10).laplace(size=lay.total).astype(np.float32)
+    (_, want), _ = from_spec(spec).compress_bucket(torch.from_numpy(g.copy()), lay)
+    for graph in (False, True):
+        c = from_spec(spec)
+        fn = (lambda t: c.compress_bucket(t, lay)[0][1])
+        got = (tf.function(fn) if graph else fn)(tf.constant(g))
+        assert np.array_equal(np.sort(got.numpy()), np.sort(want.numpy())), graph
+    g[4000] = np.nan
+    (_, idx), _ = from_spec(spec).compress_bucket(tf.constant(g), lay)
+    assert np.array_equal(np.sort(idx.numpy()), np.arange(lay.total))

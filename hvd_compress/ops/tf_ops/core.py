@@ -85,6 +85,14 @@ def gather(t, idx):
     return _tf.gather(t, idx)
 
 
+def _on_cpu(t):
+    """Is ``t`` computed on the CPU?  Eager: its device says; in ``tf.function`` (not
+    placed yet): when TensorFlow sees no GPU."""
+    if _tf.executing_eagerly():
+        return "CPU" in t.device
+    return not _tf.config.list_logical_devices("GPU")
+
+
 def scatter_sum(n, idx, values, dtype=float32):
     return _tf.math.unsorted_segment_sum(_tf.cast(values, dtype), idx, n)
 

@@ -2,9 +2,14 @@
 per tensor (segment): concat / split, segment ids, per-segment sums, maxima, counts above
 thresholds and compaction, and the choice of the segmented search.
 
-May import: tensorflow, :mod:`.core`.  Never torch or :mod:`hvd_compress.kernels`.
+May import: numpy, tensorflow, :mod:`.core`, :mod:`hvd_compress.ops._cpu_topk`.  Never
+torch or :mod:`hvd_compress.kernels`.
 """
+import numpy as _np
 import tensorflow as _tf
+
+from .. import _cpu_topk
+from .core import _on_cpu
 
 
 def concat(ts):
@@ -80,8 +85,18 @@ def segmented_search(t, exact):
 
 
 def segment_abs_topk(flat, numels, ks):
-    """No one-pass top-k with finiteness in TensorFlow: the caller checks, then selects."""
-    return None
+    """``(int32 indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of
+    ``flat`` and whether ``flat`` holds no NaN/Inf, from one numpy partition per tensor
+    (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`; indices None when not
+    finite), as in PyTorch.  Eager CPU tensors only (the finiteness is a Python bool);
+    None elsewhere, and the caller checks, then selects (``topk_indices``)."""
+    if not (_tf.executing_eagerly() and flat.dtype.is_floating and _on_cpu(flat)):
+        return None
+    x = _np.asarray(flat.numpy(), dtype=_np.float32).reshape(-1)
+    idx, finite = _cpu_topk.segment_abs_largest(x, numels, ks)
+    if not finite:
+        return None, False
+    return _tf.constant(idx.astype(_np.int32)), True
 
 
 # -- laplace_topk's fused search: PyTorch only (its kernels are Triton's) -----------------

@@ -4,18 +4,36 @@ laplace_topk's size cut-offs; TensorFlow references of the Triton kernels), rand
 and moments (dgc, gaussian_k, sidco_exp), convolution kernels as rows (kernel_select) and
 the distinct indices of the aggregation-aware exchange.
 
-May import: tensorflow, :mod:`.core`.  Never torch or :mod:`hvd_compress.kernels`.
+May import: tensorflow, :mod:`.core`, :mod:`hvd_compress.ops._cpu_topk` (numpy).  Never
+torch or :mod:`hvd_compress.kernels`.
 """
 import tensorflow as _tf
 
-from .core import gather, numel
+from .. import _cpu_topk
+from .core import _on_cpu, gather, numel
 
 
 # -- top-k and index sets ----------------------------------------------------------------
 
 def topk_indices(scores, k):
+    """int32 indices of the ``k`` largest of 1-D ``scores`` (in no particular order).
+
+    On the CPU: numpy's introselect in a reused buffer, then one compare pass
+    (:func:`hvd_compress.ops._cpu_topk.indices`, through ``tf.numpy_function`` inside
+    ``tf.function``; ties by lowest index, as ``tf.math.top_k``'s): 21-23 ms for k = 63K
+    of 6.3M float32 values here (2026-11-25), against 73-75 ms for ``tf.math.top_k``.
+    ``benchmarks/results/select_tf_cpu{,_graph}_2026-11-25.json``, 1M-25M values, the
+    compressor ``topk`` against ``tf.math.top_k`` and a gather: 1.8-3.8x faster at
+    density 0.01; at 0.001 from 1.2x slower (``tf.function``) to 1.8x faster.  Elsewhere
+    ``tf.math.top_k``."""
     if scores.dtype in (_tf.float16, _tf.bfloat16):
         scores = _tf.cast(scores, _tf.float32)
+    n = scores.shape.num_elements()
+    if scores.dtype == _tf.float32 and n is not None and 0 < k < n and _on_cpu(scores):
+        idx = _tf.numpy_function(lambda s: _cpu_topk.indices(s.reshape(-1), k), [scores],
+                                 _tf.int32, stateful=False)
+        idx.set_shape([k])
+        return idx
     return _tf.math.top_k(scores, k=k, sorted=False).indices
 
 
@@ -91,11 +109,21 @@ def moments(t):
 # -- laplace_topk's cut-offs -------------------------------------------------------------
 
 def small_topk_below(t):
-    """Tensors smaller than this take tf.math.top_k in laplace_topk.  Measured on one CPU
-    core inside tf.function (2026-11-22, density 0.01): top_k 1.1 / 3.4 ms against the
-    search's 3.7 / 5.1 ms at 66k / 235k values; the search wins at 1M (10 vs 14 ms) and
-    4M (25 vs 56 ms)."""
-    return 1 << 18
+    """Tensors smaller than this take the framework's top-k in laplace_topk (on the CPU
+    numpy's partition, :func:`topk_indices`).
+
+    CPU, 2 threads, TensorFlow 2.21, 2026-11-25 (Laplace, Gaussian and Student-t(2) data,
+    densities 0.001 and 0.01, 1M to 25M values; ``benchmarks/select.py --framework
+    tensorflow [--graph]``, ``benchmarks/results/select_tf_cpu{,_graph}_2026-11-25.json``):
+
+    - eager: the partition was faster than the search in all 36 cases (1.1-15x);
+    - in ``tf.function``: the partition won at density 0.01 at every size (1.1-2.5x), the
+      search at 0.001 from 4M up (1.02-1.6x); summed over both densities and
+      the three inputs the partition was faster up to 8M (220 against 231 ms) and the two
+      were within 1.3% at 16M and 25M.  So 2^25, as PyTorch's on one thread.
+
+    Before (2026-11-22, ``tf.math.top_k``, which the search beat from 1M up): 2^18."""
+    return 1 << 25
 
 
 def search_grid(t):

@@ -5,13 +5,13 @@ thresholds and compaction, and the choice of the segmented search.
 On CUDA tensors the per-segment passes dispatch to the Triton kernels of
 :mod:`hvd_compress.kernels.segmented`.
 
-May import: torch, :mod:`.core`, :mod:`._cpu_topk` (numpy); lazily,
+May import: torch, :mod:`.core`, :mod:`hvd_compress.ops._cpu_topk` (numpy); lazily,
 :mod:`hvd_compress.kernels`.
 """
 import numpy as _np
 import torch as _torch
 
-from . import _cpu_topk
+from .. import _cpu_topk
 from .core import _cached, _host_list
 
 
@@ -118,29 +118,18 @@ def segment_abs_topk(flat, numels, ks):
     ``flat`` (``numels`` end to end; indices into ``flat``, in index order, ties by lowest
     index) and whether ``flat`` holds no NaN/Inf, learnt from the same selection
     (indices None when it is not finite).  CPU tensors only: one numpy partition per
-    tensor in a reused buffer (:mod:`._cpu_topk`): 21.5-22.5 ms for k = 63K of 6.3M
-    values on one core here (2026-11-25), against 42-43 ms for ``all_finite`` and
+    tensor in a reused buffer (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`):
+    21.5-22.5 ms for k = 63K of 6.3M values on one core here (2026-11-25), against 42-43 ms for ``all_finite`` and
     ``topk_indices(abs(x))`` before (26-28 ms with today's ``topk_indices``); None on
     other devices and on the kernel path
     (``HVD_COMPRESS_BACKEND=triton``, which runs CUDA's code on the CPU)."""
     from ...kernels import pick_backend
     if flat.device.type != "cpu" or pick_backend(flat) != "torch":
         return None
-    x = flat.detach().reshape(-1).float().numpy()
-    parts, off = [], 0
-    for n, k in zip(numels, ks):
-        s = x[off:off + n]
-        if n and k < n:
-            idx, finite = _cpu_topk.largest(s, k, absolute=True)
-        elif n:                                           # every entry
-            idx, finite = _np.arange(n), bool(_np.isfinite(s).all())
-        else:
-            idx, finite = _np.arange(0), True
-        if not finite:
-            return None, False
-        parts.append(idx + off if off else idx)
-        off += n
-    idx = parts[0] if len(parts) == 1 else _np.concatenate(parts)
+    idx, finite = _cpu_topk.segment_abs_largest(flat.detach().reshape(-1).float().numpy(),
+                                                numels, ks)
+    if not finite:
+        return None, False
     return _torch.from_numpy(idx.astype(_np.int32)), True
 
 

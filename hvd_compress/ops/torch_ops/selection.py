@@ -7,12 +7,12 @@ aggregation-aware exchange.
 On CUDA tensors ``abs_sum_max``, ``count_above`` and ``compact_above`` dispatch to the
 Triton kernels (their torch references run elsewhere).
 
-May import: numpy, torch, :mod:`.core`, :mod:`._cpu_topk`; lazily, :mod:`hvd_compress.kernels`.
+May import: torch, :mod:`.core`, :mod:`hvd_compress.ops._cpu_topk` (numpy); lazily,
+:mod:`hvd_compress.kernels`.
 """
-import numpy as _np
 import torch as _torch
 
-from . import _cpu_topk
+from .. import _cpu_topk
 from .core import _mix, numel
 
 
@@ -22,15 +22,14 @@ def topk_indices(scores, k):
     """int32 indices of the ``k`` largest of 1-D ``scores`` (in no particular order).
 
     On the CPU: numpy's introselect in a reused buffer, then one compare pass
-    (:mod:`._cpu_topk`; ties by lowest index): 16-20 ms for k = 63K of 6.3M float32 values
-    on one core here (2026-11-25), against 102-120 ms for ``torch.topk``; 0.33 against
-    1.63 ms at 262K values.  NaN among the k largest (numpy and torch both rank it
-    highest) goes to ``torch.topk``."""
+    (:func:`hvd_compress.ops._cpu_topk.indices`; ties by lowest index): 16-20 ms for
+    k = 63K of 6.3M float32 values on one core here (2026-11-25), against 102-120 ms for
+    ``torch.topk``; 0.33 against 1.63 ms at 262K values.  NaN ranks highest, as in
+    ``torch.topk``."""
     n = scores.numel()
     if scores.device.type == "cpu" and 0 < k < n and scores.is_floating_point():
-        idx, _ = _cpu_topk.largest(scores.detach().reshape(-1).float().numpy(), k, False)
-        if idx is not None:
-            return _torch.from_numpy(idx.astype(_np.int32))
+        s = scores.detach().reshape(-1).float().numpy()
+        return _torch.from_numpy(_cpu_topk.indices(s, k))
     return _torch.topk(scores, k, sorted=False).indices.to(_torch.int32)
 
 

@@ -1,5 +1,8 @@
 """Top-k of CPU tensors in numpy: one introselect in a reused buffer, one compare pass.
 
+Shared by both frameworks' primitives (``torch_ops`` and ``tf_ops`` hand it numpy views
+of their CPU tensors).
+
 ``torch.topk`` on the CPU took 109-120 ms for k = 63K of 6.3M float32 values on one core
 here (2026-11-25); ``np.partition`` finds the same k-th largest value in 8-11 ms.  This
 module does the whole selection around it:
@@ -16,7 +19,7 @@ module does the whole selection around it:
    are kept.
 
 Indices come in index order, ties broken by lowest index.  May import: numpy; lazily,
-:mod:`hvd_compress.kernels.compact` (its chunked compare).
+:mod:`hvd_compress.kernels.compact` (its chunked compare).  No framework.
 """
 import threading
 
@@ -58,7 +61,7 @@ def largest(s, k, absolute):
         return None, False
     v = work[n - k]
     if absolute:                       # (the partitioned values are not needed any more)
-        from ...kernels.compact import NUMPY_CHUNK, abs_above_cpu
+        from ..kernels.compact import NUMPY_CHUNK, abs_above_cpu
         abs_above_cpu(s, v, inclusive=True, out=mask, buf=work[:NUMPY_CHUNK])
     else:
         _np.greater_equal(s, v, out=mask)
@@ -69,3 +72,36 @@ def largest(s, k, absolute):
         keep[_np.flatnonzero(~keep)[:k - int(keep.sum())]] = True
         idx = idx[keep]
     return idx, finite
+
+
+def segment_abs_largest(x, numels, ks):
+    """``(indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of 1-D
+    float32 numpy ``x`` (``numels`` end to end; int64 indices into ``x``, in index order,
+    ties by lowest index) and whether ``x`` holds no NaN/Inf (indices None when it does
+    not)."""
+    parts, off = [], 0
+    for n, k in zip(numels, ks):
+        s = x[off:off + n]
+        if n and k < n:
+            idx, finite = largest(s, k, absolute=True)
+        elif n:                                           # every entry
+            idx, finite = _np.arange(n), bool(_np.isfinite(s).all())
+        else:
+            idx, finite = _np.arange(0), True
+        if not finite:
+            return None, False
+        parts.append(idx + off if off else idx)
+        off += n
+    return (parts[0] if len(parts) == 1 else _np.concatenate(parts)), True
+
+
+def indices(scores, k):
+    """int32 indices of the ``k`` largest of 1-D numpy ``scores``, ``0 < k < len(scores)``
+    (index order, ties by lowest index; NaN ranks above every number, as in
+    ``torch.topk``)."""
+    n = scores.size
+    s = _np.ascontiguousarray(scores, dtype=_np.float32)
+    idx, _ = largest(s, k, False)
+    if idx is None:                    # NaN among the k largest: numpy orders NaN last
+        idx = _np.sort(_np.argpartition(s, n - k)[n - k:])
+    return idx.astype(_np.int32)
