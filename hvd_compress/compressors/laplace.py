@@ -94,12 +94,12 @@ class LaplaceTopK(DensitySparsifier):
         self.fused = None if fused is None else bool(int(fused))
 
     #: select_checked finds NaN/Inf itself where it can: the fused search in its first
-    #: pass; PyTorch CPU tensors below ``small`` among their k largest ``|g|``
+    #: pass; CPU tensors below ``small`` among their k largest ``|g|``
     finds_nonfinite = True
 
     def select_checked(self, flat, ctx, ops, step):
         """``(indices, finite)``; a bucket holding NaN/Inf sends every index.  The fused
-        search (``fused=1``); tensors all below ``small`` on the PyTorch CPU: one numpy
+        search (``fused=1``); tensors all below ``small`` on the CPU: one numpy
         partition each (``segment_abs_topk``), zeros dropped; else a finiteness check,
         then :meth:`select`."""
         if not self.fused:
@@ -108,10 +108,10 @@ class LaplaceTopK(DensitySparsifier):
                 found = top_k_checked(self, flat, ctx, ops)
             if found is None:
                 return super().select_checked(flat, ctx, ops, step)
-            idx, finite = found
-            if not finite:                               # every index
-                return idx, finite
-            return ops.gather(idx, ops.mask_indices(ops.gather(flat, idx) != 0)), finite
+            idx, finite = found                          # not finite: every index
+            return ops.cond(finite,
+                            lambda: ops.gather(idx, ops.mask_indices(ops.gather(flat, idx) != 0)),
+                            lambda: idx), finite
         if not ops.histogram_search_supported():
             raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "
                              "PyTorch tensors only; leave fused unset for TensorFlow")

@@ -247,22 +247,23 @@ class TopK(DensitySparsifier):
     """Exact top-k by magnitude with the framework's own selection.
 
     ``S = argtop_k |g|``, ``k = ceil(density * n)``.  ``torch.topk`` is a radix select
-    (CUDA); on the CPU PyTorch tensors take numpy's introselect (``np.partition``, ties
-    by lowest index; 1.8-7.4x faster than torch.topk there from 1M to 25M values,
-    2026-11-25, ``benchmarks/results/select_cpu_onepass_*``); TensorFlow's
-    ``tf.math.top_k`` a heap/sort.  Otherwise ties are broken by the framework.
+    (CUDA); CPU tensors take numpy's introselect (``np.partition``, ties by lowest
+    index; 1.8-7.4x faster than torch.topk there from 1M to 25M values, 2026-11-25,
+    ``benchmarks/results/select_cpu_onepass_*``; TensorFlow's eager tensors too, 2.8-3.8x
+    faster than ``tf.math.top_k`` at density 0.01, ``select_tf_cpu_*``); ``tf.function``
+    keeps ``tf.math.top_k``.  On a GPU the framework breaks ties its own way.
     """
 
     name = "topk"
     segmented = True
-    finds_nonfinite = True    # PyTorch CPU: NaN/Inf surface among the k largest |g|
+    finds_nonfinite = True    # CPU: NaN/Inf surface among the k largest |g|
 
     def select(self, flat, ctx, ops, step):
         return per_segment(lambda seg, n, _: ops.topk_indices(ops.abs(seg), self.k(n)),
                            flat, ctx, ops, step)
 
     def select_checked(self, flat, ctx, ops, step):
-        """On PyTorch CPU tensors one numpy partition per tensor gives the k largest
+        """On CPU tensors (TensorFlow: eager) one numpy partition per tensor gives the k largest
         ``|g|`` and, among them, any NaN/Inf (:func:`top_k_checked`), so no separate
         finiteness pass; elsewhere a check, then :meth:`select`."""
         found = top_k_checked(self, flat, ctx, ops)
@@ -273,11 +274,7 @@ def top_k_checked(sparsifier, flat, ctx, ops):
     """``(indices, finite)``: each tensor's ``sparsifier.k(n)`` largest ``|g|`` and the
     finiteness of ``flat`` from one selection (``ops.segment_abs_topk``), every index when
     ``flat`` holds NaN/Inf; None where the framework or device has no such path."""
-    found = ops.segment_abs_topk(flat, ctx.numels, [sparsifier.k(n) for n in ctx.numels])
-    if found is None:
-        return None
-    idx, finite = found
-    return (idx if finite else ops.arange(ctx.numel, flat)), finite
+    return ops.segment_abs_topk(flat, ctx.numels, [sparsifier.k(n) for n in ctx.numels])
 
 
 @register

@@ -53,7 +53,7 @@ bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_se
 PyTorch's Triton path; elsewhere they return None and the codecs go tensor by tensor);
 aggregation-aware exchange (``unique_sorted``, ``ones_like``).  ``twobit_decode_sum``,
 ``rangefloat_decode_ranks``, ``segment_abs_topk`` (each tensor's top-k of ``|x|`` and
-the bucket's finiteness from one selection: PyTorch CPU) and ``twobit_subtract_own``
+the bucket's finiteness from one selection: CPU) and ``twobit_subtract_own``
 (2-bit error feedback's residual without decoding: PyTorch CPU) are optional
 fast paths: they return None where a framework or device has none, and the compressor's
 generic code (written once) runs instead.

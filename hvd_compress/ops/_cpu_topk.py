@@ -77,8 +77,8 @@ def largest(s, k, absolute):
 def segment_abs_largest(x, numels, ks):
     """``(indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of 1-D
     float32 numpy ``x`` (``numels`` end to end; int64 indices into ``x``, in index order,
-    ties by lowest index) and whether ``x`` holds no NaN/Inf (indices None when it does
-    not)."""
+    ties by lowest index) and whether ``x`` holds no NaN/Inf; every index of ``x`` when it
+    does (a non-finite bucket is sent whole)."""
     parts, off = [], 0
     for n, k in zip(numels, ks):
         s = x[off:off + n]
@@ -89,7 +89,7 @@ def segment_abs_largest(x, numels, ks):
         else:
             idx, finite = _np.arange(0), True
         if not finite:
-            return None, False
+            return _np.arange(x.size), False
         parts.append(idx + off if off else idx)
         off += n
     return (parts[0] if len(parts) == 1 else _np.concatenate(parts)), True

@@ -105,8 +105,9 @@ def test_segment_abs_topk_finds_nan_and_inf_anywhere(bad, where):
     x = torch.from_numpy(np.random.default_rng(5).laplace(size=NUMPY_CHUNK + 100).astype(np.float32))
     x[where] = bad
     numels = (5000, x.numel() - 5000)
-    assert ops.segment_abs_topk(x, numels, (1, 3)) == (None, False)
-    assert ops.segment_abs_topk(x.to(torch.float16), numels, (1, 3)) == (None, False)
+    for t in (x, x.to(torch.float16)):
+        idx, finite = ops.segment_abs_topk(t, numels, (1, 3))
+        assert finite is False and np.array_equal(idx.numpy(), np.arange(x.numel()))
 
 
 def test_topk_compress_sends_everything_for_a_non_finite_bucket_and_keeps_the_residual():
@@ -171,7 +172,7 @@ def test_laplace_topk_crossover_follows_torch_threads():
         torch.set_num_threads(threads)
 
 
-# -- TensorFlow on the CPU: the same numpy selection, eagerly and inside tf.function ------
+# -- TensorFlow on the CPU: the same numpy selection eagerly; tf.math.top_k in tf.function --
 
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("ties", [False, True])
@@ -203,24 +204,36 @@ def test_tf_topk_indices_with_nan_and_half_precision():
 
 
 def test_tf_segment_abs_topk_eagerly_and_its_absence_in_tf_function():
-    """Eager CPU tensors: the same indices and finiteness as PyTorch's; inside
-    tf.function None (the finiteness would not be a Python bool), and the generic
+    """Eager CPU tensors: the same indices and finiteness as PyTorch's, every index when
+    the bucket holds an Inf; inside tf.function None (numpy would run through
+    tf.numpy_function there: see tf_ops.core._eager_on_cpu), and the generic
     check-then-select runs."""
     tf = pytest.importorskip("tensorflow")
     from hvd_compress.ops import tf_ops
     x = torch.from_numpy(np.random.default_rng(9).laplace(size=NUMPY_CHUNK + 700).astype(np.float32))
     numels, ks = (0, 700, 1, NUMPY_CHUNK - 1), (0, 7, 1, 650)
     idx, finite = tf_ops.segment_abs_topk(tf.constant(x.numpy()), numels, ks)
-    assert finite and idx.dtype == tf.int32
+    assert finite is True and idx.dtype == tf.int32
     assert np.array_equal(idx.numpy(), ops.segment_abs_topk(x, numels, ks)[0].numpy())
     assert np.array_equal(idx.numpy(), brute_segments(x, numels, ks))
     bad = x.clone()
     bad[NUMPY_CHUNK] = float("inf")
-    assert tf_ops.segment_abs_topk(tf.constant(bad.numpy()), numels, ks) == (None, False)
+    idx, finite = tf_ops.segment_abs_topk(tf.constant(bad.numpy()), numels, ks)
+    assert finite is False and np.array_equal(idx.numpy(), np.arange(x.numel()))
     seen = []
     tf.function(lambda t: seen.append(tf_ops.segment_abs_topk(t, numels, ks)) or t)(
         tf.constant(x.numpy()))
     assert seen == [None]
+
+
+def test_tf_laplace_topk_crossover_is_numpys_eagerly_only():
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.ops import tf_ops
+    x = tf.zeros(10)
+    assert tf_ops.small_topk_below(x) == 1 << 25
+    seen = []
+    tf.function(lambda t: seen.append(tf_ops.small_topk_below(t)) or t)(x)
+    assert seen == [1 << 18]
 
 
 @pytest.mark.parametrize("spec", ["topk:density=0.01", "laplace_topk:density=0.01"])

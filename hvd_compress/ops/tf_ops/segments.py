@@ -9,7 +9,7 @@ import numpy as _np
 import tensorflow as _tf
 
 from .. import _cpu_topk
-from .core import _on_cpu
+from .core import _eager_on_cpu
 
 
 def concat(ts):
@@ -86,17 +86,15 @@ def segmented_search(t, exact):
 
 def segment_abs_topk(flat, numels, ks):
     """``(int32 indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of
-    ``flat`` and whether ``flat`` holds no NaN/Inf, from one numpy partition per tensor
-    (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`; indices None when not
-    finite), as in PyTorch.  Eager CPU tensors only (the finiteness is a Python bool);
-    None elsewhere, and the caller checks, then selects (``topk_indices``)."""
-    if not (_tf.executing_eagerly() and flat.dtype.is_floating and _on_cpu(flat)):
+    ``flat`` and whether ``flat`` holds no NaN/Inf (a Python bool), from one numpy
+    partition per tensor (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`; every
+    index when not finite), as in PyTorch.  Eager CPU tensors only (see
+    ``core._eager_on_cpu``); None elsewhere, and the caller checks, then selects."""
+    if not (flat.dtype.is_floating and _eager_on_cpu(flat)):
         return None
     x = _np.asarray(flat.numpy(), dtype=_np.float32).reshape(-1)
     idx, finite = _cpu_topk.segment_abs_largest(x, numels, ks)
-    if not finite:
-        return None, False
-    return _tf.constant(idx.astype(_np.int32)), True
+    return _tf.constant(idx.astype(_np.int32)), finite
 
 
 # -- laplace_topk's fused search: PyTorch only (its kernels are Triton's) -----------------

@@ -10,7 +10,7 @@ torch or :mod:`hvd_compress.kernels`.
 import tensorflow as _tf
 
 from .. import _cpu_topk
-from .core import _on_cpu, gather, numel
+from .core import _eager_on_cpu, gather, numel
 
 
 # -- top-k and index sets ----------------------------------------------------------------
@@ -18,22 +18,18 @@ from .core import _on_cpu, gather, numel
 def topk_indices(scores, k):
     """int32 indices of the ``k`` largest of 1-D ``scores`` (in no particular order).
 
-    On the CPU: numpy's introselect in a reused buffer, then one compare pass
-    (:func:`hvd_compress.ops._cpu_topk.indices`, through ``tf.numpy_function`` inside
-    ``tf.function``; ties by lowest index, as ``tf.math.top_k``'s): 21-23 ms for k = 63K
-    of 6.3M float32 values here (2026-11-25), against 73-75 ms for ``tf.math.top_k``.
-    ``benchmarks/results/select_tf_cpu{,_graph}_2026-11-25.json``, 1M-25M values, the
-    compressor ``topk`` against ``tf.math.top_k`` and a gather: 1.8-3.8x faster at
-    density 0.01; at 0.001 from 1.2x slower (``tf.function``) to 1.8x faster.  Elsewhere
-    ``tf.math.top_k``."""
+    Eager CPU tensors: numpy's introselect in a reused buffer, then one compare pass
+    (:func:`hvd_compress.ops._cpu_topk.indices`; ties by lowest index, as
+    ``tf.math.top_k``'s): 21-23 ms for k = 63K of 6.3M float32 values here (2026-11-25),
+    against 73-75 ms for ``tf.math.top_k``; from 1M to 25M values the compressor
+    ``topk`` was 2.8-3.8x faster at density 0.01 and 0.88-1.8x at 0.001
+    (``benchmarks/results/select_tf_cpu_2026-11-25.json``).  Inside ``tf.function`` and
+    on GPUs ``tf.math.top_k`` (see ``core._eager_on_cpu`` for why not numpy there)."""
     if scores.dtype in (_tf.float16, _tf.bfloat16):
         scores = _tf.cast(scores, _tf.float32)
     n = scores.shape.num_elements()
-    if scores.dtype == _tf.float32 and n is not None and 0 < k < n and _on_cpu(scores):
-        idx = _tf.numpy_function(lambda s: _cpu_topk.indices(s.reshape(-1), k), [scores],
-                                 _tf.int32, stateful=False)
-        idx.set_shape([k])
-        return idx
+    if scores.dtype == _tf.float32 and n is not None and 0 < k < n and _eager_on_cpu(scores):
+        return _tf.constant(_cpu_topk.indices(scores.numpy().reshape(-1), k))
     return _tf.math.top_k(scores, k=k, sorted=False).indices
 
 
@@ -109,21 +105,20 @@ def moments(t):
 # -- laplace_topk's cut-offs -------------------------------------------------------------
 
 def small_topk_below(t):
-    """Tensors smaller than this take the framework's top-k in laplace_topk (on the CPU
-    numpy's partition, :func:`topk_indices`).
+    """Tensors smaller than this take the framework's top-k in laplace_topk
+    (:func:`topk_indices`: numpy's partition on eager CPU tensors, else
+    ``tf.math.top_k``).
 
-    CPU, 2 threads, TensorFlow 2.21, 2026-11-25 (Laplace, Gaussian and Student-t(2) data,
-    densities 0.001 and 0.01, 1M to 25M values; ``benchmarks/select.py --framework
-    tensorflow [--graph]``, ``benchmarks/results/select_tf_cpu{,_graph}_2026-11-25.json``):
+    Eager on the CPU: 2^25.  2 threads, TensorFlow 2.21, 2026-11-25 (Laplace, Gaussian
+    and Student-t(2) data, densities 0.001 and 0.01, 1M to 25M values;
+    ``benchmarks/select.py --framework tensorflow``,
+    ``benchmarks/results/select_tf_cpu_2026-11-25.json``): the partition was faster than
+    the search in all 36 cases (1.1-15x).
 
-    - eager: the partition was faster than the search in all 36 cases (1.1-15x);
-    - in ``tf.function``: the partition won at density 0.01 at every size (1.1-2.5x), the
-      search at 0.001 from 4M up (1.02-1.6x); summed over both densities and
-      the three inputs the partition was faster up to 8M (220 against 231 ms) and the two
-      were within 1.3% at 16M and 25M.  So 2^25, as PyTorch's on one thread.
-
-    Before (2026-11-22, ``tf.math.top_k``, which the search beat from 1M up): 2^18."""
-    return 1 << 25
+    Inside ``tf.function`` (and on GPUs): 2^18.  One CPU core, 2026-11-22, density 0.01:
+    ``tf.math.top_k`` 1.1 / 3.4 ms against the search's 3.7 / 5.1 ms at 66k / 235k values;
+    the search won at 1M (10 vs 14 ms) and 4M (25 vs 56 ms)."""
+    return 1 << 25 if _eager_on_cpu(t) else 1 << 18
 
 
 def search_grid(t):

@@ -116,11 +116,11 @@ def segmented_search(t, exact):
 def segment_abs_topk(flat, numels, ks):
     """``(int32 indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of
     ``flat`` (``numels`` end to end; indices into ``flat``, in index order, ties by lowest
-    index) and whether ``flat`` holds no NaN/Inf, learnt from the same selection
-    (indices None when it is not finite).  CPU tensors only: one numpy partition per
-    tensor in a reused buffer (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`):
-    21.5-22.5 ms for k = 63K of 6.3M values on one core here (2026-11-25), against 42-43 ms for ``all_finite`` and
-    ``topk_indices(abs(x))`` before (26-28 ms with today's ``topk_indices``); None on
+    index) and whether ``flat`` holds no NaN/Inf, learnt from the same selection (every
+    index when it does not).  CPU tensors only: one numpy partition per tensor in a
+    reused buffer (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`): 21.5-22.5 ms
+    for k = 63K of 6.3M values on one core here (2026-11-25), against 42-43 ms for
+    ``all_finite`` and ``topk_indices(abs(x))`` before (26-28 ms with today's ``topk_indices``); None on
     other devices and on the kernel path
     (``HVD_COMPRESS_BACKEND=triton``, which runs CUDA's code on the CPU)."""
     from ...kernels import pick_backend
@@ -128,9 +128,7 @@ def segment_abs_topk(flat, numels, ks):
         return None
     idx, finite = _cpu_topk.segment_abs_largest(flat.detach().reshape(-1).float().numpy(),
                                                 numels, ks)
-    if not finite:
-        return None, False
-    return _torch.from_numpy(idx.astype(_np.int32)), True
+    return _torch.from_numpy(idx.astype(_np.int32)), finite
 
 
 # -- laplace_topk's fused search (laplace_topk:fused=1): hvd_compress.kernels.histogram_select
