@@ -37,8 +37,11 @@ Further groups, each with its docstrings in ``torch_ops/`` (where the Triton ker
 are dispatched) and mirrored in ``tf_ops/``, both split by family into the same modules
 (``core``, ``selection``, ``segments``, ``codecs``): threshold selection (``abs_sum_max``,
 ``count_above``, ``compact_above``, the bit-space search helpers), 2-bit packing and
-convolution kernels (``twobit_pack``, ``kernel_matrix``, ...), and range-based float and
-block DCT (``rangefloat_encode``, ``block_dct``, ...); error feedback's buffers
+convolution kernels (``twobit_pack``, ``kernel_matrix``, ...), range-based float and
+block DCT (``rangefloat_encode``, ``block_dct``, ...), and PowerSGD's low-rank products
+(``matmul``, ``orthonormal_columns``, ``low_rank_products``,
+``subtract_low_rank_products``: each product written in its place, no product tensors
+on PyTorch); error feedback's buffers
 (``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``); and the size cut-off
 ``small_topk_below``; buckets (``concat``, ``split``, ``segment_ids``,
 ``layout_constant`` (a bucket's per-tensor k, n, ...: made once per layout and device
