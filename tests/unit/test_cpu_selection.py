@@ -199,8 +199,8 @@ def test_tf_topk_indices_with_nan_and_half_precision():
     for dtype in (tf.float16, tf.bfloat16):
         t = tf.cast(tf.abs(tf.constant(y)), dtype)
         got = tf_ops.topk_indices(t, 30).numpy()
-        assert np.array_equal(np.sort(got),
-                              lowest_index_topk(torch.from_numpy(tf.cast(t, tf.float32).numpy()), 30))
+        want = lowest_index_topk(torch.from_numpy(tf.cast(t, tf.float32).numpy()), 30)
+        assert np.array_equal(np.sort(got), want)
 
 
 def test_tf_segment_abs_topk_eagerly_and_its_absence_in_tf_function():
@@ -210,7 +210,8 @@ def test_tf_segment_abs_topk_eagerly_and_its_absence_in_tf_function():
     check-then-select runs."""
     tf = pytest.importorskip("tensorflow")
     from hvd_compress.ops import tf_ops
-    x = torch.from_numpy(np.random.default_rng(9).laplace(size=NUMPY_CHUNK + 700).astype(np.float32))
+    x = np.random.default_rng(9).laplace(size=NUMPY_CHUNK + 700).astype(np.float32)
+    x = torch.from_numpy(x)
     numels, ks = (0, 700, 1, NUMPY_CHUNK - 1), (0, 7, 1, 650)
     idx, finite = tf_ops.segment_abs_topk(tf.constant(x.numpy()), numels, ks)
     assert finite is True and idx.dtype == tf.int32

@@ -259,7 +259,8 @@ def orthonormal_columns(m):
 def _product_views(flat, pairs):
     """``flat`` split into the ``(rows of a, rows of b)`` matrices of ``pairs``."""
     sizes = [a.shape[0] * b.shape[0] for a, b in pairs]
-    return [v.view(a.shape[0], b.shape[0]) for (a, b), v in zip(pairs, _torch.split(flat, sizes))]
+    return [v.view(a.shape[0], b.shape[0])
+            for (a, b), v in zip(pairs, _torch.split(flat, sizes))]
 
 
 def low_rank_products(pairs):

@@ -120,8 +120,8 @@ def segment_abs_topk(flat, numels, ks):
     index when it does not).  CPU tensors only: one numpy partition per tensor in a
     reused buffer (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`): 21.5-22.5 ms
     for k = 63K of 6.3M values on one core here (2026-11-25), against 42-43 ms for
-    ``all_finite`` and ``topk_indices(abs(x))`` before (26-28 ms with today's ``topk_indices``); None on
-    other devices and on the kernel path
+    ``all_finite`` and ``topk_indices(abs(x))`` before (26-28 ms with today's
+    ``topk_indices``); None on other devices and on the kernel path
     (``HVD_COMPRESS_BACKEND=triton``, which runs CUDA's code on the CPU)."""
     from ...kernels import pick_backend
     if flat.device.type != "cpu" or pick_backend(flat) != "torch":
