@@ -6,6 +6,8 @@ May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
+from .core import subtract as _subtract
+
 
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
 
@@ -281,8 +283,7 @@ def subtract_low_rank_products(c, pairs, inplace=False):
     ``addmm`` with no product tensor (equal to subtracting the product up to float32
     rounding: the BLAS may accumulate into ``c``)."""
     if c.dtype != _torch.float32:
-        sent = low_rank_products(pairs).to(c.dtype)
-        return c.sub_(sent) if inplace else c - sent
+        return _subtract(c, low_rank_products(pairs).to(c.dtype), inplace)
     out = c if inplace else c.clone()
     for (a, b), view in zip(pairs, _product_views(out, pairs)):
         view.addmm_(a, b.t(), alpha=-1)
