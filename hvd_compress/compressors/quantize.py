@@ -130,7 +130,7 @@ class TwoBit(CodesAndScales):
             t = ops.to_float32(ops.scalar(self.threshold, flat))
         else:
             abs_sum, _ = ops.abs_sum_max(flat)
-            t = self.scale * abs_sum / max(n, 1)
+            t = ops.divide(self.scale * abs_sum, max(n, 1))   # as the bucket's
         t = ops.where(t > 0, t, 0 * t + 1.0)       # all-zero tensor: every code is 0
         return ops.twobit_pack(flat, t), ops.reshape(ops.cast(t, ops.float32), [1])
 

@@ -218,6 +218,11 @@ def scalar(value, like):
     return _tf.convert_to_tensor(value)
 
 
+def divide(a, b):
+    """``a / b`` (IEEE division; see the torch family's)."""
+    return a / b
+
+
 def where(cond, a, b):
     return _tf.where(cond, a, b)
 

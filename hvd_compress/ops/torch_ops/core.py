@@ -274,7 +274,17 @@ def to_float32(t):
 
 
 def scalar(value, like):
-    return _torch.as_tensor(value, device=like.device)
+    """A 0-d tensor of the Python number ``value`` on ``like``'s device, filled there
+    (``torch.full``): a tensor copied from the host would make the host wait for a CUDA
+    device (one synchronisation per call, seen on an H200 on 2026-11-26)."""
+    return _torch.full((), value, device=like.device)
+
+
+def divide(a, b):
+    """``a / b`` rounded as IEEE division on every device.  CUDA divides a tensor by a
+    Python number as a multiplication by its reciprocal, which can differ in the last bit
+    (seen on an H200 on 2026-11-26), so a Python ``b`` becomes a tensor first."""
+    return a / (b if isinstance(b, _torch.Tensor) else scalar(float(b), a))
 
 
 def where(cond, a, b):
