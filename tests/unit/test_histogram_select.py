@@ -62,13 +62,15 @@ HI = [bits(2.5), -1, bits(3.0), bits(0.5), bits(1.0), bits(1.0) + 3]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bins", [14, 2046])
 @pytest.mark.parametrize("active", [None, [1, 0, 1, 1, 0, 1]])
-def test_segment_histogram_matches_reference_and_counts_above_its_edges(dtype, bins, active):
+@pytest.mark.parametrize("atomics", ["entry", "block"])
+def test_segment_histogram_matches_reference_and_counts_above_its_edges(dtype, bins, active,
+                                                                         atomics):
     x = make("laplace", sum(LENGTHS)).to(dtype)
     x[7000:7100] = 0.5                           # ties on a bracket end
     x[10] = 0.0
     blocks = H.block_table(LENGTHS, x.device, block=1024)
     state = state_for(LENGTHS, LO, HI, active)
-    got = H.segment_histogram(x, blocks, state, bins, backend="triton")
+    got = H.segment_histogram(x, blocks, state, bins, backend="triton", atomics=atomics)
     want = H.segment_histogram_reference(x, blocks, state, bins)
     assert got.dtype == torch.int64 and torch.equal(got, want)
     above = torch.flip(torch.cumsum(torch.flip(want, [1]), 1), [1])   # count(> E_j)
@@ -83,6 +85,13 @@ def test_segment_histogram_matches_reference_and_counts_above_its_edges(dtype, b
             continue
         brute = (seg[None, :] > edges[s][:, None]).sum(1)
         assert torch.equal(above[s], brute), s
+
+
+def test_segment_histogram_names_a_bad_atomics():
+    x = make("laplace", sum(LENGTHS))
+    blocks = H.block_table(LENGTHS, x.device, block=1024)
+    with pytest.raises(ValueError, match="atomics must be 'entry' or 'block', got 'warp'"):
+        H.segment_histogram(x, blocks, state_for(LENGTHS, LO, HI), 14, atomics="warp")
 
 
 @pytest.mark.parametrize("start", ["odd brackets", "from zero to max"])

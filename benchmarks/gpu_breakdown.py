@@ -1,0 +1,251 @@
+"""Where a bucket's compress spends its time on CUDA, kernel by kernel, and the
+alternatives for its per-tensor top-k at the same layouts (issue 26).
+
+    python benchmarks/gpu_breakdown.py --out DIR                 # CUDA
+    python benchmarks/gpu_breakdown.py --device cpu --tiny --out DIR   # a smoke test
+
+Layouts (Laplace values, float32): ``gpt2``, one GPT-2-small transformer block's 12
+tensors (7.1M values: the size of the buckets the glue makes of GPT-2); ``resnet``, 8
+ResNet-50 bottlenecks of layer 3, 72 tensors (8.9M values); ``one``, a single 25M-value
+tensor.  ``--tiny`` divides every size by 1000.
+
+1. **compress**: per spec and layout, one rank's ``compress_bucket`` (``compress`` for a
+   single tensor, as the glue): wall time (CUDA events, median of ``--repeat``), the CUDA
+   kernels it runs and their summed device time (torch.profiler), so ``wall - device``
+   is what the host adds (launches, Python, synchronisations); the top kernels by
+   device time.  ``fused`` specs also run with ``histogram_select.HISTOGRAM_ATOMICS =
+   "block"`` (rows marked ``[block]``).
+2. **histogram**: the fused search's first histogram pass (the widest bracket) with an
+   atomic per entry and per block (``tl.histogram``); the counts must be equal.
+3. **top-k**: each tensor's k = ceil(density n) largest |x| by a ``torch.topk`` per
+   tensor, and by one ``torch.sort`` of (tensor, magnitude) keys for the whole bucket
+   (the first k of each tensor's run); ``torch.topk`` of the whole bucket (one k, not
+   per tensor) as a bound.  The per-tensor sets must be equal.
+4. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+   one of our Triton launches (the histogram of 1K values), no synchronisation.
+
+Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
+times on a CPU dry run are no GPU figures.
+"""
+import sys
+from pathlib import Path
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+_spec = importlib.util.spec_from_file_location("gpu_common", Path(__file__).with_name("gpu_common.py"))
+common = sys.modules.setdefault("gpu_common", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(common)
+
+GPT2_BLOCK = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072,
+              3072 * 768, 768]
+BOTTLENECK = [1024 * 256, 256, 256, 256 * 256 * 9, 256, 256, 256 * 1024, 1024, 1024]
+LAYOUTS = {"gpt2": GPT2_BLOCK, "resnet": BOTTLENECK * 8, "one": [25_000_000]}
+SPECS = ["topk:density=0.01", "laplace_topk:density=0.01", "laplace_topk:density=0.01,fused=1",
+         "laplace_topk:density=0.01,fused=1,exact=1", "twobit"]
+DENSITY = 0.01
+
+
+def make_layout(name, tiny):
+    from hvd_compress.buckets import layout
+    sizes = [max(1, n // 1000) if tiny else n for n in LAYOUTS[name]]
+    return layout([f"{name}.{i}" for i in range(len(sizes))], [(n,) for n in sizes])
+
+
+def device_kernels(fn, cuda):
+    """(kernel count, summed device ms, top kernels) of one ``fn()`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    if not cuda:
+        return None, None, []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+    def self_ms(e):
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3
+    top = sorted(kernels, key=self_ms, reverse=True)
+    return (sum(e.count for e in kernels), sum(self_ms(e) for e in kernels),
+            [{"kernel": e.key[:120], "count": e.count, "device_ms": self_ms(e)} for e in top[:8]])
+
+
+def compress_rows(args, cuda):
+    import hvd_compress
+    from hvd_compress.kernels import histogram_select as H
+    rows = []
+    for lname in LAYOUTS:
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=1)
+        for spec in SPECS:
+            for atomics in (("entry", "block") if "fused=1" in spec else ("entry",)):
+                H.HISTOGRAM_ATOMICS = atomics
+                c = hvd_compress.from_spec(spec)
+                if len(lay.numels) == 1:
+                    def call(c=c):
+                        return c.compress(flat, lay.names[0])
+                else:
+                    def call(c=c, lay=lay):
+                        return c.compress_bucket(flat, lay)
+                wall = common.timeit(torch, call, args.repeat, args.device, warmup=2)
+                count, busy, top = device_kernels(call, cuda)
+                rows.append({"layout": lname, "tensors": len(lay.numels), "numel": lay.total,
+                             "spec": spec + ("" if atomics == "entry" else " [block]"),
+                             "wall_ms": 1e3 * wall, "kernels": count, "device_ms": busy,
+                             "top_kernels": top})
+                H.HISTOGRAM_ATOMICS = "entry"
+                r = rows[-1]
+                print(f"{lname:7s} {r['spec']:50s} wall {r['wall_ms']:8.3f} ms  device "
+                      + (f"{busy:8.3f} ms  {count:4d} kernels" if cuda else "   (cpu)"), flush=True)
+    return rows
+
+
+def histogram_rows(args):
+    from hvd_compress.kernels import histogram_select as H
+    from hvd_compress.kernels import segmented
+    rows = []
+    for lname in LAYOUTS:
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=2)
+        blocks = H.block_table(lay.numels, flat.device)
+        abs_sum, abs_max = segmented.segment_abs_sum_max(flat, lay.numels, backend="triton")
+        n = torch.tensor(lay.numels, dtype=torch.float32, device=flat.device)
+        t0 = 0.5 * abs_sum / n * math.log(1 / DENSITY)
+        state = H.search_start(t0.view(torch.int32).long(), abs_max.view(torch.int32).long(),
+                               abs_sum, abs_max)
+        hists, row = {}, {"layout": lname, "numel": lay.total}
+        for atomics in ("entry", "block"):
+            out = torch.zeros(len(lay.numels), 2048, dtype=torch.int64, device=flat.device)
+
+            def call(atomics=atomics, out=out):
+                out.zero_()
+                return H.segment_histogram(flat, blocks, state, 2046, out, "triton", atomics)
+            row[f"{atomics}_ms"] = 1e3 * common.timeit(torch, call, args.repeat, args.device)
+            hists[atomics] = call().clone()
+        row["equal"] = bool(torch.equal(hists["entry"], hists["block"]))
+        row["in_window"] = int(hists["entry"][:, 1:-1].sum())
+        rows.append(row)
+        print(f"histogram {lname:7s} entry {row['entry_ms']:8.3f} ms  block {row['block_ms']:8.3f} ms"
+              f"  equal {row['equal']}  in window {row['in_window']:,}", flush=True)
+    return rows
+
+
+def topk_rows(args):
+    rows = []
+    for lname in LAYOUTS:
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=3)
+        ks = [max(1, math.ceil(DENSITY * n)) for n in lay.numels]
+        starts = [sum(lay.numels[:i]) for i in range(len(lay.numels))]
+        dev = flat.device
+        seg = torch.repeat_interleave(torch.arange(len(ks), device=dev),
+                                      torch.tensor(lay.numels, device=dev))
+        take = torch.cat([torch.arange(s, s + k, device=dev) for s, k in zip(starts, ks)])
+
+        def per_tensor():
+            return torch.cat([torch.topk(p.abs(), k, sorted=False).indices + s
+                              for p, k, s in zip(flat.split(lay.numels), ks, starts)])
+
+        def by_sort():
+            key = (seg << 31) | (0x7FFFFFFF - (flat.view(torch.int32) & 0x7FFFFFFF)).long()
+            return torch.sort(key).indices[take]
+
+        def whole():
+            return torch.topk(flat.abs(), sum(ks), sorted=False).indices
+        row = {"layout": lname, "tensors": len(ks), "numel": lay.total}
+        for name, fn in (("per_tensor_topk", per_tensor), ("one_sort", by_sort),
+                         ("whole_bucket_topk", whole)):
+            row[f"{name}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
+        row["equal"] = bool(torch.equal(per_tensor().sort().values, by_sort().sort().values))
+        rows.append(row)
+        print(f"top-k {lname:7s} per tensor {row['per_tensor_topk_ms']:8.3f} ms  one sort "
+              f"{row['one_sort_ms']:8.3f} ms  whole bucket {row['whole_bucket_topk_ms']:8.3f} ms"
+              f"  equal {row['equal']}", flush=True)
+    return rows
+
+
+def launch_row(args):
+    from hvd_compress.kernels import histogram_select as H
+    x = common.laplace(torch, 1000, args.device)
+    blocks = H.block_table([1000], x.device)
+    state = H.search_start(torch.zeros(1, dtype=torch.int64, device=x.device),
+                           torch.full((1,), 0x7F000000, dtype=torch.int64, device=x.device),
+                           x.abs().sum().reshape(1), x.abs().max().reshape(1))
+    out = torch.zeros(1, 16, dtype=torch.int64, device=x.device)
+    row, n = {}, 20 if args.tiny else 200
+    for name, fn in (("aten_op_us", lambda: x.abs()),
+                     ("triton_launch_us", lambda: H.segment_histogram(x, blocks, state, 14, out,
+                                                                      "triton"))):
+        fn()
+        common.sync(torch, args.device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        row[name] = 1e6 * (time.perf_counter() - t0) / n
+        common.sync(torch, args.device)
+    print(f"launch: ATen op {row['aten_op_us']:.1f} us, Triton kernel {row['triton_launch_us']:.1f} us",
+          flush=True)
+    return row
+
+
+def plot(rows, title, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib missing: no PNG)")
+        return
+    fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(5 * len(LAYOUTS), 4.5))
+    for ax, lname in zip(axes, LAYOUTS):
+        mine = [r for r in rows if r["layout"] == lname]
+        labels = [r["spec"].replace(":density=0.01", "") for r in mine]
+        y = range(len(mine))
+        ax.barh(y, [r["wall_ms"] for r in mine], color="lightgrey", label="wall")
+        ax.barh(y, [r["device_ms"] or 0 for r in mine], color="tab:blue", label="device busy")
+        ax.set_yticks(list(y))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.set_xlabel("ms, one rank's compress")
+        ax.set_title(f"{lname}: {mine[0]['tensors']} tensors, {mine[0]['numel']:,} values", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="every size / 1000 (a CPU smoke test)")
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device (use --device cpu --tiny for a dry run)")
+    info = common.device_info(torch)
+    title = (f"{info.get('device') or 'cpu'}, torch {info['torch']}, triton {info.get('triton')}, "
+             f"{info['date']}{' (tiny, CPU: no GPU figures)' if not cuda else ''}")
+    print(title, flush=True)
+    result = {"info": info, "args": vars(args), "compress": compress_rows(args, cuda),
+              "histogram": histogram_rows(args), "topk": topk_rows(args), "launch": launch_row(args)}
+    stamp = datetime.date.today().isoformat()
+    out = Path(args.out) / f"gpu_breakdown{'_tiny' if args.tiny else ''}_{stamp}"
+    common.write_json(out.with_suffix(".json"), result)
+    plot(result["compress"], title, out.with_suffix(".png"))
+    print(f"wrote {out}.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
