@@ -13,15 +13,14 @@ tensor.  ``--tiny`` divides every size by 1000.
    single tensor, as the glue): wall time (CUDA events, median of ``--repeat``), the CUDA
    kernels it runs and their summed device time (torch.profiler), so ``wall - device``
    is what the host adds (launches, Python, synchronisations); the top kernels by
-   device time.  ``fused`` specs also run with ``histogram_select.HISTOGRAM_ATOMICS =
-   "block"`` (rows marked ``[block]``).
-2. **histogram**: the fused search's first histogram pass (the widest bracket) with an
-   atomic per entry and per block (``tl.histogram``); the counts must be equal.
-3. **top-k**: each tensor's k = ceil(density n) largest |x| by a ``torch.topk`` per
-   tensor, and by one ``torch.sort`` of (tensor, magnitude) keys for the whole bucket
-   (the first k of each tensor's run); ``torch.topk`` of the whole bucket (one k, not
-   per tensor) as a bound.  The per-tensor sets must be equal.
-4. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+   device time.
+2. **top-k**: each tensor's k = ceil(density n) largest |x| by a ``torch.topk`` per
+   tensor (no finiteness check), and by ``torch_ops.segment_abs_topk`` (on CUDA one
+   stable sort of the bucket, finiteness and its host synchronisation included);
+   ``torch.topk`` of the whole bucket (one k, not per tensor) as a bound.  The sets must
+   be equal.  Layouts where ``segment_abs_topk`` leaves the work to a torch.topk per
+   tensor (one tensor) are skipped.
+3. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation.
 
 Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
@@ -82,83 +81,45 @@ def device_kernels(fn, cuda):
 
 def compress_rows(args, cuda):
     import hvd_compress
-    from hvd_compress.kernels import histogram_select as H
     rows = []
     for lname in LAYOUTS:
         lay = make_layout(lname, args.tiny)
         flat = common.laplace(torch, lay.total, args.device, seed=1)
         for spec in SPECS:
-            for atomics in (("entry", "block") if "fused=1" in spec else ("entry",)):
-                H.HISTOGRAM_ATOMICS = atomics
-                c = hvd_compress.from_spec(spec)
-                if len(lay.numels) == 1:
-                    def call(c=c):
-                        return c.compress(flat, lay.names[0])
-                else:
-                    def call(c=c, lay=lay):
-                        return c.compress_bucket(flat, lay)
-                wall = common.timeit(torch, call, args.repeat, args.device, warmup=2)
-                count, busy, top = device_kernels(call, cuda)
-                rows.append({"layout": lname, "tensors": len(lay.numels), "numel": lay.total,
-                             "spec": spec + ("" if atomics == "entry" else " [block]"),
-                             "wall_ms": 1e3 * wall, "kernels": count, "device_ms": busy,
-                             "top_kernels": top})
-                H.HISTOGRAM_ATOMICS = "entry"
-                r = rows[-1]
-                print(f"{lname:7s} {r['spec']:50s} wall {r['wall_ms']:8.3f} ms  device "
-                      + (f"{busy:8.3f} ms  {count:4d} kernels" if cuda else "   (cpu)"), flush=True)
-    return rows
-
-
-def histogram_rows(args):
-    from hvd_compress.kernels import histogram_select as H
-    from hvd_compress.kernels import segmented
-    rows = []
-    for lname in LAYOUTS:
-        lay = make_layout(lname, args.tiny)
-        flat = common.laplace(torch, lay.total, args.device, seed=2)
-        blocks = H.block_table(lay.numels, flat.device)
-        abs_sum, abs_max = segmented.segment_abs_sum_max(flat, lay.numels, backend="triton")
-        n = torch.tensor(lay.numels, dtype=torch.float32, device=flat.device)
-        t0 = 0.5 * abs_sum / n * math.log(1 / DENSITY)
-        state = H.search_start(t0.view(torch.int32).long(), abs_max.view(torch.int32).long(),
-                               abs_sum, abs_max)
-        hists, row = {}, {"layout": lname, "numel": lay.total}
-        for atomics in ("entry", "block"):
-            out = torch.zeros(len(lay.numels), 2048, dtype=torch.int64, device=flat.device)
-
-            def call(atomics=atomics, out=out):
-                out.zero_()
-                return H.segment_histogram(flat, blocks, state, 2046, out, "triton", atomics)
-            row[f"{atomics}_ms"] = 1e3 * common.timeit(torch, call, args.repeat, args.device)
-            hists[atomics] = call().clone()
-        row["equal"] = bool(torch.equal(hists["entry"], hists["block"]))
-        row["in_window"] = int(hists["entry"][:, 1:-1].sum())
-        rows.append(row)
-        print(f"histogram {lname:7s} entry {row['entry_ms']:8.3f} ms  block {row['block_ms']:8.3f} ms"
-              f"  equal {row['equal']}  in window {row['in_window']:,}", flush=True)
+            c = hvd_compress.from_spec(spec)
+            if len(lay.numels) == 1:
+                def call(c=c):
+                    return c.compress(flat, lay.names[0])
+            else:
+                def call(c=c, lay=lay):
+                    return c.compress_bucket(flat, lay)
+            wall = common.timeit(torch, call, args.repeat, args.device, warmup=2)
+            count, busy, top = device_kernels(call, cuda)
+            rows.append({"layout": lname, "tensors": len(lay.numels), "numel": lay.total,
+                         "spec": spec, "wall_ms": 1e3 * wall, "kernels": count, "device_ms": busy,
+                         "top_kernels": top})
+            print(f"{lname:7s} {spec:50s} wall {1e3 * wall:8.3f} ms  device "
+                  + (f"{busy:8.3f} ms  {count:4d} kernels" if cuda else "   (cpu)"), flush=True)
     return rows
 
 
 def topk_rows(args):
+    from hvd_compress.ops import torch_ops
     rows = []
     for lname in LAYOUTS:
         lay = make_layout(lname, args.tiny)
         flat = common.laplace(torch, lay.total, args.device, seed=3)
+        if torch_ops.segment_abs_topk(flat, lay.numels, [1] * len(lay.numels)) is None:
+            continue                         # a torch.topk per tensor is the library's way
         ks = [max(1, math.ceil(DENSITY * n)) for n in lay.numels]
         starts = [sum(lay.numels[:i]) for i in range(len(lay.numels))]
-        dev = flat.device
-        seg = torch.repeat_interleave(torch.arange(len(ks), device=dev),
-                                      torch.tensor(lay.numels, device=dev))
-        take = torch.cat([torch.arange(s, s + k, device=dev) for s, k in zip(starts, ks)])
 
         def per_tensor():
             return torch.cat([torch.topk(p.abs(), k, sorted=False).indices + s
                               for p, k, s in zip(flat.split(lay.numels), ks, starts)])
 
         def by_sort():
-            key = (seg << 31) | (0x7FFFFFFF - (flat.view(torch.int32) & 0x7FFFFFFF)).long()
-            return torch.sort(key).indices[take]
+            return torch_ops.segment_abs_topk(flat, lay.numels, ks)[0]
 
         def whole():
             return torch.topk(flat.abs(), sum(ks), sorted=False).indices
@@ -238,7 +199,7 @@ def main():
              f"{info['date']}{' (tiny, CPU: no GPU figures)' if not cuda else ''}")
     print(title, flush=True)
     result = {"info": info, "args": vars(args), "compress": compress_rows(args, cuda),
-              "histogram": histogram_rows(args), "topk": topk_rows(args), "launch": launch_row(args)}
+              "topk": topk_rows(args), "launch": launch_row(args)}
     stamp = datetime.date.today().isoformat()
     out = Path(args.out) / f"gpu_breakdown{'_tiny' if args.tiny else ''}_{stamp}"
     common.write_json(out.with_suffix(".json"), result)

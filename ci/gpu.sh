@@ -11,7 +11,8 @@
 #                 of every compressor, peer baselines included (codec_time.py); a
 #                 training step of GPT-2 small and ResNet-50 on one GPU, backward against
 #                 compress + decompress of every bucket, and two processes through the DDP
-#                 hook on Gloo with CUDA tensors (gpu_step.py)
+#                 hook on Gloo with CUDA tensors (gpu_step.py); a bucket compress's
+#                 device time kernel by kernel against its wall time (gpu_breakdown.py)
 #   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
 #
 # Needs python with torch (and triton for the kernels); installs nothing and uses no
@@ -59,12 +60,12 @@ DEVICE=${GPU_TEST_DEVICE:-cuda}
 case $DEVICE in
   cuda)
     RESULTS=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu_$STAMP}
-    BUDGET=${GPU_TEST_BUDGET:-450} TESTS_LIMIT=240 DRY=
+    BUDGET=${GPU_TEST_BUDGET:-450} TESTS_LIMIT=240 DRY= SLOWER=1
     BIG=25M SMALL=1M,4M HUGE=100M PROF=1M,25M REPEAT=5 STEP=(--repeat 2 --warmup 1)
     MODELS=(--repeat 10) ;;
   cpu)                                # tests/gpu on CPU tensors, kernels interpreted
     RESULTS=${RESULTS_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/hvd_compress_gpu_dry_run.XXXXXX")}
-    BUDGET=${GPU_TEST_BUDGET:-1500} TESTS_LIMIT=900 DRY=1
+    BUDGET=${GPU_TEST_BUDGET:-1500} TESTS_LIMIT=900 DRY=1 SLOWER=2   # the interpreter
     BIG=4K SMALL=1K,2K HUGE=8K PROF=1K,4K REPEAT=1 STEP=(--tiny --repeat 1 --warmup 0)
     MODELS=(--repeat 1 --schemes "none;topk:density=0.01;laplace_topk:density=0.01,fused=1") ;;
   *) echo "GPU_TEST_DEVICE must be cuda or cpu, not '$DEVICE'" >&2; exit 2 ;;
@@ -112,10 +113,10 @@ fi
 
 echo "==> [gpu] $(date -u '+%Y-%m-%d %H:%M:%S') UTC, python: $PY, device: $DEVICE, results: $RESULTS, budget ${BUDGET}s"
 
-# run_step NAME SECONDS CMD...: run CMD with a timeout clipped to what is left of the
-# budget; record "NAME rc seconds status" for the summary.
+# run_step NAME SECONDS CMD...: run CMD with a timeout of SECONDS (times SLOWER) clipped
+# to what is left of the budget; record "NAME rc seconds status" for the summary.
 run_step() {
-  local name=$1 want=$2; shift 2
+  local name=$1 want=$(( $2 * SLOWER )); shift 2
   local left=$(( BUDGET - (SECONDS - START) - 15 ))
   local limit=$(( want < left ? want : left ))
   if [ "$limit" -lt 10 ]; then
@@ -177,6 +178,8 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     --out "$RESULTS/models.json"
   run_step "gpu step" 75 "$PY" benchmarks/gpu_step.py --device "$DEVICE" --models gpt2,resnet50 \
     "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
+  run_step breakdown 60 "$PY" benchmarks/gpu_breakdown.py --device "$DEVICE" \
+    ${DRY:+--tiny --repeat 1} --out "$RESULTS"  # device time by kernel; host overhead
   run_step "select $SMALL + real" 60 "${SELECT[@]}" --sizes "$SMALL" --inputs laplace,gaussian,student_t2,real \
     --out "$RESULTS/.select_1_small.json"
   run_step profile 60 "${BENCH[@]}" profile --device "$DEVICE" --sizes "$PROF" --repeat "$REPEAT" \
@@ -187,7 +190,7 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,dgc,gaussian_k,sidco_exp \
     --out "$RESULTS/.select_3_100M.json"
 else
-  for s in "select 25M" codecs models "gpu step" "select 1M,4M + real" profile "codec time" \
+  for s in "select 25M" codecs models "gpu step" breakdown "select 1M,4M + real" profile "codec time" \
       "select 100M"; do
     skip_step "$s" "no CUDA device"
   done

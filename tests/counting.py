@@ -88,7 +88,7 @@ BUCKET_SYNCS = {
     # ... and the values' headers, read back with the indices' range
     "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 1),
     "laplace_topk:density=0.01,fused=1,exact=1": (1, 1),
-    # the grid search: the count check of the candidates, the compaction's length
+    # one sort of the bucket (ops.segment_abs_topk): its finiteness; dropping zeros
     "laplace_topk:density=0.01": (2, 1),
     "topk:density=0.01": (1, 1),
     "topk:density=0.01,values=rangefloat8": (1, 1),

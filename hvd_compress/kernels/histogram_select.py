@@ -74,27 +74,6 @@ def _kernels():
         tl.atomic_add(row + BINS + 1, tl.sum((valid & (b > hi)).to(tl.int64), axis=0))
 
     @triton.jit
-    def _block_histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr,
-                                active_ptr, hist_ptr, BINS: tl.constexpr, BLOCK: tl.constexpr):
-        # _histogram_kernel's counts, made per block (tl.histogram) and added to the
-        # tensor's row with one atomic per non-empty column instead of one per entry
-        pid = tl.program_id(0)
-        start = tl.load(starts_ptr + pid)
-        s = tl.load(segs_ptr + pid)
-        stop = tl.where(tl.load(active_ptr + s) != 0, tl.load(stops_ptr + pid), start)
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < stop
-        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-        b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)
-        lo = tl.load(lo_ptr + s)
-        width = tl.maximum(tl.load(hi_ptr + s) - lo, 1)
-        col = tl.where(b > lo + width, BINS + 1,
-                       tl.where(b > lo, 1 + ((b - lo - 1) * BINS) // width, 0))
-        h = tl.histogram(col.to(tl.int32), BINS + 2, mask=valid & ((b > 0) | (b > lo)))
-        cols = tl.arange(0, BINS + 2)
-        tl.atomic_add(hist_ptr + s * (BINS + 2) + cols, h.to(tl.int64), mask=h > 0)
-
-    @triton.jit
     def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, quota_ptr,
                      above_ptr, band_ptr, out_offset_ptr, idx_ptr,
                      WRITE: tl.constexpr, BLOCK: tl.constexpr):
@@ -157,7 +136,7 @@ def _kernels():
         tl.store(state_ptr + 4 * T + s, off.to(tl.int64))
         tl.store(state_ptr + 5 * T + s, target - c_hi)
 
-    return triton, _histogram_kernel, _band_kernel, _pick_kernel, _block_histogram_kernel
+    return triton, _histogram_kernel, _band_kernel, _pick_kernel
 
 
 def _magnitude_bits(x):
@@ -215,25 +194,14 @@ def segment_histogram_reference(x, blocks, state, bins):
     return hist.reshape(T, bins + 2)
 
 
-#: how :func:`segment_histogram`'s kernel adds to the counts: ``"entry"``, an atomic per
-#: counted entry in the window; ``"block"``, a histogram per block of 4096 entries
-#: (``tl.histogram``) and an atomic per non-empty column.  The same counts either way.
-HISTOGRAM_ATOMICS = "entry"
-
-
-def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None, atomics=None):
+def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None):
     """int64 ``[T, bins + 2]`` (see the module docstring) of the tensors active in
     ``state`` (the others' rows stay zero and their entries are not read); ``bins + 2``
     must be a power of two.  ``out``: a zeroed buffer to count into (the kernel of
-    :func:`histogram_pick` zeroes it again after reading it).  ``atomics``:
-    :data:`HISTOGRAM_ATOMICS` when None."""
-    atomics = HISTOGRAM_ATOMICS if atomics is None else atomics
-    if atomics not in ("entry", "block"):
-        raise ValueError(f"atomics must be 'entry' or 'block', got {atomics!r}")
+    :func:`histogram_pick` zeroes it again after reading it)."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return segment_histogram_reference(x, blocks, state, bins)
-    _, per_entry, _, _, per_block = _kernels()
-    kernel = per_entry if atomics == "entry" else per_block
+    _, kernel, _, _ = _kernels()
     T = blocks.first.numel()
     hist = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device) if out is None else out
     count_launch("segment_histogram")
@@ -283,7 +251,7 @@ def histogram_pick(hist, state, k, slack, bins, backend=None):
     ``slack``, else exactly ``k``).  ``state`` is updated in place; ``hist`` is zeroed."""
     if pick_backend(hist, backend) == "torch":
         return histogram_pick_reference(hist, state, k, slack, bins)
-    _, _, _, kernel, _ = _kernels()
+    _, _, _, kernel = _kernels()
     T = state.shape[1]
     count_launch("histogram_pick")
     kernel[(T,)](hist, state, k, slack, T, BINS=bins, ROW=bins + 2)
@@ -312,7 +280,7 @@ def band_select(x, blocks, state, backend=None):
     read back with the output's length (one host synchronisation for both)."""
     if pick_backend(x, backend) == "torch":
         return band_select_reference(x, blocks, state)
-    _, _, kernel, _, _ = _kernels()
+    _, _, kernel, _ = _kernels()
     x = x.reshape(-1)
     programs = blocks.starts.numel()
     above = torch.empty(programs, dtype=torch.int64, device=x.device)

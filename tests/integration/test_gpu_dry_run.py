@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["preflight", "tests", "select 4K", "codecs", "models", "gpu step", "select 1K,2K + real",
-         "profile", "codec time", "select 8K"]
+STEPS = ["preflight", "tests", "select 4K", "codecs", "models", "gpu step", "breakdown",
+         "select 1K,2K + real", "profile", "codec time", "select 8K"]
 
 
 def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
@@ -44,4 +44,6 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert figures["gpu_step_ddp_check"]["status"] == "passed", figures["gpu_step_ddp_check"]
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["run_device"] == "cpu" and len(profile["results"]) >= 9
+    breakdown = json.loads(next(tmp_path.glob("gpu_breakdown_tiny_*.json")).read_text())
+    assert len(breakdown["compress"]) == 15 and breakdown["topk"]
     assert "DRY RUN" in r.stdout

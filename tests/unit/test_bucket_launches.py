@@ -282,10 +282,12 @@ def test_malformed_payloads_on_the_kernel_path_fail_as_on_the_torch_path(spec, m
                                   "rangefloat:bits=6", SPARSE])
 def test_kernel_path_bucket_equals_kernel_path_tensor_by_tensor(spec, monkeypatch):
     """On the kernel path, a bucket's aggregate and residuals are those of compressing
-    its tensors one by one (tensors below one block: the same sums of |r|); the last
+    its tensors one by one (tensors below one block: the same sums of |r|, but see
+    :func:`_same_sums`); the last
     step of the dense codecs has a NaN in one tensor (the aggregate only: a bucket then
     keeps every tensor's residual; a sparsifier's sends the whole bucket)."""
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    same = same_bits if _same_sums(spec) else _rounding_apart
     lay = layout(["a", "b", "c", "d"], [(30, 20), (7,), (1,), (1000,)])
     tensorwise, bucketed = from_spec(spec), from_spec(spec)
     for step in range(2 if "values=" in spec else 3):
@@ -298,11 +300,25 @@ def test_kernel_path_bucket_equals_kernel_path_tensor_by_tensor(spec, monkeypatc
             ref.append(tensorwise.decompress(tuple(torch.cat([t, t]) for t in p), ctx).reshape(-1))
         p, ctx = bucketed.compress_bucket(flat.clone(), lay)
         got = bucketed.decompress_bucket(tuple(torch.cat([t, t]) for t in p), ctx)
-        assert same_bits(got, torch.cat(ref)), step
+        assert same(got, torch.cat(ref)), step
         for name in lay.names if step < 2 else ():
             if tensorwise.residual(name) is not None:
-                assert same_bits(tensorwise.residual(name).reshape(-1),
-                                 bucketed.residual(name).reshape(-1)), (step, name)
+                assert same(tensorwise.residual(name).reshape(-1),
+                            bucketed.residual(name).reshape(-1)), (step, name)
+
+
+def _same_sums(spec):
+    """Do a lone tensor and the same tensor in a bucket get the same sum of |r| on the
+    kernel path?  In the interpreter, yes.  On CUDA, not for twobit's (seen on an H200):
+    Triton lays a block out by its pointers' alignment, and a bucket's tensor starts
+    anywhere in its block where a lone one starts at 0, so the sums may differ in their
+    last bits, and so twobit's thresholds."""
+    return DEVICE == "cpu" or not spec.startswith("twobit") or "threshold=" in spec
+
+
+def _rounding_apart(a, b):
+    """Equal but for rounding: at most 0.1% of the entries apart by more than 1e-5."""
+    return (~torch.isclose(a, b, rtol=1e-5, equal_nan=True)).float().mean() < 1e-3
 
 
 def test_no_segment_and_empty_segments():

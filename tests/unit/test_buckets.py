@@ -79,6 +79,37 @@ def test_compact_above_per_segment(lengths):
     assert torch.equal(ri.cpu().long(), brute)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["laplace", "ties", "nan", "inf"])
+def test_segment_abs_topk_by_one_sort_is_numpys_partition(monkeypatch, dtype, kind):
+    """``segment_abs_topk`` on CUDA (on the CPU: the kernel path, which takes CUDA's
+    code) sorts the whole bucket once; it gives the numpy partition's indices: the k
+    largest |x| of each tensor, ties by lowest index, in index order, and every index
+    with the finiteness False for a bucket holding NaN/Inf."""
+    lengths = [5, 1, 300, 4097, 9000, 3]
+    ks = [2, 1, 3, 41, 90, 3]
+    x = data(lengths, ties=kind == "ties").to(dtype)
+    if kind in ("nan", "inf"):
+        x[400] = float(kind)
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "torch")
+    want_idx, want_finite = torch_ops.segment_abs_topk(x.cpu(), lengths, ks)      # numpy
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    idx, finite = torch_ops.segment_abs_topk(x, lengths, ks)
+    assert finite is want_finite is (kind not in ("nan", "inf"))
+    assert idx.dtype == torch.int32 and idx.device == x.device
+    assert torch.equal(idx.cpu(), want_idx)
+
+
+def test_segment_abs_topk_leaves_few_large_tensors_to_a_topk_each(monkeypatch):
+    """More values than a million per tensor (or one tensor): None, a torch.topk each
+    (one sort of many values is slower there; gpu_breakdown_2026-11-26)."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    x = torch.zeros(2_000_001, device=DEVICE)
+    assert torch_ops.segment_abs_topk(x, [1_000_000, 1_000_001], [10, 10]) is None
+    assert torch_ops.segment_abs_topk(x[:100], [100], [10]) is None
+    assert torch_ops.segment_abs_topk(x[:100], [50, 50], [10, 10]) is not None
+
+
 def test_segment_ids():
     assert S.segment_ids([2, 1, 3]).tolist() == [0, 0, 1, 2, 2, 2]
 

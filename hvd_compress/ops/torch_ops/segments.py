@@ -117,18 +117,52 @@ def segment_abs_topk(flat, numels, ks):
     """``(int32 indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of
     ``flat`` (``numels`` end to end; indices into ``flat``, in index order, ties by lowest
     index) and whether ``flat`` holds no NaN/Inf, learnt from the same selection (every
-    index when it does not).  CPU tensors only: one numpy partition per tensor in a
-    reused buffer (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`): 21.5-22.5 ms
-    for k = 63K of 6.3M values on one core here (2026-11-25), against 42-43 ms for
-    ``all_finite`` and ``topk_indices(abs(x))`` before (26-28 ms with today's
-    ``topk_indices``); None on other devices and on the kernel path
-    (``HVD_COMPRESS_BACKEND=triton``, which runs CUDA's code on the CPU)."""
+    index when it does not); None where a framework top-k per tensor is the better way.
+
+    - CPU tensors: one numpy partition per tensor in a reused buffer
+      (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`): 21.5-22.5 ms for k = 63K
+      of 6.3M values on one core here (2026-11-25), against 42-43 ms for ``all_finite``
+      and ``topk_indices(abs(x))`` before.
+    - CUDA (and the kernel path, ``HVD_COMPRESS_BACKEND=triton``, which runs CUDA's code
+      on the CPU): one stable sort of the whole bucket (:func:`_sorted_segment_topk`)
+      when it holds more tensors than millions of values, else None.  H200, torch 2.11,
+      2026-11-26 (``benchmarks/results/gpu_2026-11-26/gpu_breakdown_*``): a torch.topk
+      per tensor costs about 80 us a tensor, launches mostly, the sort about 0.12 ms per
+      million values; the top-k of ResNet-50's 72-tensor bucket (8.9M values) took 5.78
+      ms tensor by tensor and 1.14 ms by the sort, GPT-2's 12-tensor block (7.1M) 1.06
+      and 0.94 ms, one 25M-value tensor 0.65 and 2.83 ms."""
     from ...kernels import pick_backend
-    if flat.device.type != "cpu" or pick_backend(flat) != "torch":
+    if flat.device.type == "cpu" and pick_backend(flat) == "torch":
+        idx, finite = _cpu_topk.segment_abs_largest(flat.detach().reshape(-1).float().numpy(),
+                                                    numels, ks)
+        return _torch.from_numpy(idx.astype(_np.int32)), finite
+    if len(numels) < 2 or len(numels) * 1_000_000 < flat.numel():
         return None
-    idx, finite = _cpu_topk.segment_abs_largest(flat.detach().reshape(-1).float().numpy(),
-                                                numels, ks)
-    return _torch.from_numpy(idx.astype(_np.int32)), finite
+    return _sorted_segment_topk(flat, numels, ks)
+
+
+def _sorted_segment_topk(flat, numels, ks):
+    """:func:`segment_abs_topk` by one sort: int64 keys ``(tensor << 31) | (2^31 - 1 -
+    bits(|x|))`` (a float's bits order like its value for ``|x|``), sorted stably, put
+    each tensor's entries together, largest first, ties in index order; each tensor's
+    first ``k`` are taken at positions known from the layout.  One host
+    synchronisation: the finiteness, read from each tensor's largest key."""
+    from ...kernels import segmented
+    device, numels = flat.device, tuple(int(n) for n in numels)
+    ids = _cached("segment ids", numels, device, lambda: segmented.segment_ids(numels, device))
+    starts = [0]
+    for n in numels[:-1]:
+        starts.append(starts[-1] + n)
+    take = _cached("top-k positions", numels + tuple(ks), device, lambda: _torch.cat(
+        [_torch.arange(a, a + min(k, n)) for a, n, k in zip(starts, numels, ks)]).to(device))
+    first = _cached("list", starts, device, lambda: _host_list(starts, device))
+    x = flat.detach().reshape(-1)
+    bits = (x if x.dtype == _torch.float32 else x.float()).view(_torch.int32) & 0x7FFFFFFF
+    keys, order = _torch.sort((ids.long() << 31) | (0x7FFFFFFF - bits).long(), stable=True)
+    largest = 0x7FFFFFFF - (keys[first] & 0x7FFFFFFF)               # bits of each max|x|
+    if not bool((largest < 0x7F800000).all()):                      # the one host sync
+        return _torch.arange(x.numel(), dtype=_torch.int32, device=device), False
+    return _torch.sort(order[take]).values.to(_torch.int32), True
 
 
 # -- laplace_topk's fused search (laplace_topk:fused=1): hvd_compress.kernels.histogram_select
