@@ -317,8 +317,12 @@ def _same_sums(spec):
 
 
 def _rounding_apart(a, b):
-    """Equal but for rounding: at most 0.1% of the entries apart by more than 1e-5."""
-    return (~torch.isclose(a, b, rtol=1e-5, equal_nan=True)).float().mean() < 1e-3
+    """Equal but for rounding: entries within 1e-5 of each other relative to the larger
+    magnitudes (a residual ``c - q`` near 0 carries the thresholds' rounding whole), but
+    for at most 1% of them (an entry next to the threshold may get the other code)."""
+    near = torch.isclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().nan_to_num().max()),
+                         equal_nan=True)
+    return bool((~near).float().mean() <= 0.01)
 
 
 def test_no_segment_and_empty_segments():
