@@ -29,6 +29,8 @@ The primitives (both modules define all of them, with the same meaning):
 ``bitcast(t, dtype)``   reinterpret bits (same element size)
 ``cond(pred, f, g)``    ``f()`` if ``pred`` else ``g()`` (graph-safe in TF)
 ``select(pred, a, b)``  ``a`` if scalar ``pred`` else ``b``, element-wise shapes equal
+``divide(a, b)``        ``a / b`` rounded as IEEE division on every device (CUDA divides
+                        by a Python number as a multiplication by its reciprocal)
 ``size_bytes(t)``       bytes of ``t`` (python int in torch, int64 tensor in TF)
 ``new_store()``         a :class:`~hvd_compress.memory` state store for this framework
 =====================  ===========================================================
@@ -56,7 +58,8 @@ bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_se
 PyTorch's Triton path; elsewhere they return None and the codecs go tensor by tensor);
 aggregation-aware exchange (``unique_sorted``, ``ones_like``).  ``twobit_decode_sum``,
 ``rangefloat_decode_ranks``, ``segment_abs_topk`` (each tensor's top-k of ``|x|`` and
-the bucket's finiteness from one selection: CPU) and ``twobit_subtract_own``
+the bucket's finiteness from one selection: CPU, and PyTorch CUDA for a bucket of
+many tensors) and ``twobit_subtract_own``
 (2-bit error feedback's residual without decoding: PyTorch CPU) are optional
 fast paths: they return None where a framework or device has none, and the compressor's
 generic code (written once) runs instead.

@@ -132,7 +132,8 @@ def small_topk_below(t):
     synchronisations a call, so its cost is mostly fixed), 3.1-3.8 ms at 100M.  torch.topk
     won up to 25M and broke even at 100M (2.5 ms against 2.2-3.1 ms), so on CUDA the
     search runs only from 2^27 values (134M; or with
-    ``small=0`` / ``exact=1``)."""
+    ``small=0`` / ``exact=1``).  An H200 (2026-11-26) measured the same at 25M: the
+    search 0.29-0.41x the speed of torch.topk."""
     if t.is_cuda:
         return 1 << 27
     return (1 << 25) if _torch.get_num_threads() == 1 else (1 << 22)
