@@ -127,10 +127,11 @@ def segment_abs_topk(flat, numels, ks):
       on the CPU): one stable sort of the whole bucket (:func:`_sorted_segment_topk`)
       when it holds more tensors than millions of values, else None.  H200, torch 2.11,
       2026-11-26 (``benchmarks/results/gpu_2026-11-26/gpu_breakdown_*``): a torch.topk
-      per tensor costs about 80 us a tensor, launches mostly, the sort about 0.12 ms per
-      million values; the top-k of ResNet-50's 72-tensor bucket (8.9M values) took 5.78
-      ms tensor by tensor and 1.14 ms by the sort, GPT-2's 12-tensor block (7.1M) 1.06
-      and 0.94 ms, one 25M-value tensor 0.65 and 2.83 ms."""
+      per tensor costs about 80 us a tensor, launches mostly, the sort about 0.12-0.16 ms
+      per million values; the top-k of ResNet-50's 72-tensor bucket (8.9M values) took
+      5.2-5.8 ms tensor by tensor and 1.1-1.4 ms by the sort, GPT-2's 12-tensor block
+      (7.1M) 0.89-1.06 and 0.94-1.19 ms (even; two runs), one 25M-value tensor 0.65
+      and 2.83 ms."""
     from ...kernels import pick_backend
     if flat.device.type == "cpu" and pick_backend(flat) == "torch":
         idx, finite = _cpu_topk.segment_abs_largest(flat.detach().reshape(-1).float().numpy(),
