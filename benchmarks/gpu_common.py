@@ -103,9 +103,12 @@ def sync(torch, device):
 
 
 def laplace(torch, n, device="cuda", seed=0):
-    """n Laplace(0, 1) float32 values made on ``device``."""
+    """n Laplace(0, 1) float32 values made on ``device``, all finite: ``u`` is kept off
+    -1/2, where ``log1p(-2|u|)`` is -inf (``torch.rand`` can return 0: about one value in
+    2^25 was +Inf before, so a 25M-value tensor often held one and took the compressors'
+    NaN/Inf path)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    u = torch.rand(n, generator=g, device=device) - 0.5
+    u = (torch.rand(n, generator=g, device=device) - 0.5).clamp_min(-0.5 + 2.0**-25)
     return -torch.sign(u) * torch.log1p(-2 * u.abs())
 
 

@@ -70,8 +70,12 @@ def _kernels():
         inside = valid & (b > lo) & (b <= hi)
         j = 1 + ((b - lo - 1) * BINS) // width
         tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside)
-        tl.atomic_add(row, tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int64), axis=0))
-        tl.atomic_add(row + BINS + 1, tl.sum((valid & (b > hi)).to(tl.int64), axis=0))
+        # every block of a tensor adds to these two counters: no atomic that adds 0 (an
+        # inactive tensor's blocks, or nothing above hi), as they queue on one address
+        below = tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int64), axis=0)
+        above = tl.sum((valid & (b > hi)).to(tl.int64), axis=0)
+        tl.atomic_add(row, below, mask=below > 0)
+        tl.atomic_add(row + BINS + 1, above, mask=above > 0)
 
     @triton.jit
     def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, quota_ptr,
