@@ -20,7 +20,9 @@ tensor.  ``--tiny`` divides every size by 1000.
    ``torch.topk`` of the whole bucket (one k, not per tensor) as a bound.  The sets must
    be equal.  Layouts where ``segment_abs_topk`` leaves the work to a torch.topk per
    tensor (one tensor) are skipped.
-3. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+3. **graph**: laplace_topk ``fused=1``'s passes before its read-back
+   (``laplace.histogram_search``), eager against replayed from a CUDA graph (CUDA only).
+4. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation.
 
 Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
@@ -135,6 +137,47 @@ def topk_rows(args):
     return rows
 
 
+def graph_rows(args, cuda):
+    """laplace_topk ``fused=1``'s passes before its one read-back
+    (``laplace.histogram_search``), issued eagerly against replayed from a CUDA graph
+    captured once: what capturing them would save the host.  CUDA only; an error in the
+    capture is recorded, not raised."""
+    if not cuda:
+        return []
+    import hvd_compress
+    from hvd_compress.compressors.laplace import histogram_search
+    from hvd_compress.ops import torch_ops
+    rows = []
+    for lname in ("gpt2", "resnet"):
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=4)
+        c = hvd_compress.from_spec("laplace_topk:density=0.01,fused=1")
+
+        def passes(c=c, lay=lay, flat=flat):
+            return histogram_search(c, flat, lay, torch_ops)[1]
+        row = {"layout": lname, "tensors": len(lay.numels), "numel": lay.total}
+        try:
+            row["eager_ms"] = 1e3 * common.timeit(torch, passes, args.repeat, args.device)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                passes()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = passes()
+            row["graph_ms"] = 1e3 * common.timeit(torch, graph.replay, args.repeat, args.device)
+            graph.replay()
+            row["equal"] = bool(torch.equal(captured, passes()))
+        except Exception as e:   # noqa: BLE001 - recorded for the next GPU run to read
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        print(f"graph {lname:7s} " + (f"error {row['error']}" if "error" in row else
+              f"eager {row['eager_ms']:8.3f} ms  replayed {row['graph_ms']:8.3f} ms  "
+              f"equal {row['equal']}"), flush=True)
+    return rows
+
+
 def launch_row(args):
     from hvd_compress.kernels import histogram_select as H
     x = common.laplace(torch, 1000, args.device)
@@ -199,7 +242,8 @@ def main():
              f"{info['date']}{' (tiny, CPU: no GPU figures)' if not cuda else ''}")
     print(title, flush=True)
     result = {"info": info, "args": vars(args), "compress": compress_rows(args, cuda),
-              "topk": topk_rows(args), "launch": launch_row(args)}
+              "topk": topk_rows(args), "graph": graph_rows(args, cuda),
+              "launch": launch_row(args)}
     stamp = datetime.date.today().isoformat()
     out = Path(args.out) / f"gpu_breakdown{'_tiny' if args.tiny else ''}_{stamp}"
     common.write_json(out.with_suffix(".json"), result)

@@ -323,6 +323,15 @@ def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):
     index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
     with fewer than k nonzero entries sends them all.
     """
+    blocks, state = histogram_search(self, flat, lay, ops, bins)
+    return ops.band_select(flat, blocks, state)
+
+
+def histogram_search(self, flat, lay, ops, bins=HISTOGRAM_BINS):
+    """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
+    launch on the device and no host synchronisation, shapes fixed by the layout (so
+    the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
+    times that)."""
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
     abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
@@ -332,4 +341,4 @@ def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):
     for _ in range(4):                      # 4 x 2046-fold: any float32 bracket to one value
         hist = ops.segment_histogram(flat, blocks, state, bins, hist)
         state = ops.histogram_pick(hist, state, k_t, slack, bins)
-    return ops.band_select(flat, blocks, state)
+    return blocks, state

@@ -26,6 +26,7 @@ def test_breakdown_tiny_on_the_cpu(tmp_path):
     assert all(row["wall_ms"] > 0 and row["device_ms"] is None for row in rows)   # no CUDA
     assert [row["layout"] for row in data["topk"]] == ["gpt2", "resnet"]          # one: torch.topk
     assert all(row["equal"] and row["one_sort_ms"] > 0 for row in data["topk"])
+    assert data["graph"] == []                                   # CUDA graphs: CUDA only
     assert data["launch"]["aten_op_us"] > 0 and data["launch"]["triton_launch_us"] > 0
     assert list(tmp_path.glob("gpu_breakdown_tiny_*.png"))
     assert "top-k resnet" in r.stdout and "launch:" in r.stdout
