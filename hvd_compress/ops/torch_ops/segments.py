@@ -12,7 +12,7 @@ import numpy as _np
 import torch as _torch
 
 from .. import _cpu_topk
-from .core import _cached, _host_list
+from .core import _cached, _constant, _host_list
 
 
 def concat(ts):
@@ -156,7 +156,7 @@ def _sorted_segment_topk(flat, numels, ks):
         starts.append(starts[-1] + n)
     take = _cached("top-k positions", numels + tuple(ks), device, lambda: _torch.cat(
         [_torch.arange(a, a + min(k, n)) for a, n, k in zip(starts, numels, ks)]).to(device))
-    first = _cached("list", starts, device, lambda: _host_list(starts, device))
+    first = _constant(starts, device)
     x = flat.detach().reshape(-1)
     bits = (x if x.dtype == _torch.float32 else x.float()).view(_torch.int32) & 0x7FFFFFFF
     keys, order = _torch.sort((ids.long() << 31) | (0x7FFFFFFF - bits).long(), stable=True)
