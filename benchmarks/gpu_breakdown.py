@@ -53,7 +53,7 @@ GPT2_BLOCK = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 
 BOTTLENECK = [1024 * 256, 256, 256, 256 * 256 * 9, 256, 256, 256 * 1024, 1024, 1024]
 LAYOUTS = {"gpt2": GPT2_BLOCK, "resnet": BOTTLENECK * 8, "one": [25_000_000]}
 SPECS = ["topk:density=0.01", "laplace_topk:density=0.01", "laplace_topk:density=0.01,fused=1",
-         "laplace_topk:density=0.01,fused=1,exact=1", "twobit"]
+         "laplace_topk:density=0.01,fused=1,exact=1", "twobit", "rangefloat:bits=8"]
 DENSITY = 0.01
 
 

@@ -12,9 +12,24 @@ State lives in a *store*: a dict of tensors for PyTorch, a dict of ``tf.Variable
 for TensorFlow (so updates work inside ``tf.function``).  ``state_dict()`` returns
 copies; ``load_state_dict()`` restores them bit for bit.
 
-Imports: numpy; on first use, torch, TensorFlow.
+A bucket whose input holds NaN/Inf keeps the residuals it had (no poisoning).  Whether
+it does is a Python bool, read on the host; or, where an encoder finds NaN/Inf in a
+kernel it runs anyway, :class:`NonFinite` flags on the device, which the update obeys
+without reading them (no host synchronisation on CUDA).
+
+Imports: the standard library, numpy; on first use, torch, TensorFlow.
 """
+from typing import Any, NamedTuple
+
 import numpy as np
+
+
+class NonFinite(NamedTuple):
+    """Device flags (int32 or bool, any shape; non-zero: a tensor of the bucket holds
+    NaN/Inf) that an encoder returns in place of a host bool ``finite``: the residual
+    update keeps the old residuals where any flag is set, in a copy that moves nothing
+    when none is (``ops.restore_flagged``)."""
+    flags: Any
 
 
 def _dtype_name(dtype):
@@ -253,6 +268,12 @@ class ResidualMemory:
         only the sent entries).
         """
         old = self._residual(name, compensated)
+        if isinstance(finite, NonFinite):
+            new = self._restored(subtract_sent(compensated, self.reuse), old, finite)
+            self.store.set(self.PREFIX + name, new)
+            if self.reuse:
+                self.store.set_spare(self.SPARE + name, old)
+            return
         if self.reuse:
             if self.ops.host_bool(finite):
                 new = subtract_sent(compensated, True)
@@ -288,6 +309,14 @@ class ResidualMemory:
         ops = self.ops
         names = [name for name, _ in parts]
         lengths = [n for _, n in parts]
+        if isinstance(finite, NonFinite):
+            residuals = [self._residual_n(name, n, compensated) for name, n in parts]
+            old = (self._contiguous(residuals) if self.reuse else None)
+            old = ops.concat(residuals) if old is None else old
+            new = self._restored(subtract_sent(compensated, self.reuse), old, finite)
+            for name, view in zip(names, ops.split(new, lengths)):
+                self.store.set(self.PREFIX + name, view)
+            return
         if self.reuse:
             if ops.host_bool(finite):
                 new = subtract_sent(compensated, True)       # c's buffer is the residual now
@@ -298,6 +327,10 @@ class ResidualMemory:
         old = ops.concat([self._residual_n(name, n, compensated) for name, n in parts])
         for name, value in zip(names, ops.split(ops.select(finite, new, old), lengths)):
             self.store.set(self.PREFIX + name, value)
+
+    def _restored(self, new, old, finite):
+        """``new``, or ``old``'s values where :class:`NonFinite` ``finite`` flags any."""
+        return self.ops.restore_flagged(new, self.ops.cast(old, new.dtype), finite.flags)
 
     def _residual_n(self, name, n, like):
         ops = self.ops

@@ -92,8 +92,10 @@ BUCKET_SYNCS = {
     "laplace_topk:density=0.01": (2, 1),
     "topk:density=0.01": (1, 1),
     "topk:density=0.01,values=rangefloat8": (1, 1),
-    "twobit": (1, 0),
-    "rangefloat:bits=8": (1, 1),
+    # dense codes: NaN/Inf flagged by their kernels, obeyed on the device (memory.NonFinite);
+    # rangefloat's decompress reads the ranks' headers back, to check them
+    "twobit": (0, 0),
+    "rangefloat:bits=8": (0, 1),
     # the band count; the indices' range with the headers (its own payload: no check)
     "dct:density=0.01": (1, 1),
     # the NaN/Inf check; whether the draws held k distinct indices for every tensor

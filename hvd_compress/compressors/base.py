@@ -31,12 +31,13 @@ framework primitives of :mod:`hvd_compress.ops`, so each algorithm is written on
 for PyTorch and TensorFlow.  Error feedback (:mod:`hvd_compress.memory`) is applied
 here, around ``encode``, when ``ef`` is on (the default for biased compressors).
 
-Imports: the standard library, ``hvd_compress.memory``, ``hvd_compress.ops``; and
-modules of its own package.
+Imports: the standard library, ``hvd_compress.buckets``, ``hvd_compress.memory``,
+``hvd_compress.ops``; and modules of its own package.
 """
 import inspect
 from typing import Any, NamedTuple, Tuple
 
+from ..buckets import layout as _layout
 from ..memory import ResidualMemory
 from ..ops import ops_for
 
@@ -65,6 +66,13 @@ class Ctx(NamedTuple):
         """The Layout when this is a bucket of several tensors, else None (one tensor)."""
         lay = self.segments
         return lay if lay is not None and len(lay.names) > 1 else None
+
+    @property
+    def layout(self):
+        """The :class:`~hvd_compress.buckets.Layout` this covers: the bucket's, else that
+        of one tensor (a tensor compressed on its own), for the bucket kernels."""
+        return self.segments if self.segments is not None else \
+            _layout((self.name or "tensor",), ((self.numel,),))
 
     @property
     def numels(self):

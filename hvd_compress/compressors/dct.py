@@ -34,7 +34,7 @@ import functools
 
 from ..buckets import layout as _layout
 from .base import register
-from .laplace import LaplaceTopK, select_histogram, single_layout
+from .laplace import LaplaceTopK, select_histogram
 from .sparse import DensitySparsifier
 
 
@@ -110,7 +110,7 @@ class DCTSparse(DensitySparsifier):
         coefs, cctx = self.to_domain(flat, ctx, ops)
         if self.fused_here(coefs, ops):
             idx, finite = select_histogram(self._select, coefs,
-                                           cctx.segments or single_layout(cctx), ops)
+                                           cctx.layout, ops)
             return self._payload(coefs, idx, cctx, ops), finite
         finite = (ops.all_finite(flat) if ctx.finite is None else ctx.finite) if check else None
         idx = ops.cond(ops.all_finite(coefs),          # coefficients may overflow

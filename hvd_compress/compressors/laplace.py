@@ -45,11 +45,10 @@ every nonzero entry when there are fewer; ties broken by the framework, not by i
 the CPU with PyTorch by lowest index).  ``exact=1``
 always searches (ties by lowest index).
 
-Imports: the standard library, ``hvd_compress.buckets``; and modules of its own package.
+Imports: the standard library; and modules of its own package.
 """
 import math
 
-from ..buckets import layout as _layout
 from .base import register
 from .sparse import DensitySparsifier, per_segment, top_k_checked
 
@@ -115,7 +114,7 @@ class LaplaceTopK(DensitySparsifier):
         if not ops.histogram_search_supported():
             raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "
                              "PyTorch tensors only; leave fused unset for TensorFlow")
-        return select_histogram(self, flat, ctx.bucket or single_layout(ctx), ops)
+        return select_histogram(self, flat, ctx.layout, ops)
 
     def small_below(self, flat, ops):
         """Tensors of fewer values take the framework's top-k (``small``, else the
@@ -291,11 +290,6 @@ def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid):
 
 
 HISTOGRAM_BINS = 2046   #: window bins per tensor and pass (a row of 2048 counters)
-
-
-def single_layout(ctx):
-    """The one-tensor Layout of a tensor compressed on its own."""
-    return _layout((ctx.name or "tensor",), ((ctx.numel,),))
 
 
 def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):

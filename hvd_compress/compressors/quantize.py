@@ -18,8 +18,9 @@ Threshold: fixed when ``threshold`` is given; otherwise adaptive per layer and s
 layer's own magnitude, so layers of very different scales each send a useful fraction
 (about ``exp(-1)`` = 37% of a Laplace-distributed layer) and the rest waits in ``r``.
 
-Imports: nothing at import time; and modules of its own package.
+Imports: ``hvd_compress.memory``; and modules of its own package.
 """
+from ..memory import NonFinite
 from .base import Compressor, register
 
 
@@ -37,6 +38,7 @@ class CodesAndScales(Compressor):
 
     collective = "allgather"
     segmented = True
+    finds_nonfinite = True     #: where the bucket kernels run (encode_bucket); else one check
 
     def sizes(self, n):
         """``(code words, scales)`` in the payload of a tensor of ``n`` values."""
@@ -50,9 +52,11 @@ class CodesAndScales(Compressor):
         """Flat float32 sum over ranks: ``codes`` (ranks, words), ``scales`` (ranks, s)."""
         raise NotImplementedError
 
-    def encode_bucket(self, flat, lay, ops, step, finite):
-        """``(codes, scales)`` of a whole bucket in a fixed number of kernel launches, the
-        same payload as tensor by tensor; None (the default) where there is no such path."""
+    def encode_bucket(self, flat, lay, ops, step):
+        """``(codes, scales, bad)`` of a whole bucket (or of one tensor: a one-tensor
+        ``lay``) in a fixed number of kernel launches, the same payload as tensor by
+        tensor, NaN scales included; ``bad`` device flags of the tensors holding NaN/Inf,
+        found by those kernels.  None (the default) where there is no such path."""
         return None
 
     def decode_bucket(self, codes, scales, numels, ops):
@@ -61,7 +65,20 @@ class CodesAndScales(Compressor):
         where there is no such path."""
         return None
 
+    def encode_checked(self, flat, ctx, ops, step):
+        # where the bucket kernels run, their own NaN/Inf flags, left on the device (error
+        # feedback obeys them there: memory.NonFinite); elsewhere one check on the host
+        fast = self.encode_bucket(flat, ctx.layout, ops, step)
+        if fast is not None:
+            codes, scales, bad = fast
+            return (codes, scales), NonFinite(bad)
+        finite = ops.all_finite(flat)
+        return self.encode(flat, ctx._replace(finite=finite), ops, step), finite
+
     def encode(self, flat, ctx, ops, step):
+        fast = self.encode_bucket(flat, ctx.layout, ops, step) if ctx.finite is None else None
+        if fast is not None:
+            return fast[:2]
         # one finiteness check for the whole input (error feedback has made it already);
         # tensor by tensor only where it fails (or inside TensorFlow, where it is free)
         finite = ctx.finite if ctx.finite is not None else ops.all_finite(flat)
@@ -69,9 +86,6 @@ class CodesAndScales(Compressor):
         if lay is None:
             codes, scales = self.encode_one(flat, ctx.numel, ops, step, ctx.name)
             return codes, _nan_unless(finite, scales, ops)
-        fast = self.encode_bucket(flat, lay, ops, step, finite)
-        if fast is not None:
-            return fast
         codes, scales = [], []
         for i, (name, off, n) in enumerate(zip(lay.names, lay.offsets, lay.numels)):
             seg = flat[off:off + n]
@@ -145,10 +159,10 @@ class TwoBit(CodesAndScales):
             return super().subtract_sent(compensated, payload, ctx, ops, inplace)
         return fast
 
-    def encode_bucket(self, flat, lay, ops, step, finite):
+    def encode_bucket(self, flat, lay, ops, step):
         # where the kernels run: every tensor's threshold from one segmented pass, one
-        # pack launch for the bucket (the thresholds' formula as in encode_one; the sums'
-        # order of additions is the segmented pass's)
+        # pack launch for the bucket, which flags NaN/Inf (the thresholds' formula as in
+        # encode_one; the sums' order of additions is the segmented pass's)
         if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
             return None
         if self.threshold is not None:
@@ -160,9 +174,7 @@ class TwoBit(CodesAndScales):
                                                            ops.float32, flat)
         t = ops.where(t > 0, t, 0 * t + 1.0)       # all-zero tensor: every code is 0
         words, bad = ops.twobit_pack_segments(flat, lay, t)
-        if finite is True:
-            return words, t
-        return words, ops.where(bad > 0, t * float("nan"), t)   # NaN for non-finite tensors
+        return words, ops.where(bad > 0, t * float("nan"), t), bad   # NaN: not finite
 
     def decode_bucket(self, codes, scales, numels, ops):
         return ops.twobit_decode_segments(codes, scales, numels)

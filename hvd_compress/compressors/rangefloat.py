@@ -21,13 +21,15 @@ tensor, each tensor coded as if alone, end to end; where the kernels run (CUDA) 
 bucket is encoded in two launches and every rank's and tensor's segment decoded in one
 (:mod:`hvd_compress.kernels.rangefloat_segments`), elsewhere tensor by tensor.
 
-Imports: the standard library; and modules of its own package.
+Imports: the standard library, ``hvd_compress.memory``; and modules of its own package.
 """
 import math
 
+from ..memory import NonFinite
 from .base import Compressor, register
 
 SPLITS = {4: (2, 1), 6: (3, 2), 8: (4, 3), 12: (5, 6), 16: (5, 10)}
+NONFINITE_E = 128   #: the header's E of a tensor holding NaN/Inf (exponent field 255)
 
 
 class RangeFloatCodec:
@@ -144,6 +146,7 @@ class RangeFloat(Compressor):
     collective = "allgather"
     biased = True
     segmented = True      #: a bucket: an exponent range per tensor (encode_segments)
+    finds_nonfinite = True  #: where the bucket kernels run: E = 128 in a header; else a check
 
     def __init__(self, bits=8, ef=None, exp_bits=None):
         super().__init__(ef=ef)
@@ -157,6 +160,15 @@ class RangeFloat(Compressor):
             # which for a dense payload is each rank's bucket in order: the sum of rows
             return self.codec.encode_segments(flat, None, len(lay.names), ops, lengths=lay.numels)
         return self.codec.encode(flat, ops)
+
+    def encode_checked(self, flat, ctx, ops, step):
+        payload = self.encode(flat, ctx, ops, step)
+        if ops.bucket_codec_kernels(flat):
+            # where the kernels run, the exponents found NaN/Inf: a tensor's E is 128 (the
+            # float32 exponent field 255) exactly when it holds one; left on the device
+            # (error feedback obeys the flags there: memory.NonFinite)
+            return payload, NonFinite(ops.reshape(payload[1], [-1, 2])[:, 0] == NONFINITE_E)
+        return payload, ops.all_finite(flat)
 
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):
         # this rank's own payload: the counts are the tensors' sizes, known here, so the

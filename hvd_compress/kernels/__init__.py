@@ -20,3 +20,4 @@ from . import dct  # noqa: F401,E402
 from . import segmented  # noqa: F401,E402
 from . import histogram_select  # noqa: F401,E402
 from . import rangefloat_segments  # noqa: F401,E402
+from . import flagged_copy  # noqa: F401,E402

@@ -100,7 +100,29 @@ def _kernels():
             scale_at += segments
         tl.store(out_ptr + tl.load(xoff_ptr + s) + local, acc, mask=valid)
 
-    return triton, _pack_kernel, _unpack_kernel, _pack_segments_kernel, _decode_segments_kernel
+    @triton.jit
+    def _subtract_segments_kernel(c_ptr, starts_ptr, stops_ptr, segs_ptr, xoff_ptr, woff_ptr,
+                                  n_ptr, t_ptr, tq_ptr, BLOCK_W: tl.constexpr):
+        # in place: c -= q, q = +t / -t / 0 by c's own codes (compared with float32 t), of
+        # t rounded to c's dtype (tq: as the decoded payload cast to it; rounded by torch,
+        # as the interpreter does not round a cast to bfloat16), the difference in float32
+        pid = tl.program_id(0)
+        stop = tl.load(stops_ptr + pid)
+        w = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK_W)
+        s = tl.load(segs_ptr + pid)
+        lane = tl.arange(0, 16)
+        local = (w - tl.load(woff_ptr + s))[:, None] * 16 + lane[None, :]
+        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
+        ptrs = c_ptr + tl.load(xoff_ptr + s) + local
+        raw = tl.load(ptrs, mask=valid, other=0.0)
+        x = raw.to(tl.float32)
+        t = tl.load(t_ptr + s)
+        tq = tl.load(tq_ptr + s).to(tl.float32)
+        q = tl.where(x >= t, tq, tl.where(x <= -t, -tq, 0.0))
+        tl.store(ptrs, (x - q).to(raw.dtype), mask=valid)
+
+    return (triton, _pack_kernel, _unpack_kernel, _pack_segments_kernel, _decode_segments_kernel,
+            _subtract_segments_kernel)
 
 
 def _shifts(device):
@@ -346,3 +368,45 @@ def decode_segments(words, scales, lengths, backend=None, block_words=256):
                                      blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
                                      total, len(lengths), RANKS=ranks, BLOCK_W=block_words)
     return out
+
+
+def subtract_segments_reference(c, lengths, t):
+    """``c - q`` (a new tensor of ``c``'s dtype) for a bucket ``c`` of tensors of
+    ``lengths``: ``q`` each tensor's own 2-bit quantization against ``t[s]``
+    (``+t[s]`` where ``c >= t[s]``, ``-t[s]`` where ``c <= -t[s]``, else 0), rounded to
+    ``c``'s dtype: the bits of ``c - decode(pack(c, t))`` (one rank), error feedback's
+    residual, without the decoded copy."""
+    parts = torch.split(c.reshape(-1), list(lengths))
+    out = []
+    for s, p in enumerate(parts):
+        x, ts = p.float(), t[s].float()
+        q = torch.where(x >= ts, ts, torch.where(x <= -ts, -ts, torch.zeros_like(x)))
+        out.append(p - q.to(p.dtype))
+    return torch.cat(out) if out else c.clone()
+
+
+#: dtypes :func:`subtract_segments` takes: Triton's interpreter truncates a cast from
+#: float32 to bfloat16 where torch and the GPU round to nearest even, so the bits of a
+#: bfloat16 kernel could not be checked without a GPU (that error feedback decodes and
+#: subtracts instead)
+SUBTRACT_DTYPES = (torch.float32, torch.float16)
+
+
+def subtract_segments(c, lengths, t, backend=None, block_words=256):
+    """:func:`subtract_segments_reference` *in place* on contiguous 1-D ``c`` (returned,
+    a dtype of :data:`SUBTRACT_DTYPES`), one launch for the bucket (kernel on CUDA): one
+    read and one write of ``c``, where decoding the own payload and subtracting it
+    wrote, read and wrote it again."""
+    lengths = tuple(int(n) for n in lengths)
+    if c.dtype not in SUBTRACT_DTYPES:
+        raise TypeError(f"twobit.subtract_segments: c must be one of {SUBTRACT_DTYPES}, "
+                        f"got {c.dtype}")
+    if pick_backend(c, backend) == "torch":
+        return c.copy_(subtract_segments_reference(c, lengths, t))
+    triton, kernel = _kernels()[0], _kernels()[5]
+    blocks, xoff, woff, n, _ = _segment_table(lengths, c.device, block_words)
+    count_launch("twobit_subtract_segments")
+    t = t.float().reshape(-1).contiguous()
+    kernel[(blocks.starts.numel(),)](c, blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
+                                     t, t.to(c.dtype), BLOCK_W=block_words)
+    return c

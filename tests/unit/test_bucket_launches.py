@@ -47,10 +47,13 @@ def one_exchange(T, spec):
     return counting.one_exchange(T, spec, lambda n, step: laplace(n, seed=step))
 
 
+#: error feedback: twobit subtracts its own codes without decoding them; both keep the old
+#: residuals where the kernels flagged NaN/Inf, in a copy that needs no host sync
 CODEC_LAUNCHES = {
-    "twobit": {"segment_abs_sum_max": 1, "twobit_pack_segments": 1, "twobit_decode_segments": 2},
+    "twobit": {"segment_abs_sum_max": 1, "twobit_pack_segments": 1, "twobit_decode_segments": 1,
+               "twobit_subtract_segments": 1, "copy_if_flagged": 1},
     "rangefloat:bits=8": {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
-                          "rangefloat_decode_segments": 2},
+                          "rangefloat_decode_segments": 2, "copy_if_flagged": 1},
     SPARSE: {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
              "rangefloat_decode_segments": 2},
 }
@@ -84,6 +87,46 @@ def test_twobit_pack_segments_matches_reference_and_per_tensor_packing(dtype):
     assert torch.equal(bad, want_bad) and bad.tolist() == [1, 0, 0, 0, 1, 0, 0]
     alone = [TB.pack(p, t[s], backend="triton") for s, p in enumerate(torch.split(x, LENGTHS))]
     assert torch.equal(words, torch.cat(alone))                 # the wire format
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_twobit_subtract_segments_is_c_minus_its_decoded_codes(dtype):
+    """Error feedback's residual in one launch, in place: the bits of ``c - cast(decode(
+    pack(c, t)))`` (one rank), the two-pass way it was computed before; a NaN threshold
+    (a non-finite tensor's scale, whose old residual error feedback keeps anyway) leaves
+    its tensor as it was, where the decoded NaNs made it NaN."""
+    lengths = tuple(n for n in LENGTHS if n)
+    c = with_specials(laplace(sum(lengths))).to(dtype)
+    t = torch.rand(len(lengths), device=DEVICE) + 0.1
+    t[3] = float("nan")
+    want = TB.subtract_segments_reference(c, lengths, t)
+    words, _ = TB.pack_segments(c, lengths, t, backend="torch")
+    decoded = TB.decode_segments_reference(words, t.reshape(1, -1), lengths)
+    got = c.clone()
+    assert TB.subtract_segments(got, lengths, t, backend="triton") is got
+    assert got.dtype == dtype and same_values(got, want)
+    nan_at = slice(sum(lengths[:3]), sum(lengths[:4]))
+    assert same_values(got[nan_at], c[nan_at])
+    two_pass = c - decoded.to(dtype)
+    assert two_pass[nan_at].isnan().all()
+    two_pass[nan_at] = c[nan_at]
+    assert same_values(got, two_pass)
+    with pytest.raises(TypeError, match="bfloat16"):
+        TB.subtract_segments(c.to(torch.bfloat16), lengths, t, backend="triton")
+
+
+@pytest.mark.parametrize("flags", [[0, 0, 0], [0, 1, 0], [True], [7]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_if_flagged_copies_only_when_a_flag_is_set(flags, dtype):
+    from hvd_compress.kernels import flagged_copy as FC
+    src = with_specials(laplace(9000)).to(dtype)
+    dst = laplace(9000, seed=1).to(dtype)
+    flags = torch.tensor(flags, device=DEVICE)
+    want = FC.copy_if_flagged_reference(dst.clone(), src, flags)
+    got = dst.clone()
+    assert FC.copy_if_flagged(got, src, flags, backend="triton", block=1024) is got
+    assert same_bits(got, want)
+    assert same_bits(got, src if bool(flags.any()) else dst)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])

@@ -183,6 +183,11 @@ def subtract(a, b, inplace=False):
     return a - b
 
 
+def restore_flagged(new, old, flags):
+    """``old`` where any of ``flags`` is non-zero, else ``new`` (a new tensor)."""
+    return _tf.where(_tf.reduce_any(_tf.not_equal(flags, 0)), old, new)
+
+
 def subtract_at(a, idx, values, inplace=False):
     """``a - cast(scatter_sum(len(a), idx, values))`` (``idx`` distinct)."""
     return a - cast(scatter_sum(numel(a), idx, values, float32), a.dtype)

@@ -38,11 +38,17 @@ def twobit_decode_sum(words, thresholds, n):
 
 def twobit_subtract_own(c, thresholds, numels, inplace):
     """Optional fast path of 2-bit error feedback, ``c - decode(own payload)`` from ``c``
-    and the thresholds alone (the codes are ``c``'s own compares): float32 CPU tensors,
-    bit-identical, no decoded copy (:func:`hvd_compress.kernels.twobit.subtract_own_cpu`).
-    None elsewhere (CUDA, the kernel path, other dtypes, a non-contiguous ``c``): the
-    generic decode-subtract runs."""
+    and the thresholds alone (the codes are ``c``'s own compares), bit-identical, no
+    decoded copy: where the kernels run (CUDA), one launch for the bucket
+    (:func:`hvd_compress.kernels.twobit.subtract_segments`; float32 and float16); float32
+    CPU tensors on the torch path (:func:`hvd_compress.kernels.twobit.subtract_own_cpu`).
+    None elsewhere (CUDA with ``HVD_COMPRESS_BACKEND=torch``, bfloat16 on the kernel path,
+    other dtypes on the CPU, a non-contiguous ``c``): the generic decode-subtract runs."""
     from ...kernels import pick_backend, twobit
+    if (pick_backend(c) == "triton" and c.dim() == 1 and c.is_contiguous()
+            and c.dtype in twobit.SUBTRACT_DTYPES):
+        # where the kernels run: one launch, in place (kernels.twobit.subtract_segments)
+        return twobit.subtract_segments(c if inplace else c.clone(), numels, thresholds)
     if (c.device.type != "cpu" or c.dtype != _torch.float32 or not c.is_contiguous()
             or pick_backend(c) != "torch"):
         return None

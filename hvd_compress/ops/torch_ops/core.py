@@ -249,6 +249,15 @@ def subtract_at(a, idx, values, inplace=False):
     return out
 
 
+def restore_flagged(new, old, flags):
+    """``new`` (returned), overwritten in place with ``old`` where any of the device
+    ``flags`` is non-zero, without reading them on the host: one kernel launch that moves
+    no data when no flag is set where the kernels run (CUDA), ``torch.where`` elsewhere
+    (:func:`hvd_compress.kernels.flagged_copy.copy_if_flagged`)."""
+    from ...kernels import flagged_copy
+    return flagged_copy.copy_if_flagged(new, old, flags)
+
+
 def new_store():
     from ...memory import TorchStore
     return TorchStore()
