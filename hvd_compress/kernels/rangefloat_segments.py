@@ -21,6 +21,9 @@ end to end (each segment's codes padded to whole groups), with the exponent of
   groups of one block of one segment with its ``E`` and writes the values unpadded,
   segments end to end.  The headers are checked on the device and read back in one
   host synchronisation with the sizes (none where the counts are known on the host).
+- ``decode_sum(data, emax, lengths, ranks, e, m)``: a dense payload's aggregate, every
+  rank holding the same segments of host ``lengths``: the same launch, each program
+  decoding its block in every rank's payload and summing in rank order, one write.
 
 The same two kernels code a single tensor for :mod:`.rangefloat` (``encode_flat``,
 ``decode_flat``): with ``TABLE=False`` program ``i`` takes values ``[i * block,
@@ -106,10 +109,13 @@ def _kernels():
 
     @triton.jit
     def _decode_kernel(in_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
-                       out_ptr, n, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
-                       NB: tl.constexpr, BLOCK: tl.constexpr, TABLE: tl.constexpr,
-                       PER_GROUP: tl.constexpr):
-        # TABLE: as in _encode_kernel; PER_GROUP (without TABLE): an exponent per group
+                       out_ptr, n, rank_bytes, segments, E_BITS: tl.constexpr,
+                       M_BITS: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+                       BLOCK: tl.constexpr, TABLE: tl.constexpr, PER_GROUP: tl.constexpr,
+                       RANKS: tl.constexpr):
+        # TABLE: as in _encode_kernel; PER_GROUP (without TABLE): an exponent per group;
+        # RANKS > 1 (with TABLE): the sum, in rank order from 0.0, of RANKS payloads of the
+        # same segments, rank r's bytes rank_bytes further on and its exponents `segments`
         pid = tl.program_id(0)
         if TABLE:
             start = tl.load(starts_ptr + pid)
@@ -126,24 +132,27 @@ def _kernels():
         byte = tl.arange(0, 4)
         ok = (start + grp * G) < stop
         at = first + grp                                                   # in group
-        raw = tl.load(in_ptr + at[:, None] * NB + byte[None, :],
-                      mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
-        word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
         lane = tl.arange(0, G)
         B: tl.constexpr = E_BITS + M_BITS + 1
-        code = ((word[:, None] >> (B * lane[None, :]).to(tl.int64)) & ((1 << B) - 1)).to(tl.int32)
-        sign = (code >> (E_BITS + M_BITS)) & 1
-        c = (code >> M_BITS) & ((1 << E_BITS) - 1)
-        q = code & ((1 << M_BITS) - 1)
-        if PER_GROUP:
-            emax = tl.load(emax_ptr + at, mask=ok, other=0)[:, None]
-        else:
-            emax = tl.load(emax_ptr + s)
-        expf = emax - c + 1 + 127
-        bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
-        value = tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))
+        acc = tl.zeros([GROUPS, G], dtype=tl.float32)
+        for r in range(RANKS):
+            raw = tl.load(in_ptr + r * rank_bytes + at[:, None] * NB + byte[None, :],
+                          mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
+            word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
+            code = ((word[:, None] >> (B * lane[None, :]).to(tl.int64))
+                    & ((1 << B) - 1)).to(tl.int32)
+            sign = (code >> (E_BITS + M_BITS)) & 1
+            c = (code >> M_BITS) & ((1 << E_BITS) - 1)
+            q = code & ((1 << M_BITS) - 1)
+            if PER_GROUP:
+                emax = tl.load(emax_ptr + at, mask=ok, other=0)[:, None]
+            else:
+                emax = tl.load(emax_ptr + r * segments + s)
+            expf = emax - c + 1 + 127
+            bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
+            acc += tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))   # never -0.0
         idx = start + grp[:, None] * G + lane[None, :]
-        tl.store(out_ptr + idx, value, mask=idx < stop)
+        tl.store(out_ptr + idx, acc, mask=idx < stop)
 
     return triton, _exponent_kernel, _encode_kernel, _decode_kernel
 
@@ -340,9 +349,46 @@ def decode_segments(data, emax, counts, e, m, total=None, lengths=None, backend=
     count_launch("rangefloat_decode_segments")
     kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
                                     table.vstart, table.gstart,
-                                    emax.to(torch.int32).reshape(-1).contiguous(), out, 0,
+                                    emax.to(torch.int32).reshape(-1).contiguous(), out, 0, 0, 0,
                                     E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
-                                    PER_GROUP=False)
+                                    PER_GROUP=False, RANKS=1)
+    return out
+
+
+def decode_sum_reference(data, emax, lengths, ranks, e, m):
+    """float32 ``sum_r values_r`` of ``ranks`` payloads end to end (``data``), each the
+    segments of host ``lengths`` (rank ``r``'s exponents ``emax[r * T:(r + 1) * T]``),
+    added in rank order from 0.0: a dense payload's aggregate."""
+    lengths = [int(n) for n in lengths]
+    values = decode_segments_reference(data, emax.reshape(-1), torch.tensor(
+        lengths * ranks, dtype=torch.int64), e, m).reshape(ranks, -1)
+    acc = torch.zeros(sum(lengths), dtype=torch.float32, device=data.device)
+    for r in range(ranks):
+        acc = acc + values[r]
+    return acc
+
+
+def decode_sum(data, emax, lengths, ranks, e, m, backend=None, block=BLOCK):
+    """:func:`decode_sum_reference` in one launch (kernel on CUDA), for headers already
+    checked against ``lengths`` (the same segments in every rank's payload): each value
+    decoded and summed over the ranks in registers, one write of the sum, where decoding
+    every rank's values and summing the rows wrote them all, read them and wrote the sum."""
+    if pick_backend(data, backend) == "torch":
+        return decode_sum_reference(data, emax, lengths, ranks, e, m)
+    triton, _, _, kernel = _kernels()
+    g, nb = group(1 + e + m)
+    known = host_table(lengths, g, data.device, block)
+    out = torch.empty(known.values, dtype=torch.float32, device=data.device)
+    if known.values == 0 or ranks == 0:
+        return out.zero_()
+    table = known.table
+    count_launch("rangefloat_decode_sum")
+    kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
+                                    table.vstart, table.gstart,
+                                    emax.to(torch.int32).reshape(-1).contiguous(), out, 0,
+                                    known.groups * nb, len(known.table.vstart), E_BITS=e,
+                                    M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
+                                    PER_GROUP=False, RANKS=int(ranks))
     return out
 
 
@@ -371,7 +417,7 @@ def decode_flat(data, emax, e, m, block, out):
     n_groups = data.numel() // nb
     count_launch("rangefloat_decode")
     kernel[(triton.cdiv(n_groups, block),)](data, data, data, data, data, data, emax, out,
-                                            n_groups * g, E_BITS=e, M_BITS=m, G=g, NB=nb,
+                                            n_groups * g, 0, 0, E_BITS=e, M_BITS=m, G=g, NB=nb,
                                             BLOCK=block * g, TABLE=False,
-                                            PER_GROUP=emax.numel() != 1)
+                                            PER_GROUP=emax.numel() != 1, RANKS=1)
     return out

@@ -53,7 +53,7 @@ CODEC_LAUNCHES = {
     "twobit": {"segment_abs_sum_max": 1, "twobit_pack_segments": 1, "twobit_decode_segments": 1,
                "twobit_subtract_segments": 1, "copy_if_flagged": 1},
     "rangefloat:bits=8": {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
-                          "rangefloat_decode_segments": 2, "copy_if_flagged": 1},
+                          "rangefloat_decode_sum": 2, "copy_if_flagged": 1},
     SPARSE: {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
              "rangefloat_decode_segments": 2},
 }
@@ -207,6 +207,25 @@ def test_decode_segments_matches_reference_and_the_cpu_decoder(bits, trusted):
     if DEVICE == "cpu":
         cpu = RF.decode_ranks_cpu(data, emax, counts, e, m)
         assert torch.equal(got.nan_to_num(), cpu.nan_to_num())
+
+
+@pytest.mark.parametrize("bits", [4, 8, 12])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_decode_sum_is_the_sum_of_the_ranks_decoded_rows(bits, ranks):
+    """A dense payload's aggregate in one launch: the bits of decoding every rank's
+    segments and summing the rows (the path it replaces), NaN/Inf included."""
+    from hvd_compress.ops import torch_ops
+    e, m = RF.SPLITS[bits]
+    lengths = tuple(n for n in LENGTHS if n)                    # a bucket's (no empty)
+    payloads = [RS.encode_segments_reference(with_specials(laplace(sum(lengths), seed=r)),
+                                             lengths, e, m) for r in range(ranks)]
+    data = torch.cat([p[0] for p in payloads])
+    emax = torch.cat([p[1] for p in payloads]).reshape(-1, 2)[:, 0]
+    want = RS.decode_sum_reference(data, emax, lengths, ranks, e, m)
+    rows = RS.decode_segments_reference(data, emax, torch.tensor(lengths * ranks), e, m)
+    assert same_values(want, torch_ops.sum_rows(rows, sum(lengths)))
+    got = RS.decode_sum(data, emax, lengths, ranks, e, m, backend="triton")
+    assert got.shape == (sum(lengths),) and same_values(got, want)
 
 
 def test_check_headers_flags_what_the_codec_rejects():

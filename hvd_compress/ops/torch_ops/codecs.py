@@ -149,6 +149,30 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
     return rs.decode_segments(data, emax, counts, e, m, total=total), expected, False
 
 
+def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False):
+    """Optional fast path of a dense range-float payload's aggregate where
+    :func:`bucket_codec_kernels`: every rank's payload holds the tensors of host
+    ``lengths`` (``headers``: ``[E, count]`` per rank and tensor), decoded and summed over
+    the ranks in one launch (:func:`hvd_compress.kernels.rangefloat_segments.decode_sum`).
+    The headers are checked against ``lengths`` in one host synchronisation (none when
+    ``trusted``: this rank's own payload).  None elsewhere, and for a payload of another
+    shape: the codec's generic decode runs then, and raises its errors."""
+    from ...kernels import pick_backend, rangefloat_segments as rs
+    segments, words = len(lengths), headers.numel()
+    if pick_backend(data) != "triton" or not segments or not words or words % (2 * segments):
+        return None
+    ranks = words // (2 * segments)
+    g, nb = rs.group(1 + e + m)
+    known = rs.host_table(lengths, g, data.device)
+    if data.numel() != ranks * known.groups * nb:
+        return None
+    h = headers.reshape(ranks, segments, 2)
+    if not trusted and not bool(((h[:, :, 1] == known.counts) & (h[:, :, 0] >= -127)
+                                 & (h[:, :, 0] <= 128)).all()):
+        return None
+    return rs.decode_sum(data, h[:, :, 0], lengths, ranks, e, m)
+
+
 # -- block DCT (dct) ---------------------------------------------------------------------
 
 def block_dct(flat, block):
