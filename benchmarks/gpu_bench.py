@@ -246,7 +246,14 @@ def models(args):
     def sync():
         common.sync(torch, dev)
     results = []
-    for model_name, build in (("vgg_small", vgg_small), ("resnet_small", ResNetSmall)):
+    builds = {"vgg_small": vgg_small, "resnet_small": ResNetSmall}
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(builds))
+    if unknown or not names:
+        raise SystemExit(f"--models: {', '.join(unknown) or 'none given'}; choose from "
+                         f"{', '.join(builds)}")
+    for model_name in names:
+        build = builds[model_name]
         torch.manual_seed(0)
         model = build().to(dev)
         ranks = []
@@ -320,6 +327,8 @@ def main():
     a.add_argument("--repeat", type=int, default=10)
     a.add_argument("--schemes", default=";".join(MODEL_SCHEMES),
                    help="compressor specs separated by ';' (a spec has commas of its own)")
+    a.add_argument("--models", default="vgg_small,resnet_small",
+                   help="models of examples/models.py, comma separated")
     a = sub.add_parser("profile")
     a.add_argument("--out", required=True)
     a.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=DRY_RUN)

@@ -14,7 +14,9 @@ every rank's scale of it) once; tensor ``s``'s words start at ``sum_{j<s} ceil(n
 its values at ``sum_{j<s} n_j``: the same words as packing each tensor alone, end to
 end.  ``pack_segments`` also flags each tensor holding NaN/Inf (an int32 atomic max,
 exact); ``decode_segments`` sums ``scale[r, s] * sign`` over the ranks ``r`` in rank order
-(for one or two ranks the same bits as the per-tensor decoders).
+(for one or two ranks the same bits as the per-tensor decoders); ``subtract_segments`` is
+error feedback's residual ``c - q`` in place, from ``c``'s own codes (the bits of
+decoding the own payload and subtracting it, in one pass instead of three).
 
 Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
 own package.
