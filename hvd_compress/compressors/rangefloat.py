@@ -155,10 +155,12 @@ class RangeFloat(Compressor):
 
     def encode(self, flat, ctx, ops, step):
         lay = ctx.bucket
+        if lay is None and ctx.numel and ops.bucket_codec_kernels(flat):
+            lay = ctx.layout           # a lone tensor too: its header's count on the device
         if lay is not None:
             # each tensor its own range; decoding reads (rank, tensor) segments in order,
             # which for a dense payload is each rank's bucket in order: the sum of rows
-            return self.codec.encode_segments(flat, None, len(lay.names), ops, lengths=lay.numels)
+            return self.codec.encode_segments(flat, None, len(lay.numels), ops, lengths=lay.numels)
         return self.codec.encode(flat, ops)
 
     def encode_checked(self, flat, ctx, ops, step):

@@ -135,9 +135,10 @@ def _kernels():
         lane = tl.arange(0, G)
         B: tl.constexpr = E_BITS + M_BITS + 1
         acc = tl.zeros([GROUPS, G], dtype=tl.float32)
-        for r in range(RANKS):
-            raw = tl.load(in_ptr + r * rank_bytes + at[:, None] * NB + byte[None, :],
-                          mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
+        in_at = in_ptr + at[:, None] * NB + byte[None, :]        # rank 0's; then one further
+        emax_at = emax_ptr + s
+        for _ in range(RANKS):                                  # (pointers: no int32 product)
+            raw = tl.load(in_at, mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
             word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
             code = ((word[:, None] >> (B * lane[None, :]).to(tl.int64))
                     & ((1 << B) - 1)).to(tl.int32)
@@ -147,10 +148,12 @@ def _kernels():
             if PER_GROUP:
                 emax = tl.load(emax_ptr + at, mask=ok, other=0)[:, None]
             else:
-                emax = tl.load(emax_ptr + r * segments + s)
+                emax = tl.load(emax_at)
             expf = emax - c + 1 + 127
             bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
             acc += tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))   # never -0.0
+            in_at += rank_bytes
+            emax_at += segments
         idx = start + grp[:, None] * G + lane[None, :]
         tl.store(out_ptr + idx, acc, mask=idx < stop)
 

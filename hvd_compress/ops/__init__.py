@@ -44,7 +44,9 @@ block DCT (``rangefloat_encode``, ``block_dct``, ...), and PowerSGD's low-rank p
 (``matmul``, ``orthonormal_columns``, ``low_rank_products``,
 ``subtract_low_rank_products``: each product written in its place, no product tensors
 on PyTorch); error feedback's buffers
-(``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``); and the size cut-off
+(``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``, and ``restore_flagged``:
+the old residuals kept where device flags say NaN/Inf, without reading them on the
+host); and the size cut-off
 ``small_topk_below``; buckets (``concat``, ``split``, ``segment_ids``,
 ``layout_constant`` (a bucket's per-tensor k, n, ...: made once per layout and device
 in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,
@@ -54,13 +56,14 @@ in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact
 ``segment_histogram``, ``histogram_pick``, ``band_select``, all PyTorch only: TensorFlow's
 ``histogram_search_supported`` is False and they raise NotImplementedError there);
 bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_segments``,
-``twobit_decode_segments``, ``rangefloat_encode_segments``, ``rangefloat_decode_segments``:
-PyTorch's Triton path; elsewhere they return None and the codecs go tensor by tensor);
+``twobit_decode_segments``, ``rangefloat_encode_segments``, ``rangefloat_decode_segments``,
+``rangefloat_decode_sum``: PyTorch's Triton path; elsewhere they return None and the
+codecs go tensor by tensor);
 aggregation-aware exchange (``unique_sorted``, ``ones_like``).  ``twobit_decode_sum``,
 ``rangefloat_decode_ranks``, ``segment_abs_topk`` (each tensor's top-k of ``|x|`` and
 the bucket's finiteness from one selection: CPU, and PyTorch CUDA for a bucket of
 many tensors) and ``twobit_subtract_own``
-(2-bit error feedback's residual without decoding: PyTorch CPU) are optional
+(2-bit error feedback's residual without decoding: PyTorch CPU and the Triton path) are optional
 fast paths: they return None where a framework or device has none, and the compressor's
 generic code (written once) runs instead.
 """

@@ -28,6 +28,24 @@ def test_bucket_syncs_do_not_grow_with_its_tensors(spec, monkeypatch):
     assert got[4] == got[40]
 
 
+@pytest.mark.parametrize("spec, want, kernel", [
+    ("twobit", (0, 0), "twobit_pack_segments"),
+    ("twobit:threshold=0.5", (0, 0), "twobit_pack_segments"),
+    ("rangefloat:bits=8", (0, 1), "rangefloat_encode_segments")])
+def test_a_lone_tensor_of_the_dense_codecs_takes_the_bucket_paths(spec, want, kernel,
+                                                                  monkeypatch):
+    """A one-tensor bucket (and ``compress``) of twobit and rangefloat: the bucket kernels,
+    so no synchronisation in compress either (rangefloat's single-tensor encode copied
+    its header's count from the host, which the CPU run cannot count: hence the kernel)."""
+    from hvd_compress.kernels import counting_launches
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    comp, dec = counting.exchange_syncs(1, spec, laplace, size=5000)
+    assert (sum(comp.values()), sum(dec.values())) == want, (comp, dec)
+    with counting.CountSyncs() as syncs, counting_launches() as launched:
+        from_spec(spec).compress(laplace(5000, 0), "w")
+    assert not syncs.syncs and launched[kernel] == 1, launched
+
+
 def test_rangefloat_values_check_indices_in_the_header_readback(monkeypatch):
     """values=rangefloat8 on the kernel path: an index out of range is the clear error,
     found in the one readback that also checks the values' headers."""
