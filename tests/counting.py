@@ -88,8 +88,9 @@ BUCKET_SYNCS = {
     # ... and the values' headers, read back with the indices' range
     "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 1),
     "laplace_topk:density=0.01,fused=1,exact=1": (1, 1),
-    # one sort of the bucket (ops.segment_abs_topk): its finiteness; dropping zeros
-    "laplace_topk:density=0.01": (2, 1),
+    # one sort of the bucket (ops.segment_abs_topk): its finiteness, read back with the
+    # number of non-zeros among the picks (laplace_topk drops zeros)
+    "laplace_topk:density=0.01": (1, 1),
     "topk:density=0.01": (1, 1),
     "topk:density=0.01,values=rangefloat8": (1, 1),
     # dense codes: NaN/Inf flagged by their kernels, obeyed on the device (memory.NonFinite);

@@ -104,13 +104,9 @@ class LaplaceTopK(DensitySparsifier):
         if not self.fused:
             found = None
             if not self.exact and max(ctx.numels) < self.small_below(flat, ops):
-                found = top_k_checked(self, flat, ctx, ops)
-            if found is None:
-                return super().select_checked(flat, ctx, ops, step)
-            idx, finite = found                          # not finite: every index
-            return ops.cond(finite,
-                            lambda: ops.gather(idx, ops.mask_indices(ops.gather(flat, idx) != 0)),
-                            lambda: idx), finite
+                found = top_k_checked(self, flat, ctx, ops, drop_zeros=True)
+            # not finite: every index; else without zeros (on CUDA read back together)
+            return found if found is not None else super().select_checked(flat, ctx, ops, step)
         if not ops.histogram_search_supported():
             raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "
                              "PyTorch tensors only; leave fused unset for TensorFlow")

@@ -270,11 +270,13 @@ class TopK(DensitySparsifier):
         return found if found is not None else super().select_checked(flat, ctx, ops, step)
 
 
-def top_k_checked(sparsifier, flat, ctx, ops):
-    """``(indices, finite)``: each tensor's ``sparsifier.k(n)`` largest ``|g|`` and the
-    finiteness of ``flat`` from one selection (``ops.segment_abs_topk``), every index when
-    ``flat`` holds NaN/Inf; None where the framework or device has no such path."""
-    return ops.segment_abs_topk(flat, ctx.numels, [sparsifier.k(n) for n in ctx.numels])
+def top_k_checked(sparsifier, flat, ctx, ops, drop_zeros=False):
+    """``(indices, finite)``: each tensor's ``sparsifier.k(n)`` largest ``|g|`` (without
+    zeros with ``drop_zeros``) and the finiteness of ``flat`` from one selection
+    (``ops.segment_abs_topk``), every index when ``flat`` holds NaN/Inf; None where the
+    framework or device has no such path."""
+    return ops.segment_abs_topk(flat, ctx.numels, [sparsifier.k(n) for n in ctx.numels],
+                                drop_zeros)
 
 
 @register

@@ -74,11 +74,19 @@ def largest(s, k, absolute):
     return idx, finite
 
 
-def segment_abs_largest(x, numels, ks):
+def segment_abs_largest(x, numels, ks, drop_zeros=False):
     """``(indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of 1-D
     float32 numpy ``x`` (``numels`` end to end; int64 indices into ``x``, in index order,
     ties by lowest index) and whether ``x`` holds no NaN/Inf; every index of ``x`` when it
-    does (a non-finite bucket is sent whole)."""
+    does (a non-finite bucket is sent whole).  ``drop_zeros``: without the indices of
+    zeros (when finite)."""
+    idx, finite = _segment_abs_largest(x, numels, ks)
+    if drop_zeros and finite:
+        idx = idx[x[idx] != 0]
+    return idx, finite
+
+
+def _segment_abs_largest(x, numels, ks):
     parts, off = [], 0
     for n, k in zip(numels, ks):
         s = x[off:off + n]

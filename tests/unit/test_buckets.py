@@ -100,6 +100,34 @@ def test_segment_abs_topk_by_one_sort_is_numpys_partition(monkeypatch, dtype, ki
     assert torch.equal(idx.cpu(), want_idx)
 
 
+@pytest.mark.parametrize("kind", ["zeros", "nan"])
+def test_segment_abs_topk_drops_zeros_in_its_one_readback(monkeypatch, kind):
+    """``drop_zeros`` (laplace_topk's): the picks without zeros (and -0.0), the numpy
+    path's and the sort's alike, read back with the finiteness in one synchronisation;
+    every index when the bucket holds NaN."""
+    import counting  # tests/counting.py
+    lengths, ks = [5, 300, 4097, 900], [4, 3, 41, 9]
+    x = data(lengths)
+    x[5:305] = 0.0                                   # a tensor of zeros: its 3 picks are 0
+    x[305:305 + 4097:2] = 0.0                         # half of one tensor
+    x[305 + 4097 + 10] = -0.0
+    if kind == "nan":
+        x[7] = float("nan")
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "torch")
+    want_idx, want_finite = torch_ops.segment_abs_topk(x.cpu(), lengths, ks, drop_zeros=True)
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    torch_ops.segment_abs_topk(x, lengths, ks, drop_zeros=True)   # the layout's constants
+    with counting.CountSyncs() as syncs:
+        idx, finite = torch_ops.segment_abs_topk(x, lengths, ks, drop_zeros=True)
+    assert sum(syncs.syncs.values()) == 1, syncs.syncs
+    assert finite is want_finite is (kind == "zeros")
+    assert torch.equal(idx.cpu(), want_idx)
+    if finite:
+        kept, _ = torch_ops.segment_abs_topk(x, lengths, ks)
+        assert torch.equal(idx.cpu(), kept.cpu()[x.cpu()[kept.cpu().long()] != 0])
+        assert len(idx) < sum(ks) and bool((x.cpu()[idx.long()] != 0).all())
+
+
 def test_segment_abs_topk_leaves_few_large_tensors_to_a_topk_each(monkeypatch):
     """More values than a million per tensor (or one tensor): None, a torch.topk each
     (one sort of many values is slower there; gpu_breakdown_2026-11-26)."""

@@ -84,16 +84,17 @@ def segmented_search(t, exact):
     return bool(exact or not _tf.executing_eagerly())
 
 
-def segment_abs_topk(flat, numels, ks):
+def segment_abs_topk(flat, numels, ks, drop_zeros=False):
     """``(int32 indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of
-    ``flat`` and whether ``flat`` holds no NaN/Inf (a Python bool), from one numpy
-    partition per tensor (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`; every
-    index when not finite), as in PyTorch.  Eager CPU tensors only (see
-    ``core._eager_on_cpu``); None elsewhere, and the caller checks, then selects."""
+    ``flat`` (without zeros with ``drop_zeros``) and whether ``flat`` holds no NaN/Inf (a
+    Python bool), from one numpy partition per tensor
+    (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`; every index when not
+    finite), as in PyTorch.  Eager CPU tensors only (see ``core._eager_on_cpu``); None
+    elsewhere, and the caller checks, then selects."""
     if not (flat.dtype.is_floating and _eager_on_cpu(flat)):
         return None
     x = _np.asarray(flat.numpy(), dtype=_np.float32).reshape(-1)
-    idx, finite = _cpu_topk.segment_abs_largest(x, numels, ks)
+    idx, finite = _cpu_topk.segment_abs_largest(x, numels, ks, drop_zeros)
     return _tf.constant(idx.astype(_np.int32)), finite
 
 

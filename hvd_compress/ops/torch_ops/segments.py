@@ -113,11 +113,13 @@ def segmented_search(t, exact):
     return bool(exact)
 
 
-def segment_abs_topk(flat, numels, ks):
+def segment_abs_topk(flat, numels, ks, drop_zeros=False):
     """``(int32 indices, finite)``: the ``ks[i]`` largest ``|x|`` of each tensor ``i`` of
     ``flat`` (``numels`` end to end; indices into ``flat``, in index order, ties by lowest
     index) and whether ``flat`` holds no NaN/Inf, learnt from the same selection (every
     index when it does not); None where a framework top-k per tensor is the better way.
+    ``drop_zeros``: without the indices of zeros (when finite); on CUDA read back with
+    the finiteness, one host synchronisation for both.
 
     - CPU tensors: one numpy partition per tensor in a reused buffer
       (:func:`hvd_compress.ops._cpu_topk.segment_abs_largest`): 21.5-22.5 ms for k = 63K
@@ -135,19 +137,20 @@ def segment_abs_topk(flat, numels, ks):
     from ...kernels import pick_backend
     if flat.device.type == "cpu" and pick_backend(flat) == "torch":
         idx, finite = _cpu_topk.segment_abs_largest(flat.detach().reshape(-1).float().numpy(),
-                                                    numels, ks)
+                                                    numels, ks, drop_zeros)
         return _torch.from_numpy(idx.astype(_np.int32)), finite
     if len(numels) < 2 or len(numels) * 1_000_000 < flat.numel():
         return None
-    return _sorted_segment_topk(flat, numels, ks)
+    return _sorted_segment_topk(flat, numels, ks, drop_zeros)
 
 
-def _sorted_segment_topk(flat, numels, ks):
+def _sorted_segment_topk(flat, numels, ks, drop_zeros=False):
     """:func:`segment_abs_topk` by one sort: int64 keys ``(tensor << 31) | (2^31 - 1 -
     bits(|x|))`` (a float's bits order like its value for ``|x|``), sorted stably, put
     each tensor's entries together, largest first, ties in index order; each tensor's
     first ``k`` are taken at positions known from the layout.  One host
-    synchronisation: the finiteness, read from each tensor's largest key."""
+    synchronisation: the finiteness, read from each tensor's largest key (with
+    ``drop_zeros``, and the number of non-zeros taken: then compacted without another)."""
     from ...kernels import segmented
     device, numels = flat.device, tuple(int(n) for n in numels)
     ids = _cached("segment ids", numels, device, lambda: segmented.segment_ids(numels, device))
@@ -161,9 +164,16 @@ def _sorted_segment_topk(flat, numels, ks):
     bits = (x if x.dtype == _torch.float32 else x.float()).view(_torch.int32) & 0x7FFFFFFF
     keys, order = _torch.sort((ids.long() << 31) | (0x7FFFFFFF - bits).long(), stable=True)
     largest = 0x7FFFFFFF - (keys[first] & 0x7FFFFFFF)               # bits of each max|x|
-    if not bool((largest < 0x7F800000).all()):                      # the one host sync
+    finite = (largest < 0x7F800000).all()
+    picked = order[take]
+    if drop_zeros:
+        nonzero = (keys[take] & 0x7FFFFFFF) != 0x7FFFFFFF          # |x|'s bits not 0
+        finite, count = _torch.stack([finite.long(), nonzero.sum()]).tolist()  # one sync
+        if finite:
+            picked = picked[_torch.nonzero_static(nonzero, size=count).reshape(-1)]
+    if not bool(finite):                                            # the one host sync
         return _torch.arange(x.numel(), dtype=_torch.int32, device=device), False
-    return _torch.sort(order[take]).values.to(_torch.int32), True
+    return _torch.sort(picked).values.to(_torch.int32), True
 
 
 # -- laplace_topk's fused search (laplace_topk:fused=1): hvd_compress.kernels.histogram_select
