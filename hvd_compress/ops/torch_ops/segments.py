@@ -171,7 +171,7 @@ def _sorted_segment_topk(flat, numels, ks, drop_zeros=False):
         finite, count = _torch.stack([finite.long(), nonzero.sum()]).tolist()  # one sync
         if finite:
             picked = picked[_torch.nonzero_static(nonzero, size=count).reshape(-1)]
-    if not bool(finite):                                            # the one host sync
+    if not bool(finite):                      # the one host sync (above with drop_zeros)
         return _torch.arange(x.numel(), dtype=_torch.int32, device=device), False
     return _torch.sort(picked).values.to(_torch.int32), True
 
