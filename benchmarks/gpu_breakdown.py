@@ -22,7 +22,12 @@ tensor.  ``--tiny`` divides every size by 1000.
    tensor (one tensor) are skipped.
 3. **graph**: laplace_topk ``fused=1``'s passes before its read-back
    (``laplace.histogram_search``), eager against replayed from a CUDA graph (CUDA only).
-4. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+4. **search**: laplace_topk ``fused=1``'s whole selection (``laplace.select_histogram``)
+   with its passes as now (a coarse first pass of 62 bins counted per block, then three
+   of 2046 with an atomic per entry in the bracket) against four passes of 2046 (before
+   2026-11-26's second stop), and ``torch.topk`` per tensor; ``exact=1`` indices must be
+   equal, and the tolerance mode's counts are given.
+5. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation.
 
 Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
@@ -178,6 +183,47 @@ def graph_rows(args, cuda):
     return rows
 
 
+def search_rows(args):
+    """The fused selection with the passes of ``laplace.HISTOGRAM_PASSES`` against four
+    fine passes (one atomic per entry in the bracket, the first over about 10% of a
+    Laplace tensor), and a torch.topk per tensor."""
+    import hvd_compress
+    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.ops import torch_ops
+    variants = {"coarse_then_fine": HISTOGRAM_PASSES, "fine_only": (2046,) * 4}
+    rows = []
+    for lname in LAYOUTS:
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=5)
+        row = {"layout": lname, "tensors": len(lay.numels), "numel": lay.total}
+        for exact in (0, 1):
+            c = hvd_compress.from_spec(f"laplace_topk:density={DENSITY},fused=1,exact={exact}")
+            picked = {}
+            for name, passes in variants.items():
+                fn = (lambda c=c, lay=lay, flat=flat, passes=passes:
+                      select_histogram(c, flat, lay, torch_ops, passes)[0])
+                row[f"{name}{'_exact' * exact}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat,
+                                                                         args.device)
+                picked[name] = fn()
+                row[f"{name}{'_exact' * exact}_count"] = int(picked[name].numel())
+            if exact:
+                row["exact_equal"] = bool(torch.equal(picked["coarse_then_fine"].sort().values,
+                                                      picked["fine_only"].sort().values))
+        parts = lay.split(flat, torch_ops)
+        ks = [max(1, math.ceil(DENSITY * n)) for n in lay.numels]
+        row["torch_topk_ms"] = 1e3 * common.timeit(
+            torch, lambda: [p.abs().topk(k, sorted=False) for p, k in zip(parts, ks)],
+            args.repeat, args.device)
+        row["k"] = sum(ks)
+        rows.append(row)
+        print(f"search {lname:7s} coarse+fine {row['coarse_then_fine_ms']:8.3f} ms "
+              f"(exact {row['coarse_then_fine_exact_ms']:8.3f})  fine only "
+              f"{row['fine_only_ms']:8.3f} ms (exact {row['fine_only_exact_ms']:8.3f})  "
+              f"torch.topk {row['torch_topk_ms']:8.3f} ms  exact equal {row['exact_equal']}",
+              flush=True)
+    return rows
+
+
 def launch_row(args):
     from hvd_compress.kernels import histogram_select as H
     x = common.laplace(torch, 1000, args.device)
@@ -243,6 +289,7 @@ def main():
     print(title, flush=True)
     result = {"info": info, "args": vars(args), "compress": compress_rows(args, cuda),
               "topk": topk_rows(args), "graph": graph_rows(args, cuda),
+              "search": search_rows(args),
               "launch": launch_row(args)}
     stamp = datetime.date.today().isoformat()
     out = Path(args.out) / f"gpu_breakdown{'_tiny' if args.tiny else ''}_{stamp}"

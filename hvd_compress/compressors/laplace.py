@@ -286,38 +286,48 @@ def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid):
 
 
 HISTOGRAM_BINS = 2046   #: window bins per tensor and pass (a row of 2048 counters)
+#: the fused search's passes, the bins of each: a coarse first one (62 bins, counted per
+#: block, so no atomic per entry), then fine ones over its narrow bracket; 62 x 2046^3
+#: parts collapse any float32 bracket (< 2^31 bit patterns) to one value
+HISTOGRAM_PASSES = (62, HISTOGRAM_BINS, HISTOGRAM_BINS, HISTOGRAM_BINS)
+COARSE_BINS = 62        #: passes with at most this many bins count per block (``local``)
 
 
-def select_histogram(self, flat, lay, ops, bins=HISTOGRAM_BINS):
+def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
     1. one pass: ``sum|g|`` and ``max|g|`` per tensor; the bracket starts at
-       ``(t0 / 2, max|g|]``, ``t0 = mean|g| ln(1/density)`` (the Laplace fit);
-    2. a histogram pass (kernel ``histogram_select.segment_histogram``) counts, per
+       ``(t0 / 2, max|g|]``, ``t0 = mean|g| ln(1/density)`` (the Laplace fit), set on
+       the device by one launch;
+    2. histogram passes (kernel ``histogram_select.segment_histogram``) count, per
        tensor, the entries above ``bins + 2`` thresholds: 0, and the bracket cut into
        ``bins`` equal parts in float32 bit space.  The new bracket is the part where the
        count crosses k (``count(> lo) >= k > count(> hi)``), chosen on the device; when
        fewer than k entries lie above ``t0 / 2`` (data far from Laplace) it is
-       ``(0, t0 / 2]``.  Each pass shrinks the bracket ``bins``-fold, and 4 passes
-       collapse any float32 bracket to one value, even after a miss of the fit.  A
-       pass after the first counts only the tensors still off (count outside
-       ``tol * k`` and a bracket wider than one float); the others' entries are not
-       read, so on Laplace-like data, where the first pass lands within about 1% of k,
-       the later ones cost a launch each and no reads;
+       ``(0, t0 / 2]``.  ``passes`` gives each pass's bins: by default a coarse pass of
+       62 bins, counted per block (about 10% of a Laplace tensor lies above ``t0 / 2``:
+       one atomic per such entry queued on the counters), then three passes of 2046
+       bins, which collapse any float32 bracket to one value, even after a miss of the
+       fit, while their atomics are only for the entries of the narrowed bracket.  A
+       pass counts only the tensors still off (count outside ``tol * k`` and a bracket
+       wider than one float); the others' entries are not read, so on Laplace-like
+       data, where the second pass lands within about 1% of k, the later ones cost a
+       launch each and no reads;
     3. the count: the closer end of the bracket within ``tol * k`` of ``k``, else exactly
        ``k`` (``exact=1`` always): everything above ``hi`` plus the first entries (in index
-       order) of the band ``(lo, hi]`` (kernel ``histogram_select.band_select``).
+       order) of the band ``(lo, hi]`` (kernel ``histogram_select.band_select``: a count
+       pass, one program for the offsets, the read-back, a write pass).
 
     ``exact=1`` gives the same indices as the grid search (the k largest, ties by lowest
     index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
     with fewer than k nonzero entries sends them all.
     """
-    blocks, state = histogram_search(self, flat, lay, ops, bins)
+    blocks, state = histogram_search(self, flat, lay, ops, passes)
     return ops.band_select(flat, blocks, state)
 
 
-def histogram_search(self, flat, lay, ops, bins=HISTOGRAM_BINS):
+def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES):
     """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
     launch on the device and no host synchronisation, shapes fixed by the layout (so
     the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
@@ -325,10 +335,10 @@ def histogram_search(self, flat, lay, ops, bins=HISTOGRAM_BINS):
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
     abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
-    state = ops.search_start(ops.float_bits(0.5 * (abs_sum / n_t) * math.log(1.0 / self.density)),
-                             ops.float_bits(abs_max), abs_sum, abs_max)
-    hist = None
-    for _ in range(4):                      # 4 x 2046-fold: any float32 bracket to one value
-        hist = ops.segment_histogram(flat, blocks, state, bins, hist)
-        state = ops.histogram_pick(hist, state, k_t, slack, bins)
+    state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density))
+    hists = {}
+    for bins in passes:
+        hists[bins] = ops.segment_histogram(flat, blocks, state, bins, hists.get(bins),
+                                            local=bins <= COARSE_BINS)
+        state = ops.histogram_pick(hists[bins], state, k_t, slack, bins)
     return blocks, state

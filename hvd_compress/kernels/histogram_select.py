@@ -7,8 +7,13 @@ A bucket holds ``T`` tensors end to end.  The search keeps a *state* on the devi
 ``(lo, hi]`` of magnitudes as float32 *bit patterns* (for non-negative floats the bit
 patterns order like the values, so cutting a bracket into equal parts in bit space is
 scale-free), the counts above its ends, whether it is still searched, how many band
-entries to take, and whether the bucket is finite.  Three kernels serve it:
+entries to take, and whether the bucket is finite.  Its kernels read it through one
+pointer (no host-side row views per launch).  The kernels:
 
+``search_from_fit(abs_sum, abs_max, n, factor)``
+    one program: the state that starts every tensor at its Laplace fit's bracket
+    ``(bits(sum|x| / n * factor), bits(max|x|)]``, or selects everything after a NaN/Inf
+    (the rule of ``search_start``, its torch form).
 ``segment_histogram(x, blocks, state, bins)``
     int64 ``[T, bins + 2]`` counts of ``b = bits(|x_i|)`` per active tensor: column 0
     counts ``0 < b <= lo`` (nonzero, below the bracket), column ``bins + 1`` counts
@@ -18,17 +23,20 @@ entries to take, and whether the bucket is finite.  Three kernels serve it:
     row are then the counts above the edges ``E_0 = 0``,
     ``E_j = lo + ceil((j - 1) W / bins)`` (``j = 1 .. bins + 1``; the last is ``hi``):
     ``bins + 2`` thresholds counted in one read.  Integer atomics: exact and
-    deterministic.  Entries of inactive tensors are not read.
+    deterministic.  Entries of inactive tensors are not read.  ``local=True`` (for a
+    few columns: a coarse pass) counts each block in its own histogram
+    (``tl.histogram``) and adds the non-empty columns, an atomic each.
 ``histogram_pick(hist, state, k, slack, bins)``
     one program per tensor: the suffix sums, the last edge whose count reaches ``k``,
     the new bracket and counts, ``ACTIVE`` and ``QUOTA`` -- the search's decision made
     on the device, no host round trip; it zeroes ``hist`` for the next pass.
 ``band_select(x, blocks, state)``
     int32 bucket indices, in index order, of every entry with ``b > hi[s]`` plus the
-    first ``quota[s]`` entries (in index order) of the band ``lo[s] < b <= hi[s]``.  Two
-    launches of one kernel, as in :mod:`.compact`: a per-block count of both sets, then the write at
-    offsets from their cumulative sums (the band's ranks restart at each tensor).  The
-    output length and ``FINITE`` are read back together: the one host synchronisation.
+    first ``quota[s]`` entries (in index order) of the band ``lo[s] < b <= hi[s]``.  As in
+    :mod:`.compact`: a per-block count of both sets, one program for the offsets (their
+    cumulative sums; the band's ranks restart at each tensor) and the output length,
+    then the write.  The output length and ``FINITE`` are read back together: the one
+    host synchronisation.
 
 All walk ``blocks`` (:func:`.segmented.block_table`): blocks that never straddle two tensors, so a
 program reads one tensor's bracket once and the number of launches does not depend on
@@ -39,6 +47,7 @@ Imports: the standard library, torch; on first use, Triton; and modules of its o
 package.
 """
 import functools
+import types
 
 import torch
 
@@ -53,32 +62,74 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, active_ptr,
-                          hist_ptr, BINS: tl.constexpr, BLOCK: tl.constexpr):
+    def _histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T, hist_ptr,
+                          BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr):
+        # state rows read here (LO = 0, HI = 1, ACTIVE = 4): no host slicing per launch
         pid = tl.program_id(0)
         start = tl.load(starts_ptr + pid)
         s = tl.load(segs_ptr + pid)
-        stop = tl.where(tl.load(active_ptr + s) != 0, tl.load(stops_ptr + pid), start)
+        stop = tl.where(tl.load(state_ptr + 4 * T + s) != 0, tl.load(stops_ptr + pid), start)
         offs = start + tl.arange(0, BLOCK)
         valid = offs < stop                                  # inactive tensor: nothing read
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)   # bits of |x|
-        lo = tl.load(lo_ptr + s)
-        width = tl.maximum(tl.load(hi_ptr + s) - lo, 1)
+        lo = tl.load(state_ptr + s)
+        width = tl.maximum(tl.load(state_ptr + T + s) - lo, 1)
         hi = lo + width
         row = hist_ptr + s * (BINS + 2)
-        inside = valid & (b > lo) & (b <= hi)
-        j = 1 + ((b - lo - 1) * BINS) // width
-        tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside)
-        # every block of a tensor adds to these two counters: no atomic that adds 0 (an
-        # inactive tensor's blocks, or nothing above hi), as they queue on one address
-        below = tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int64), axis=0)
-        above = tl.sum((valid & (b > hi)).to(tl.int64), axis=0)
-        tl.atomic_add(row, below, mask=below > 0)
-        tl.atomic_add(row + BINS + 1, above, mask=above > 0)
+        if LOCAL:
+            # the block's own histogram (tl.histogram: BINS + 2 columns, few), then one
+            # atomic per non-empty column: for a coarse pass, where most entries of a
+            # block fall in a few columns and per-entry atomics would queue on them
+            col = tl.where(b > hi, BINS + 1, tl.where(b > lo, 1 + ((b - lo - 1) * BINS) // width, 0))
+            h = tl.histogram(col.to(tl.int32), BINS + 2, mask=valid & ((b > 0) | (b > lo)))
+            cols = tl.arange(0, BINS + 2)
+            tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0)
+        else:
+            inside = valid & (b > lo) & (b <= hi)
+            j = 1 + ((b - lo - 1) * BINS) // width
+            tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside)
+            # every block of a tensor adds to these two counters: no atomic that adds 0 (an
+            # inactive tensor's blocks, or nothing above hi), as they queue on one address
+            below = tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int64), axis=0)
+            above = tl.sum((valid & (b > hi)).to(tl.int64), axis=0)
+            tl.atomic_add(row, below, mask=below > 0)
+            tl.atomic_add(row + BINS + 1, above, mask=above > 0)
 
     @triton.jit
-    def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, lo_ptr, hi_ptr, quota_ptr,
+    def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, TB: tl.constexpr,
+                      CHUNKS: tl.constexpr):
+        # one program: the bucket's finiteness, then every tensor's bracket from its
+        # Laplace fit, (bits(sum|x| / n * factor), bits(max|x|)], or (-1, -1] when not finite
+        # (CHUNKS = cdiv(T, TB), a constexpr: Triton 3.6's interpreter takes no loop over a
+        # runtime count)
+        bad = tl.zeros([TB], dtype=tl.int32)
+        for c in range(CHUNKS):
+            t = c * TB + tl.arange(0, TB)
+            m = t < T
+            a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
+            a_max = tl.load(max_ptr + t, mask=m, other=0.0)
+            bad |= ((a_sum != a_sum) | (tl.abs(a_max) == float("inf")) | (a_max != a_max)).to(tl.int32)
+        finite = (tl.max(bad, axis=0) == 0).to(tl.int64)
+        for c in range(CHUNKS):
+            t = c * TB + tl.arange(0, TB)
+            m = t < T
+            a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
+            a_max = tl.load(max_ptr + t, mask=m, other=0.0)
+            fit = tl.math.div_rn(a_sum, tl.load(n_ptr + t, mask=m, other=1.0)) * factor
+            lo = fit.to(tl.int32, bitcast=True).to(tl.int64)
+            hi = a_max.to(tl.int32, bitcast=True).to(tl.int64)
+            zero = tl.zeros([TB], dtype=tl.int64)
+            tl.store(state_ptr + t, tl.where(finite != 0, lo, zero - 1), mask=m)
+            tl.store(state_ptr + T + t, tl.where(finite != 0, hi, zero - 1), mask=m)
+            tl.store(state_ptr + 2 * T + t, zero, mask=m)
+            tl.store(state_ptr + 3 * T + t, zero, mask=m)
+            tl.store(state_ptr + 4 * T + t, zero + finite, mask=m)
+            tl.store(state_ptr + 5 * T + t, zero, mask=m)
+            tl.store(state_ptr + 6 * T + t, zero + finite, mask=m)
+
+    @triton.jit
+    def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T,
                      above_ptr, band_ptr, out_offset_ptr, idx_ptr,
                      WRITE: tl.constexpr, BLOCK: tl.constexpr):
         # WRITE=False: count the block's entries above hi and in the band (lo, hi];
@@ -89,13 +140,13 @@ def _kernels():
         s = tl.load(segs_ptr + pid)
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)   # bits of |x|
-        lo = tl.load(lo_ptr + s)
-        hi = tl.load(hi_ptr + s)
+        lo = tl.load(state_ptr + s)                          # rows LO = 0, HI = 1, QUOTA = 5
+        hi = tl.load(state_ptr + T + s)
         above = valid & (b > hi)
         band = (valid & (b > lo) & (b <= hi)).to(tl.int64)
         if WRITE:
             rank = tl.load(band_ptr + pid) + tl.cumsum(band, axis=0) - band     # 0-based
-            take = above | ((band > 0) & (rank < tl.load(quota_ptr + s)))
+            take = above | ((band > 0) & (rank < tl.load(state_ptr + 5 * T + s)))
             t = take.to(tl.int64)
             pos = tl.load(out_offset_ptr + pid) + tl.cumsum(t, axis=0) - t
             tl.store(idx_ptr + pos, offs.to(tl.int32), mask=take)
@@ -140,7 +191,39 @@ def _kernels():
         tl.store(state_ptr + 4 * T + s, off.to(tl.int64))
         tl.store(state_ptr + 5 * T + s, target - c_hi)
 
-    return triton, _histogram_kernel, _band_kernel, _pick_kernel
+    @triton.jit
+    def _offsets_kernel(above_ptr, band_ptr, segs_ptr, first_ptr, state_ptr, T, P,
+                        ex_ptr, band_before_ptr, out_start_ptr, result_ptr, CB: tl.constexpr,
+                        CHUNKS: tl.constexpr):
+        # one program, after the count pass: for every block, the band entries before it
+        # within its tensor and where its taken entries go; then [total, FINITE]
+        carry = tl.sum(tl.zeros([CB], dtype=tl.int64), axis=0)     # an int64 scalar, 0
+        for c in range(CHUNKS):                  # the band's exclusive sums, bucket-wide
+            p = c * CB + tl.arange(0, CB)
+            m = p < P
+            band = tl.load(band_ptr + p, mask=m, other=0)
+            tl.store(ex_ptr + p, carry + tl.cumsum(band, axis=0) - band, mask=m)
+            carry += tl.sum(band, axis=0)
+        tl.debug_barrier()                       # ex written before any program reads it
+        carry = tl.sum(tl.zeros([CB], dtype=tl.int64), axis=0)
+        for c in range(CHUNKS):
+            p = c * CB + tl.arange(0, CB)
+            m = p < P
+            seg = tl.load(segs_ptr + p, mask=m, other=0)
+            band = tl.load(band_ptr + p, mask=m, other=0)
+            before = tl.load(ex_ptr + p, mask=m, other=0) - tl.load(
+                ex_ptr + tl.load(first_ptr + seg, mask=m, other=0), mask=m, other=0)
+            quota = tl.load(state_ptr + 5 * T + seg, mask=m, other=0)
+            taken = tl.load(above_ptr + p, mask=m, other=0) + tl.maximum(
+                tl.minimum(quota - before, band), 0)
+            tl.store(band_before_ptr + p, before, mask=m)
+            tl.store(out_start_ptr + p, carry + tl.cumsum(taken, axis=0) - taken, mask=m)
+            carry += tl.sum(taken, axis=0)
+        two = tl.arange(0, 2)
+        tl.store(result_ptr + two, tl.where(two == 0, carry, tl.load(state_ptr + 6 * T)))
+
+    return types.SimpleNamespace(histogram=_histogram_kernel, band=_band_kernel, pick=_pick_kernel,
+                                 start=_start_kernel, offsets=_offsets_kernel)
 
 
 def _magnitude_bits(x):
@@ -177,6 +260,30 @@ def search_start(lo, hi, abs_sum, abs_max):
     return state
 
 
+def search_from_fit_reference(abs_sum, abs_max, n, factor):
+    """:func:`search_from_fit` in torch."""
+    fit = abs_sum.float() / n.float() * torch.tensor(factor, dtype=torch.float32)
+    return search_start(fit.view(torch.int32).to(torch.int64),
+                        abs_max.float().view(torch.int32).to(torch.int64), abs_sum, abs_max)
+
+
+def search_from_fit(abs_sum, abs_max, n, factor, backend=None):
+    """The state of a search that starts every tensor at ``(bits(sum|x| / n * factor),
+    bits(max|x|)]`` (float32 ``[T]`` each; ``factor`` a float, rounded to float32; an
+    IEEE division), with :func:`search_start`'s NaN/Inf rule: one launch of one program
+    where the kernels run, instead of some 35 framework ops."""
+    if pick_backend(abs_sum, backend) == "torch":
+        return search_from_fit_reference(abs_sum, abs_max, n, factor)
+    T = abs_sum.numel()
+    state = torch.empty(7, T, dtype=torch.int64, device=abs_sum.device)
+    count_launch("search_from_fit")
+    tb = max(16, min(1024, 1 << max(T - 1, 1).bit_length()))
+    _kernels().start[(1,)](abs_sum.float().contiguous(), abs_max.float().contiguous(),
+                           n.float().contiguous(), state, T, float(factor), TB=tb,
+                           CHUNKS=-(-T // tb))
+    return state
+
+
 # -- histogram ------------------------------------------------------------------------
 
 def segment_histogram_reference(x, blocks, state, bins):
@@ -198,21 +305,32 @@ def segment_histogram_reference(x, blocks, state, bins):
     return hist.reshape(T, bins + 2)
 
 
-def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None):
+def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None, local=False):
     """int64 ``[T, bins + 2]`` (see the module docstring) of the tensors active in
     ``state`` (the others' rows stay zero and their entries are not read); ``bins + 2``
     must be a power of two.  ``out``: a zeroed buffer to count into (the kernel of
-    :func:`histogram_pick` zeroes it again after reading it)."""
+    :func:`histogram_pick` zeroes it again after reading it).  ``local``: the kernel
+    counts each block in a histogram of its own (``tl.histogram``) and adds its
+    non-empty columns with one atomic each, instead of one atomic per entry in the
+    bracket (for a few columns, where per-entry atomics queue on the same counters).
+    The same counts either way."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return segment_histogram_reference(x, blocks, state, bins)
-    _, kernel, _, _ = _kernels()
     T = blocks.first.numel()
     hist = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device) if out is None else out
     count_launch("segment_histogram")
-    kernel[(blocks.starts.numel(),)](x.reshape(-1), blocks.starts, blocks.stops, blocks.segs,
-                                     state[LO], state[HI], state[ACTIVE], hist,
-                                     BINS=bins, BLOCK=blocks.block)
+    _kernels().histogram[(blocks.starts.numel(),)](
+        x.reshape(-1), blocks.starts, blocks.stops, blocks.segs, _whole(state), T, hist,
+        BINS=bins, BLOCK=blocks.block, LOCAL=bool(local))
     return hist
+
+
+def _whole(state):
+    """The state as the kernels read it: one contiguous int64 ``[7, T]``."""
+    if state.dim() != 2 or state.shape[0] != 7 or not state.is_contiguous():
+        raise ValueError(f"the search state must be a contiguous [7, T] tensor, got shape "
+                         f"{tuple(state.shape)}")
+    return state
 
 
 def histogram_edges(lo, hi, bins):
@@ -255,10 +373,9 @@ def histogram_pick(hist, state, k, slack, bins, backend=None):
     ``slack``, else exactly ``k``).  ``state`` is updated in place; ``hist`` is zeroed."""
     if pick_backend(hist, backend) == "torch":
         return histogram_pick_reference(hist, state, k, slack, bins)
-    _, _, _, kernel = _kernels()
     T = state.shape[1]
     count_launch("histogram_pick")
-    kernel[(T,)](hist, state, k, slack, T, BINS=bins, ROW=bins + 2)
+    _kernels().pick[(T,)](hist, _whole(state), k, slack, T, BINS=bins, ROW=bins + 2)
     return state
 
 
@@ -278,30 +395,38 @@ def band_select_reference(x, blocks, state):
     return torch.nonzero(take).reshape(-1).to(torch.int32), bool(state[FINITE, 0])
 
 
+#: blocks the offsets program takes at once (its loop count, ``cdiv(blocks,
+#: OFFSETS_BLOCK)``, is a compile-time constant: one compile per such count, 1 up to 8M
+#: values in blocks of 4096, 4 for 25M)
+OFFSETS_BLOCK = 2048
+
+
 def band_select(x, blocks, state, backend=None):
     """``(int32 indices, finite)``: per tensor, the entries with ``b > HI`` and the first
     ``QUOTA`` of ``LO < b <= HI``; ``finite`` is the state's ``FINITE`` as a Python bool,
     read back with the output's length (one host synchronisation for both)."""
     if pick_backend(x, backend) == "torch":
         return band_select_reference(x, blocks, state)
-    _, _, kernel, _ = _kernels()
     x = x.reshape(-1)
     programs = blocks.starts.numel()
     above = torch.empty(programs, dtype=torch.int64, device=x.device)
     band = torch.empty(programs, dtype=torch.int64, device=x.device)
-    lo, hi, quota = state[LO], state[HI], state[QUOTA]
+    T = blocks.first.numel()
     count_launch("band_count")
-    kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, quota, above, band,
-                        above, above, WRITE=False, BLOCK=blocks.block)
-    ends = torch.cumsum(band, 0)
-    band_before = ends - band - (ends - band)[blocks.first][blocks.segs]    # within its tensor
-    taken = above + torch.clamp(torch.minimum(quota[blocks.segs] - band_before, band), min=0)
-    out_ends = torch.cumsum(taken, 0)
+    kernels = _kernels()
+    kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, _whole(state), T, above,
+                              band, above, above, WRITE=False, BLOCK=blocks.block)
+    band_before, out_start, scratch, result = (
+        torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
+    count_launch("band_offsets")
+    kernels.offsets[(1,)](above, band, blocks.segs, blocks.first, state, T, programs, scratch,
+                          band_before, out_start, result, CB=OFFSETS_BLOCK,
+                          CHUNKS=-(-programs // OFFSETS_BLOCK))
     # the one host synchronisation: the size of the output allocation (and the flag)
-    total, finite = torch.stack([out_ends[-1], state[FINITE, 0]]).tolist()
+    total, finite = result.tolist()
     idx = torch.empty(total, dtype=torch.int32, device=x.device)
     if total:
         count_launch("band_write")
-        kernel[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, lo, hi, quota, above,
-                            band_before, out_ends - taken, idx, WRITE=True, BLOCK=blocks.block)
+        kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, state, T, above,
+                                  band_before, out_start, idx, WRITE=True, BLOCK=blocks.block)
     return idx, bool(finite)

@@ -68,7 +68,9 @@ def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch, 
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     l4, o4 = one_exchange(4, spec)
     l40, o40 = one_exchange(40, spec)
-    assert l4 == l40 and sum(l4.values()) <= 16, (l4, l40)
+    # (18: the fused search's start and band offsets are launches of their own, in
+    # place of some 55 framework ops)
+    assert l4 == l40 and sum(l4.values()) <= 18, (l4, l40)
     codec = {k: v for k, v in l4.items() if k in CODEC_LAUNCHES[spec] or k.startswith(
         ("twobit", "rangefloat"))}
     assert codec == CODEC_LAUNCHES[spec]

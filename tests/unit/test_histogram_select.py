@@ -11,7 +11,8 @@ import torch
 
 from hvd_compress import kernels as K
 from hvd_compress.buckets import layout
-from hvd_compress.compressors.laplace import HISTOGRAM_BINS, select_histogram
+from hvd_compress.compressors.laplace import (COARSE_BINS, HISTOGRAM_BINS, HISTOGRAM_PASSES,
+                                              select_histogram)
 from hvd_compress.kernels import histogram_select as H
 from hvd_compress.ops import torch_ops
 from hvd_compress.spec import from_spec
@@ -60,15 +61,17 @@ HI = [bits(2.5), -1, bits(3.0), bits(0.5), bits(1.0), bits(1.0) + 3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bins", [14, 2046])
+@pytest.mark.parametrize("bins, local", [(14, False), (2046, False), (14, True), (62, True)])
 @pytest.mark.parametrize("active", [None, [1, 0, 1, 1, 0, 1]])
-def test_segment_histogram_matches_reference_and_counts_above_its_edges(dtype, bins, active):
+def test_segment_histogram_matches_reference_and_counts_above_its_edges(dtype, bins, local,
+                                                                        active):
+    """Both ways of counting (an atomic per entry; a histogram per block, ``local``)."""
     x = make("laplace", sum(LENGTHS)).to(dtype)
     x[7000:7100] = 0.5                           # ties on a bracket end
     x[10] = 0.0
     blocks = H.block_table(LENGTHS, x.device, block=1024)
     state = state_for(LENGTHS, LO, HI, active)
-    got = H.segment_histogram(x, blocks, state, bins, backend="triton")
+    got = H.segment_histogram(x, blocks, state, bins, backend="triton", local=local)
     want = H.segment_histogram_reference(x, blocks, state, bins)
     assert got.dtype == torch.int64 and torch.equal(got, want)
     above = torch.flip(torch.cumsum(torch.flip(want, [1]), 1), [1])   # count(> E_j)
@@ -113,10 +116,12 @@ def test_histogram_pick_matches_reference(start):
         assert bool((s_ref[H.HI] - s_ref[H.LO] >= 0).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_band_select_matches_reference(dtype):
+@pytest.mark.parametrize("dtype, block", [(torch.float32, 1024), (torch.float16, 1024),
+                                          (torch.float32, 8)])
+def test_band_select_matches_reference(dtype, block):
+    """(block 8: more blocks than the offsets program takes at once, OFFSETS_BLOCK)"""
     x = make("ties", sum(LENGTHS)).to(dtype)
-    blocks = H.block_table(LENGTHS, x.device, block=1024)
+    blocks = H.block_table(LENGTHS, x.device, block=block)
     state = state_for(LENGTHS, [bits(1.0), -1, 0, bits(2.0), 0, bits(1.0)],
                       [bits(2.0), -1, bits(3.0), bits(2.0), bits(3.0), bits(2.0)])
     state[H.QUOTA] = torch.tensor([3, 0, 1000, 50, 2, 0], device=DEVICE)
@@ -232,7 +237,7 @@ def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch, 
     l4, o4 = one_exchange(4, spec)
     l40, o40 = one_exchange(40, spec)
     assert l4 == l40 and sum(l4.values()) <= 14, (l4, l40)
-    assert l4["segment_histogram"] == 4 and l4["histogram_pick"] == 4
+    assert l4["segment_histogram"] == len(HISTOGRAM_PASSES) == l4["histogram_pick"]
     assert sum(o4.values()) == sum(o40.values()), set(o40.items()) ^ set(o4.items())
 
 
@@ -248,9 +253,37 @@ def test_the_default_paths_sort_a_bucket_once(monkeypatch, spec):
 
 
 def test_histogram_bins_fit_a_power_of_two_row():
-    row = HISTOGRAM_BINS + 2
-    assert row & (row - 1) == 0
-    assert HISTOGRAM_BINS ** 3 >= 2 ** 31             # 4 passes collapse any bracket
+    for bins in HISTOGRAM_PASSES:
+        row = bins + 2
+        assert row & (row - 1) == 0
+    assert math.prod(HISTOGRAM_PASSES) >= 2 ** 31     # the passes collapse any bracket
+    assert HISTOGRAM_PASSES[0] <= COARSE_BINS < HISTOGRAM_PASSES[1]   # coarse, then fine
+
+
+@pytest.mark.parametrize("T", [1, 6, 1500])
+@pytest.mark.parametrize("special", [None, "nan", "inf", "overflow"])
+def test_search_from_fit_matches_reference(T, special):
+    """The search's start, one program on the device: the Laplace fit's bracket per
+    tensor (an IEEE division), and every entry selected after a NaN/Inf (T past one
+    program's block of tensors too)."""
+    g = torch.Generator().manual_seed(T)
+    sums = (torch.rand(T, generator=g) * 1e3).to(DEVICE)
+    peaks = (torch.rand(T, generator=g) * 10).to(DEVICE)
+    n = torch.randint(1, 10 ** 6, (T,), generator=g).float().to(DEVICE)
+    if special == "nan":
+        sums[T - 1] = float("nan")
+    elif special == "inf":
+        peaks[T // 2] = float("inf")
+    elif special == "overflow":                  # a finite sum past float32: inf, still finite
+        sums[0] = float("inf")
+    factor = 0.5 * math.log(1 / 0.01)
+    want = H.search_from_fit_reference(sums, peaks, n, factor)
+    got = H.search_from_fit(sums, peaks, n, factor, backend="triton")
+    assert torch.equal(got, want)
+    finite = special in (None, "overflow")
+    assert bool((want[H.FINITE] == int(finite)).all()) and bool((want[H.ACTIVE] == int(finite)).all())
+    if not finite:
+        assert bool((want[H.LO] == -1).all()) and bool((want[H.HI] == -1).all())
 
 
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01", "laplace_topk:density=0.01,exact=1",

@@ -196,18 +196,20 @@ def bucket_blocks(layout, like):
     return segmented.block_table(layout.numels, like.device)
 
 
-def search_start(lo_bits, hi_bits, abs_sum, abs_max):
-    """The fused search's state with brackets ``(lo, hi]`` (bits); every entry selected
-    when the bucket holds a NaN or Inf (from its ``sum|x|`` and ``max|x|``)."""
+def search_start(abs_sum, abs_max, n, factor):
+    """The fused search's state, every tensor's bracket ``(bits(sum|x| / n * factor),
+    bits(max|x|)]`` (one launch on CUDA); every entry selected when the bucket holds a
+    NaN or Inf (from its ``sum|x|`` and ``max|x|``)."""
     from ...kernels import histogram_select
-    return histogram_select.search_start(lo_bits, hi_bits, abs_sum, abs_max)
+    return histogram_select.search_from_fit(abs_sum, abs_max, n, factor)
 
 
-def segment_histogram(flat, blocks, state, bins, out):
+def segment_histogram(flat, blocks, state, bins, out, local=False):
     """int64 ``[T, bins + 2]`` magnitude histogram of the tensors active in ``state``
-    (Triton on CUDA), counted into the zeroed ``out`` when given."""
+    (Triton on CUDA), counted into the zeroed ``out`` when given; ``local``: a
+    histogram per block, then an atomic per non-empty column (for a few columns)."""
     from ...kernels import histogram_select
-    return histogram_select.segment_histogram(flat, blocks, state, bins, out)
+    return histogram_select.segment_histogram(flat, blocks, state, bins, out, local=local)
 
 
 def histogram_pick(hist, state, k, slack, bins):
