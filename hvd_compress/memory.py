@@ -131,14 +131,17 @@ class TorchStore:
         self._spares[key] = value
 
     def next_count(self, key):
-        """Return the counter ``key`` (from 0) and increment it."""
-        import torch
-        value = self.get(key, lambda: torch.zeros((), dtype=torch.int64))
+        """Return the counter ``key`` (from 0) and increment it.  Held as a Python int (a
+        tensor after :meth:`load_state_dict`, read once), so that counting a bucket's
+        tensors costs no tensor op per tensor; :meth:`state_dict` gives int64 tensors."""
+        value = int(self.get(key, lambda: 0))
         self.set(key, value + 1)
-        return int(value)
+        return value
 
     def state_dict(self):
-        return {k: v.detach().clone() for k, v in self._tensors.items()}
+        import torch
+        return {k: v.detach().clone() if hasattr(v, "detach")
+                else torch.tensor(v, dtype=torch.int64) for k, v in self._tensors.items()}
 
     def load_state_dict(self, state):
         import torch

@@ -65,6 +65,15 @@ class CodesAndScales(Compressor):
         where there is no such path."""
         return None
 
+    @staticmethod
+    def bucket_flags(x, lay, ops):
+        """``(sum|x|, max|x|, bad)`` per tensor of a bucket, one segmented pass: ``bad``
+        (int32) 1 where the tensor holds NaN (its sum of magnitudes is NaN) or Inf (its
+        max), left on the device."""
+        abs_sum, abs_max = ops.segment_abs_sum_max(x, lay)
+        bad = ops.cast((abs_sum != abs_sum) | (abs_max == float("inf")), ops.int32)
+        return abs_sum, abs_max, bad
+
     def encode_checked(self, flat, ctx, ops, step):
         # where the bucket kernels run, their own NaN/Inf flags, left on the device (error
         # feedback obeys them there: memory.NonFinite); elsewhere one check on the host

@@ -56,6 +56,35 @@ class OneBit(CodesAndScales):
     def decode_one(self, codes, scales, n, ops):
         return ops.onebit_decode_sum(codes, scales, n)
 
+    def bucket_levels(self, x, positive, lay, ops, abs_sum):
+        """``[a, b]`` of every tensor of the bucket (float32 ``[T, 2]``), by segment sums:
+        :meth:`levels` for all tensors at once."""
+        numels = ops.layout_constant("numels.int64", lay, lambda: lay.numels, ops.int64, x)
+        ones = ops.to_float32(positive)
+        count_pos = ops.segment_sum(ones, numels)
+        sum_pos = ops.segment_sum(x * ones, numels)
+        sum_neg = ops.segment_sum(x, numels) - sum_pos
+        count_neg = ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32,
+                                        x) - count_pos
+        a = sum_pos / ops.where(count_pos > 0, count_pos, count_pos * 0 + 1.0)
+        b = sum_neg / ops.where(count_neg > 0, count_neg, count_neg * 0 + 1.0)
+        return ops.stack_cols([a, b])
+
+    def encode_bucket(self, flat, lay, ops, step):
+        # where the kernels run: the signs of every tensor in one pack launch, the levels
+        # of every tensor by segment sums, NaN/Inf flagged per tensor on the device
+        if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
+            return None
+        x = ops.to_float32(flat)
+        abs_sum, _, bad = self.bucket_flags(x, lay, ops)
+        levels = self.bucket_levels(x, x >= 0, lay, ops, abs_sum)
+        levels = ops.where(ops.reshape(bad, [-1, 1]) > 0, float("nan"), levels)   # one NaN
+        return ops.onebit_pack_segments(x, lay), ops.reshape(levels, [-1]), bad
+
+    def decode_bucket(self, codes, scales, numels, ops):
+        return ops.onebit_decode_segments(codes, ops.reshape(scales, [ops.length(scales[:, 0]),
+                                                                      -1, 2]), numels)
+
 
 @register
 class SignSGD(OneBit):
@@ -67,3 +96,7 @@ class SignSGD(OneBit):
         abs_sum, _ = ops.abs_sum_max(x)
         a = ops.reshape(abs_sum / float(max(n, 1)), [1])
         return ops.concat([a, -a])
+
+    def bucket_levels(self, x, positive, lay, ops, abs_sum):
+        a = abs_sum / ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32, x)
+        return ops.stack_cols([a, -a])

@@ -32,6 +32,7 @@ alone).  The step is counted per tensor and saved in ``state_dict()``.
 Imports: the standard library; and modules of its own package.
 """
 import os
+import types
 import zlib
 
 from .base import register
@@ -60,11 +61,21 @@ class Stochastic(CodesAndScales):
             raise ValueError(f"rank must be >= 0, got {rank!r}")
         self.rank = None if rank is None else int(rank)
 
+    def _key(self, name):
+        rank = process_rank() if self.rank is None else self.rank
+        return zlib.crc32(f"{self.seed}/{rank}/{name}".encode())
+
     def draws(self, n, ops, step, name, like):
         """``n`` uniform draws for tensor ``name`` at ``step`` on this rank."""
-        rank = process_rank() if self.rank is None else self.rank
-        key = zlib.crc32(f"{self.seed}/{rank}/{name}".encode())
-        return ops.uniform(n, key, step, like)
+        return ops.uniform(n, self._key(name), step, like)
+
+    def bucket_draws(self, lay, ops, step, like):
+        """Uniform draws of every tensor of the bucket ``lay`` (each with its own key and
+        step), in one launch where the bucket kernels run: a counter-based hash
+        (:mod:`hvd_compress.kernels.uniform_draws`), not the framework's generator that
+        :meth:`draws` uses, so these draws differ from the tensor-by-tensor path's."""
+        steps = step if isinstance(step, list) else [step] * len(lay.names)
+        return ops.uniform_segments(lay, [self._key(n) for n in lay.names], steps, like)
 
 
 @register
@@ -110,6 +121,48 @@ class QSGD(Stochastic):
         values = ops.to_float32(codes) * per_value / float(self.levels)
         return ops.sum_rows(ops.reshape(values, [-1]), n)
 
+    def _block_lengths(self, numels, ops, like):
+        """Every norm block's length, tensor after tensor (the last of a tensor may be
+        short), on the device once per layout."""
+        def lengths():
+            out = []
+            for n in numels:
+                blocks, width = self._blocks(n)
+                out += [width] * (blocks - 1) + [n - (blocks - 1) * width]
+            return out
+        sizes = types.SimpleNamespace(key="sizes", numels=tuple(int(n) for n in numels))
+        return ops.layout_constant(("qsgd.blocks", self.block), sizes, lengths, ops.int64, like)
+
+    def encode_bucket(self, flat, lay, ops, step):
+        # where the kernels run: every tensor's norms, levels and draws in a fixed number
+        # of ops (the norms as sums of squares per block; the draws of bucket_draws)
+        if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
+            return None
+        x = ops.to_float32(flat)
+        _, _, bad = self.bucket_flags(x, lay, ops)
+        lengths = self._block_lengths(lay.numels, ops, x)
+        per_tensor = ops.layout_constant(("qsgd.per", self.block), lay,
+                                         lambda: [self._blocks(n)[0] for n in lay.numels],
+                                         ops.int64, x)
+        norms = ops.segment_sum(x * x, lengths) ** 0.5
+        norms = ops.where(ops.repeat_interleave(bad, per_tensor, ops.length(lengths)) > 0,
+                          float("nan"), norms)
+        norm = ops.repeat_interleave(norms, lengths, lay.total)
+        u = ops.abs(x) / ops.where(norm > 0, norm, norm * 0 + 1.0) * float(self.levels)
+        frac = u % 1.0
+        level = (u - frac) + ops.cast(self.bucket_draws(lay, ops, step, x) < frac, ops.float32)
+        codes = ops.cast(ops.where(x < 0, -level, level), ops.int8)
+        return codes, norms, bad
+
+    def decode_bucket(self, codes, scales, numels, ops):
+        if not ops.bucket_codec_kernels(codes):
+            return None
+        lengths = self._block_lengths(numels, ops, codes)
+        per_value = ops.repeat_interleave(ops.reshape(scales, [-1]), ops.concat(
+            [lengths] * ops.length(scales[:, 0])), ops.length(codes[0]) * ops.length(scales[:, 0]))
+        values = ops.to_float32(ops.reshape(codes, [-1])) * per_value / float(self.levels)
+        return ops.sum_rows(values, ops.length(codes[0]))
+
 
 @register
 class TernGrad(Stochastic):
@@ -132,3 +185,22 @@ class TernGrad(Stochastic):
 
     def decode_one(self, codes, scales, n, ops):
         return decode_twobit(codes, scales, n, ops)
+
+    def encode_bucket(self, flat, lay, ops, step):
+        # where the kernels run: every tensor's s from one segmented pass, the draws of
+        # bucket_draws, one pack launch (twobit's kernel, which flags NaN/Inf)
+        if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
+            return None
+        x = ops.to_float32(flat)
+        _, s = ops.segment_abs_sum_max(x, lay)
+        s = ops.where(s > 0, s, 0 * s + 1.0)           # all zero: every code is 0
+        numels = ops.layout_constant("numels.int64", lay, lambda: lay.numels, ops.int64, x)
+        keep = self.bucket_draws(lay, ops, step, x) < ops.abs(x) / ops.repeat_interleave(
+            s, numels, lay.total)
+        ternary = ops.where(keep, ops.where(x < 0, x * 0 - 1.0, x * 0 + 1.0), x * 0)
+        ones = ops.layout_constant("ones", lay, lambda: [1.0] * len(lay.numels), ops.float32, x)
+        words, bad = ops.twobit_pack_segments(ternary, lay, ones)
+        return words, ops.where(bad > 0, float("nan"), s), bad   # NaN: not finite
+
+    def decode_bucket(self, codes, scales, numels, ops):
+        return ops.twobit_decode_segments(codes, scales, numels)

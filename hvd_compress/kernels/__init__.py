@@ -21,3 +21,5 @@ from . import segmented  # noqa: F401,E402
 from . import histogram_select  # noqa: F401,E402
 from . import rangefloat_segments  # noqa: F401,E402
 from . import flagged_copy  # noqa: F401,E402
+from . import onebit  # noqa: F401,E402
+from . import uniform_draws  # noqa: F401,E402

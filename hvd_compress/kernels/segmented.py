@@ -15,17 +15,19 @@ Python loop over tensors:
   compaction of one in index order).  Integer atomics: exact, so deterministic.
 - ``segment_ids(lengths)``: the segment of every entry (int32).
 - ``block_table(lengths, device)``: the blocks that never straddle two segments, on the
-  device once per bucket layout, which every bucket kernel of the package walks.
+  device once per bucket layout, which every bucket kernel of the package walks;
+  ``word_table(lengths, per_word, ...)`` the same over packed codes (twobit, onebit).
 
 Compaction with a threshold per segment is :func:`kernels.compact.compact_above` with
 ``segment_ids`` (the same two-pass kernel, the threshold read per entry).
 
-Imports: the standard library, torch; on first use, Triton; and modules of its own
+Imports: the standard library, numpy, torch; on first use, Triton; and modules of its own
 package.
 """
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
@@ -132,6 +134,30 @@ def block_table(lengths, device, block=4096):
         table = Blocks(*(torch.tensor(v, dtype=torch.int64, device=device) for v in lists),
                        block=key[1])
         _DEVICE_BLOCKS[key] = table
+    return table
+
+
+_WORD_TABLES = {}
+
+
+def word_table(lengths, per_word, device, block_words):
+    """``(word blocks, value offsets, word offsets, lengths, total words)`` of a bucket of
+    tensors of ``lengths`` packed ``per_word`` codes a word, each tensor padded to whole
+    words (2-bit codes: 16 an int32; signs: 8 a byte): :class:`Blocks` of the *words*,
+    which the pack and decode kernels walk, and int64 tensors on ``device`` (cached per
+    lengths, packing, block and device: copied there once)."""
+    key = (tuple(int(n) for n in lengths), int(per_word), int(block_words), str(device))
+    table = _WORD_TABLES.get(key)
+    if table is None:
+        if len(_WORD_TABLES) > 256:
+            _WORD_TABLES.clear()
+        lengths = key[0]
+        words = [-(-n // per_word) for n in lengths]
+        xoff = np.cumsum([0, *lengths[:-1]])
+        woff = np.cumsum([0, *words[:-1]])
+        as_t = lambda v: torch.as_tensor(np.asarray(v, dtype=np.int64), device=device)  # noqa: E731
+        table = _WORD_TABLES[key] = (block_table(words, device, block_words), as_t(xoff),
+                                     as_t(woff), as_t(lengths), sum(words))
     return table
 
 

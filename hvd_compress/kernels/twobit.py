@@ -287,25 +287,10 @@ def unpack(words, backend=None, block_words=256):
 
 # -- buckets: every tensor in one launch -------------------------------------------------
 
-_TABLES = {}
-
-
 def _segment_table(lengths, device, block_words):
-    """``(word blocks, value offsets, word offsets, lengths, total words)`` of a bucket of
-    tensors of ``lengths`` (cached per lengths, block and device: copied there once)."""
-    key = (lengths, block_words, str(device))
-    table = _TABLES.get(key)
-    if table is None:
-        from .segmented import block_table
-        if len(_TABLES) > 256:
-            _TABLES.clear()
-        words = [-(-n // PER_WORD) for n in lengths]
-        xoff = np.cumsum([0, *lengths[:-1]])
-        woff = np.cumsum([0, *words[:-1]])
-        as_t = lambda v: torch.as_tensor(np.asarray(v, dtype=np.int64), device=device)  # noqa: E731
-        table = _TABLES[key] = (block_table(words, device, block_words), as_t(xoff),
-                                as_t(woff), as_t(lengths), sum(words))
-    return table
+    """:func:`.segmented.word_table` of 2-bit codes (16 a word)."""
+    from .segmented import word_table
+    return word_table(lengths, PER_WORD, device, block_words)
 
 
 def pack_segments_reference(x, lengths, t):

@@ -57,8 +57,9 @@ in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact
 ``histogram_search_supported`` is False and they raise NotImplementedError there);
 bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_segments``,
 ``twobit_decode_segments``, ``rangefloat_encode_segments``, ``rangefloat_decode_segments``,
-``rangefloat_decode_sum``: PyTorch's Triton path; elsewhere they return None and the
-codecs go tensor by tensor);
+``rangefloat_decode_sum``, ``onebit_pack_segments``, ``onebit_decode_segments``, and the
+stochastic quantizers' ``uniform_segments`` and ``segment_sum``: PyTorch's Triton path;
+elsewhere they return None or raise, and the codecs go tensor by tensor);
 aggregation-aware exchange (``unique_sorted``, ``ones_like``).  ``twobit_decode_sum``,
 ``rangefloat_decode_ranks``, ``segment_abs_topk`` (each tensor's top-k of ``|x|`` and
 the bucket's finiteness from one selection: CPU, and PyTorch CUDA for a bucket of

@@ -56,6 +56,17 @@ CODEC_LAUNCHES = {
                           "rangefloat_decode_sum": 2, "copy_if_flagged": 1},
     SPARSE: {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
              "rangefloat_decode_segments": 2},
+    # the stochastic quantizers: the draws of a whole bucket in one launch (a counter-based
+    # hash); TernGrad packs and decodes with twobit's bucket kernels
+    "qsgd": {"segment_abs_sum_max": 1, "uniform_segments": 1},
+    "terngrad": {"segment_abs_sum_max": 1, "uniform_segments": 1, "twobit_pack_segments": 1,
+                 "twobit_decode_segments": 1},
+    # 1-bit signs: one pack launch, one decode launch for every rank (and error feedback's
+    # own), the levels by segment sums
+    "onebit": {"segment_abs_sum_max": 1, "onebit_pack_segments": 1, "onebit_decode_segments": 2,
+               "copy_if_flagged": 1},
+    "signsgd": {"segment_abs_sum_max": 1, "onebit_pack_segments": 1,
+                "onebit_decode_segments": 2, "copy_if_flagged": 1},
 }
 
 
@@ -72,7 +83,7 @@ def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch, 
     # place of some 55 framework ops)
     assert l4 == l40 and sum(l4.values()) <= 18, (l4, l40)
     codec = {k: v for k, v in l4.items() if k in CODEC_LAUNCHES[spec] or k.startswith(
-        ("twobit", "rangefloat"))}
+        ("twobit", "rangefloat", "uniform", "onebit"))}
     assert codec == CODEC_LAUNCHES[spec]
     assert o4 == o40, set(o40.items()) ^ set(o4.items())
 
@@ -328,7 +339,8 @@ def test_single_tensor_on_the_kernel_path(spec, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/malformed.py makes CPU tensors: "
                     "the kernels run on those only in the interpreter (no GPU)")
 @pytest.mark.parametrize("spec", ["twobit", "rangefloat:bits=8",
-                                  "topk:density=0.1,values=rangefloat8"])
+                                  "topk:density=0.1,values=rangefloat8", "qsgd", "terngrad",
+                                  "onebit", "signsgd"])
 def test_malformed_payloads_on_the_kernel_path_fail_as_on_the_torch_path(spec, monkeypatch):
     """Every mutation of tests/malformed.py: a clear error naming the compressor, or
     well formed, exactly as on the torch path."""
@@ -343,7 +355,9 @@ def test_malformed_payloads_on_the_kernel_path_fail_as_on_the_torch_path(spec, m
 
 
 @pytest.mark.parametrize("spec", ["twobit", "twobit:scale=2,ef=0", "rangefloat:bits=8",
-                                  "rangefloat:bits=6", SPARSE])
+                                  "rangefloat:bits=6", SPARSE, "qsgd", "qsgd:block=7,ef=1",
+                                  "terngrad", "terngrad:ef=1", "onebit", "signsgd",
+                                  "signsgd:ef=0"])
 def test_kernel_path_bucket_equals_kernel_path_tensor_by_tensor(spec, monkeypatch):
     """On the kernel path, a bucket's aggregate and residuals are those of compressing
     its tensors one by one (tensors below one block: the same sums of |r|, but see

@@ -58,6 +58,27 @@ def twobit_pack_segments(flat, layout, t):
     raise NotImplementedError("twobit_pack_segments runs on PyTorch tensors only")
 
 
+def onebit_pack_segments(flat, layout):
+    """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
+    raise NotImplementedError("onebit_pack_segments runs on PyTorch tensors only")
+
+
+def onebit_decode_segments(codes, scales, lengths):
+    """No bucket fast path in TensorFlow: the 1-bit decoder goes tensor by tensor."""
+    return None
+
+
+def uniform_segments(layout, seeds, steps, like):
+    """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
+    raise NotImplementedError("uniform_segments runs on PyTorch tensors only")
+
+
+def segment_sum(values, lengths):
+    """float32 sums of consecutive runs of ``values`` of ``lengths``."""
+    ids = _tf.repeat(_tf.range(_tf.size(lengths)), _tf.cast(lengths, _tf.int32))
+    return _tf.math.segment_sum(_tf.cast(values, _tf.float32), ids)
+
+
 def twobit_decode_segments(words, scales, lengths):
     """No bucket fast path in TensorFlow: the 2-bit decoder goes tensor by tensor."""
     return None

@@ -265,7 +265,8 @@ def stack_int32(values, like):
     return _tf.stack([_tf.cast(v, _tf.int32) for v in values])
 
 
-def repeat_interleave(values, repeats):
+def repeat_interleave(values, repeats, total=None):
+    """``values[i]`` repeated ``repeats[i]`` times (``total``, their sum, is not needed)."""
     return _tf.repeat(values, _tf.cast(repeats, _tf.int64))
 
 

@@ -7,13 +7,15 @@ fixed number of int64 torch ops and at most one host synchronisation.  On the CP
 same hash runs as uint32 numpy in cache-sized chunks (8x faster than the int64 torch
 ops at 25M values here) and the selection loops over tensors, where a loop is cheap.
 
-May import: torch, numpy, ``core``; lazily, :mod:`hvd_compress.kernels` (which path).
+May import: torch, numpy, ``core``, :mod:`hvd_compress.kernels.uniform_draws` (the
+hash in numpy); lazily, :mod:`hvd_compress.kernels` (which path).
 """
 import math as _math
 
 import numpy as _np
 import torch as _torch
 
+from ...kernels.uniform_draws import hash32_np as _np_hash32
 from .core import _cached, _constant, _host_list, _mix, _segment_table, _starts
 
 # A counter-based generator in int64 torch ops, so that the draws of a whole bucket are a
@@ -58,16 +60,6 @@ def _keys53(j, lo, hi):
 
 
 _CHUNK = 1 << 16                      # uint32 entries a chunk: 256 KiB, in cache
-
-
-def _np_hash32(x):
-    """:func:`_hash32` of a uint32 numpy array, in place (uint32 products wrap mod 2^32)."""
-    x ^= x >> _np.uint32(16)
-    x *= _np.uint32(0x7FEB352D)
-    x ^= x >> _np.uint32(15)
-    x *= _np.uint32(0x846CA68B)
-    x ^= x >> _np.uint32(16)
-    return x
 
 
 def _host_keys(j, words, seg=None, full=True):

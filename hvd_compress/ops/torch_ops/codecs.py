@@ -6,7 +6,7 @@ May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
-from .core import subtract as _subtract
+from .core import _host_list, _mix, subtract as _subtract
 
 
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
@@ -71,6 +71,23 @@ def twobit_pack_segments(flat, layout, t):
     :func:`bucket_codec_kernels`)."""
     from ...kernels import twobit
     return twobit.pack_segments(flat, layout.numels, t)
+
+
+def uniform_segments(layout, seeds, steps, like):
+    """float32 draws in [0, 1) of every entry of the bucket ``layout``, tensor ``s``
+    drawing with ``(seeds[s], steps[s])`` (host ints; counter-based, so a tensor draws the
+    same alone as in any bucket), one launch (:mod:`hvd_compress.kernels.uniform_draws`);
+    where :func:`bucket_codec_kernels`."""
+    from ...kernels import uniform_draws
+    words = [_mix(seed, int(step)) for seed, step in zip(seeds, steps)]
+    pairs = _host_list([[w & 0xFFFFFFFF, w >> 32] for w in words], like.device)
+    return uniform_draws.uniform_segments(layout.numels, pairs, like.device)
+
+
+def segment_sum(values, lengths):
+    """float32 sums of consecutive runs of ``values`` of ``lengths`` (int64 on the
+    device, each >= 1, summing to the length of ``values``), in a fixed order."""
+    return _torch.segment_reduce(values.float(), "sum", lengths=lengths, unsafe=True)
 
 
 def twobit_decode_segments(words, scales, lengths):
@@ -266,14 +283,36 @@ def _bit_table(device):
 def onebit_decode_sum(words, scales, n):
     """``sum_r (scales[r, 0] where bit else scales[r, 1])`` over the first ``n`` bits of
     each rank's row of ``words`` (ranks, w) uint8: a table of 256 x 8 values per rank,
-    gathered by byte (no per-bit shifts)."""
+    gathered by byte (no per-bit shifts); where the kernels run, one launch of the bucket
+    decoder for this one tensor (as a bucket's tensors are decoded)."""
     words = words.reshape(words.shape[0], -1) if words.dim() > 1 else words.reshape(1, -1)
     ranks = words.shape[0]
+    fast = onebit_decode_segments(words, scales.reshape(ranks, 1, 2), (n,))
+    if fast is not None:
+        return fast
     tables = _torch.where(_bit_table(words.device)[None], scales[:, 0, None, None],
                           scales[:, 1, None, None])                      # (ranks, 256, 8)
     rows = _torch.arange(ranks, device=words.device)[:, None]
     values = tables[rows, words.long()].reshape(ranks, -1)[:, :n]         # (ranks, n)
     return values.sum(0)
+
+
+def onebit_pack_segments(flat, layout):
+    """uint8 signs (``>= 0``) of every tensor of the bucket, each padded to whole bytes,
+    end to end as tensor by tensor (one launch; where :func:`bucket_codec_kernels`)."""
+    from ...kernels import onebit
+    return onebit.pack_segments(flat, layout.numels)
+
+
+def onebit_decode_segments(codes, scales, lengths):
+    """Optional fast path of the 1-bit bucket decoder: every rank's bytes of a bucket of
+    tensors of ``lengths`` (``(ranks, bytes)``), ``scales`` ``(ranks, T, 2)`` (what a set
+    and a clear bit stand for), summed over the ranks in one launch where
+    :func:`bucket_codec_kernels`; None elsewhere."""
+    from ...kernels import onebit, pick_backend
+    if pick_backend(codes) != "triton":
+        return None
+    return onebit.decode_segments(codes, scales, lengths)
 
 
 # -- low-rank products (powersgd) --------------------------------------------------------

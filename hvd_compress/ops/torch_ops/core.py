@@ -335,8 +335,10 @@ def stack_int32(values, like):
                          for v in values]).to(like.device)
 
 
-def repeat_interleave(values, repeats):
-    return _torch.repeat_interleave(values, repeats.to(_torch.int64))
+def repeat_interleave(values, repeats, total=None):
+    """``values[i]`` repeated ``repeats[i]`` times; ``total`` (their sum, when the host
+    knows it) spares CUDA the synchronisation that sizes the output."""
+    return _torch.repeat_interleave(values, repeats.to(_torch.int64), output_size=total)
 
 
 def constant(array, like):
