@@ -32,9 +32,10 @@ The same two kernels code a single tensor for :mod:`.rangefloat` (``encode_flat`
 Tables: programs walk blocks of ``block`` values (a multiple of every group size) that
 never straddle two segments.  Counts known on the host (a bucket's layout): the table of
 :func:`.segmented.block_table`, built once per layout.  Counts on the device (a
-sparse selection's per-tensor counts, or the gathered headers): computed there by a
-fixed number of torch ops over an upper bound of ``ceil(n / block) + segments`` blocks
-(the surplus blocks are empty).
+sparse selection's per-tensor counts, or the gathered headers): computed there in two
+launches (:func:`.segmented.device_blocks`: a scan program, then a binary search per
+block; some 23 torch ops elsewhere) over an upper bound of ``ceil(n / block) +
+segments`` blocks (the surplus blocks are empty).
 
 Imports: the standard library, numpy, torch; on first use, Triton; and modules of its
 own package.
@@ -205,22 +206,12 @@ def host_table(lengths, g, device, block=BLOCK):
 
 def device_table(counts, n, g, block=BLOCK):
     """:class:`Table` and total groups (a 0-d device tensor) of segments of ``counts``
-    (int64 on the device, ``>= 0``, summing to ``n``): a fixed number of torch ops, no
-    host synchronisation; ``ceil(n / block) + len(counts)`` blocks, the surplus empty."""
-    counts = counts.to(torch.int64).reshape(-1)
-    segments = counts.numel()
-    ends = torch.cumsum(counts, 0)
-    vstart = ends - counts
-    groups = (counts + (g - 1)) // g
-    gends = torch.cumsum(groups, 0)
-    per = (counts + (block - 1)) // block                      # blocks per segment
-    block_ends = torch.cumsum(per, 0)
-    b = torch.arange(-(-n // block) + segments, dtype=torch.int64, device=counts.device)
-    seg = torch.searchsorted(block_ends, b, right=True)        # the segment of block b
-    s = seg.clamp_(max=segments - 1)
-    starts = vstart[s] + (b - (block_ends[s] - per[s])) * block
-    stops = torch.where(b < block_ends[-1], ends[s], starts)   # beyond the last: empty
-    return Table(starts, stops, s, vstart, gends - groups), gends[-1]
+    (int64 on the device, ``>= 0``, summing to ``n``): no host synchronisation, two
+    launches on CUDA (:func:`.segmented.device_blocks`); ``ceil(n / block) + len(counts)``
+    blocks, the surplus empty."""
+    from .segmented import device_blocks
+    starts, stops, segs, vstart, gstart, groups = device_blocks(counts.reshape(-1), n, g, block)
+    return Table(starts, stops, segs, vstart, gstart), groups
 
 
 # -- the exponent of each segment -------------------------------------------------------

@@ -64,7 +64,50 @@ def _kernels():
         above = (a[:, None] > t) & valid[:, None]
         tl.atomic_add(counts_ptr + cell, above.to(tl.int32), mask=above)
 
-    return triton, _block_abs_sum_max_kernel, _segment_count_above_kernel
+    @triton.jit
+    def _table_scan_kernel(counts_ptr, T, ends_ptr, bends_ptr, vstart_ptr, gstart_ptr,
+                           groups_ptr, G: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr):
+        # one program: the segments' exclusive and inclusive sums (values, blocks, groups)
+        t = tl.arange(0, TB)
+        live = t < T
+        c = tl.load(counts_ptr + t, mask=live, other=0).to(tl.int64)
+        ends = tl.cumsum(c, axis=0)
+        groups = (c + (G - 1)) // G
+        gends = tl.cumsum(groups, axis=0)
+        tl.store(ends_ptr + t, ends, mask=live)
+        tl.store(bends_ptr + t, tl.cumsum((c + (BLOCK - 1)) // BLOCK, axis=0), mask=live)
+        tl.store(vstart_ptr + t, ends - c, mask=live)
+        tl.store(gstart_ptr + t, gends - groups, mask=live)
+        tl.store(groups_ptr, tl.sum(groups, axis=0))
+
+    @triton.jit
+    def _table_blocks_kernel(ends_ptr, bends_ptr, vstart_ptr, T, nb, starts_ptr, stops_ptr,
+                             segs_ptr, BLOCK: tl.constexpr, BB: tl.constexpr,
+                             STEPS: tl.constexpr):
+        # block b's segment: the number of segments whose blocks end at or before b (a
+        # binary search of STEPS = ceil(log2(T + 1)) halvings), then where it starts
+        b = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
+        lo = tl.zeros([BB], dtype=tl.int64)
+        hi = lo + T
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            below = tl.load(bends_ptr + mid, mask=mid < hi, other=0) <= b
+            go_up = (mid < hi) & below
+            lo = tl.where(go_up, mid + 1, lo)
+            hi = tl.where(go_up | (mid >= hi), hi, mid)
+        s = tl.minimum(lo, T - 1)
+        be = tl.load(bends_ptr + s)
+        first = tl.load(vstart_ptr + s)
+        per = (tl.load(ends_ptr + s) - first + (BLOCK - 1)) // BLOCK
+        starts = first + (b - (be - per)) * BLOCK
+        stops = tl.where(b < tl.load(bends_ptr + T - 1), tl.load(ends_ptr + s), starts)
+        m = b < nb
+        tl.store(starts_ptr + b, starts, mask=m)
+        tl.store(stops_ptr + b, stops, mask=m)
+        tl.store(segs_ptr + b, s, mask=m)
+
+    return (triton, _block_abs_sum_max_kernel, _segment_count_above_kernel, _table_scan_kernel,
+            _table_blocks_kernel)
 
 
 def _lengths(lengths, device):
@@ -168,7 +211,7 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096):
         raise ValueError(f"segment lengths {lengths[:8]}... must be >= 1 and sum to {x.numel()}")
     if pick_backend(x, backend) == "torch":
         return segment_abs_sum_max_reference(x, lengths)
-    triton, kernel, _ = _kernels()
+    triton, kernel = _kernels()[:2]
     x = x.reshape(-1).contiguous()
     blocks = block_table(lengths, x.device, block)
     programs = blocks.starts.numel()
@@ -204,7 +247,7 @@ def segment_count_above(a, seg, thresholds, backend=None, block=None):
         raise ValueError(f"thresholds must be [segments, G], got shape {tuple(thresholds.shape)}")
     if pick_backend(a, backend) == "torch" or a.numel() == 0:
         return segment_count_above_reference(a, seg, thresholds)
-    triton, _, kernel = _kernels()
+    triton, kernel = _kernels()[0], _kernels()[2]
     T, G = thresholds.shape
     g_pad = max(2, triton.next_power_of_2(G))
     thr = torch.full((T, g_pad), float("inf"), dtype=torch.float32, device=a.device)
@@ -216,3 +259,54 @@ def segment_count_above(a, seg, thresholds, backend=None, block=None):
     kernel[(triton.cdiv(a.numel(), block),)](a, seg.reshape(-1).contiguous(), thr, counts,
                                              a.numel(), G=g_pad, BLOCK=block)
     return counts[:, :G].to(torch.int64)
+
+
+# -- a block table from segment lengths known on the device only -------------------------
+
+#: segments at most for :func:`device_blocks`' kernels (one program scans them all)
+DEVICE_BLOCKS_MAX_SEGMENTS = 4096
+
+
+def device_blocks_reference(counts, n, g, block):
+    """:func:`device_blocks` in torch ops (a fixed number, no host synchronisation)."""
+    counts = counts.to(torch.int64).reshape(-1)
+    segments = counts.numel()
+    ends = torch.cumsum(counts, 0)
+    vstart = ends - counts
+    groups = (counts + (g - 1)) // g
+    gends = torch.cumsum(groups, 0)
+    per = (counts + (block - 1)) // block                      # blocks per segment
+    block_ends = torch.cumsum(per, 0)
+    b = torch.arange(-(-n // block) + segments, dtype=torch.int64, device=counts.device)
+    seg = torch.searchsorted(block_ends, b, right=True)        # the segment of block b
+    s = seg.clamp_(max=segments - 1)
+    starts = vstart[s] + (b - (block_ends[s] - per[s])) * block
+    stops = torch.where(b < block_ends[-1], ends[s], starts)   # beyond the last: empty
+    return starts, stops, s, vstart, gends - groups, gends[-1]
+
+
+def device_blocks(counts, n, g, block, backend=None):
+    """``(starts, stops, segs, vstart, gstart, groups)`` of segments of ``counts`` (int64
+    on the device, ``>= 0``, summing to ``n``, a host int): blocks of ``block`` values
+    that never straddle two segments, ``ceil(n / block) + len(counts)`` of them (the
+    surplus empty, ``start == stop``), each segment's first value and first group of
+    ``g`` values, and the groups in all (a 0-d device tensor).  Two launches (kernels on
+    CUDA, up to :data:`DEVICE_BLOCKS_MAX_SEGMENTS` segments), no host synchronisation;
+    the reference's torch ops elsewhere."""
+    segments = counts.numel()
+    if pick_backend(counts, backend) == "torch" or not 0 < segments <= DEVICE_BLOCKS_MAX_SEGMENTS:
+        return device_blocks_reference(counts, n, g, block)
+    triton, _, _, scan, blocks_kernel = _kernels()
+    dev = counts.device
+    ends, bends, vstart, gstart = torch.empty(4, segments, dtype=torch.int64, device=dev)
+    groups = torch.empty((), dtype=torch.int64, device=dev)
+    count_launch("segment_table_scan")
+    scan[(1,)](counts.reshape(-1).contiguous(), segments, ends, bends, vstart, gstart, groups,
+               G=g, BLOCK=block, TB=triton.next_power_of_2(segments))
+    nb = -(-n // block) + segments
+    starts, stops, segs = torch.empty(3, nb, dtype=torch.int64, device=dev)
+    count_launch("segment_table_blocks")
+    bb = 256
+    blocks_kernel[(triton.cdiv(nb, bb),)](ends, bends, vstart, segments, nb, starts, stops, segs,
+                                          BLOCK=block, BB=bb, STEPS=segments.bit_length())
+    return starts, stops, segs, vstart, gstart, groups
