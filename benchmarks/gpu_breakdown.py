@@ -192,7 +192,8 @@ def search_rows(args):
     from hvd_compress.ops import torch_ops
     variants = {"coarse_then_fine": HISTOGRAM_PASSES, "fine_only": (2046,) * 4}
     rows = []
-    for lname in LAYOUTS:
+    tiny_skip = ("resnet",) if args.tiny else ()     # 72 tensors: slow in the interpreter
+    for lname in [n for n in LAYOUTS if n not in tiny_skip]:
         lay = make_layout(lname, args.tiny)
         flat = common.laplace(torch, lay.total, args.device, seed=5)
         row = {"layout": lname, "tensors": len(lay.numels), "numel": lay.total}

@@ -12,7 +12,8 @@
 #                 training step of GPT-2 small and ResNet-50 on one GPU, backward against
 #                 compress + decompress of every bucket, and two processes through the DDP
 #                 hook on Gloo with CUDA tensors (gpu_step.py); a bucket compress's
-#                 device time kernel by kernel against its wall time (gpu_breakdown.py)
+#                 device time kernel by kernel against its wall time (gpu_breakdown.py);
+#                 the launches and framework ops of a bucket exchange (bucket_ops.py)
 #   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
 #
 # Needs python with torch (and triton for the kernels); installs nothing and uses no
@@ -181,6 +182,8 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
   run_step breakdown 60 "$PY" benchmarks/gpu_breakdown.py --device "$DEVICE" \
     ${DRY:+--tiny --repeat 1} --out "$RESULTS"  # device time by kernel; host overhead
+  run_step "bucket ops" 30 "$PY" benchmarks/bucket_ops.py --device "$DEVICE" \
+    ${DRY:+--specs "twobit;qsgd"} --out "$RESULTS"     # launches and ops a bucket exchange
   run_step "select $SMALL + real" 60 "${SELECT[@]}" --sizes "$SMALL" --inputs laplace,gaussian,student_t2,real \
     --out "$RESULTS/.select_1_small.json"
   run_step profile 60 "${BENCH[@]}" profile --device "$DEVICE" --sizes "$PROF" --repeat "$REPEAT" \
@@ -191,8 +194,8 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,dgc,gaussian_k,sidco_exp \
     --out "$RESULTS/.select_3_100M.json"
 else
-  for s in "select 25M" codecs models "gpu step" breakdown "select 1M,4M + real" profile "codec time" \
-      "select 100M"; do
+  for s in "select 25M" codecs models "gpu step" breakdown "bucket ops" "select 1M,4M + real" \
+      profile "codec time" "select 100M"; do
     skip_step "$s" "no CUDA device"
   done
 fi

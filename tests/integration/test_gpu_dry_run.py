@@ -49,4 +49,10 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert all(row["wall_ms"] > 0 for row in breakdown["compress"])
     assert [row["layout"] for row in breakdown["topk"]] == ["gpt2", "resnet"]
     assert all(row["equal"] for row in breakdown["topk"])     # the sort = a topk per tensor
+    assert [row["layout"] for row in breakdown["search"]] == ["gpt2", "one"]   # tiny
+    assert all(row["exact_equal"] for row in breakdown["search"])   # both pass schedules
+    ops = json.loads(next(tmp_path.glob("bucket_ops_*.json")).read_text())
+    assert {(r["spec"], r["tensors"]) for r in ops["rows"]} == {
+        (s, t) for s in ("twobit", "qsgd") for t in (4, 40)}
+    assert all(r["compress_launches"] > 0 for r in ops["rows"])
     assert "DRY RUN" in r.stdout
