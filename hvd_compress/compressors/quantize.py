@@ -174,14 +174,11 @@ class TwoBit(CodesAndScales):
         # encode_one; the sums' order of additions is the segmented pass's)
         if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
             return None
-        if self.threshold is not None:
-            t = ops.layout_constant(f"twobit.t={self.threshold!r}", lay,
-                                    lambda: [self.threshold] * len(lay.numels), ops.float32, flat)
-        else:
-            abs_sum, _ = ops.segment_abs_sum_max(flat, lay)
-            t = self.scale * abs_sum / ops.layout_constant("numels", lay, lambda: lay.numels,
-                                                           ops.float32, flat)
-        t = ops.where(t > 0, t, 0 * t + 1.0)       # all-zero tensor: every code is 0
+        if self.threshold is None:               # t and the scales in the pack kernel
+            abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
+            return ops.twobit_pack_fit(flat, lay, abs_sum, abs_max, self.scale)
+        t = ops.layout_constant(f"twobit.t={self.threshold!r}", lay,
+                                lambda: [self.threshold] * len(lay.numels), ops.float32, flat)
         words, bad = ops.twobit_pack_segments(flat, lay, t)
         return words, ops.where(bad > 0, t * float("nan"), t), bad   # NaN: not finite
 

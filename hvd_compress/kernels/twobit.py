@@ -62,7 +62,8 @@ def _kernels():
 
     @triton.jit
     def _pack_segments_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, xoff_ptr, woff_ptr,
-                              n_ptr, t_ptr, words_ptr, bad_ptr, BLOCK_W: tl.constexpr):
+                              n_ptr, t_ptr, words_ptr, bad_ptr, sum_ptr, max_ptr, first_ptr,
+                              scale, BLOCK_W: tl.constexpr, FIT: tl.constexpr):
         pid = tl.program_id(0)
         stop = tl.load(stops_ptr + pid)                                      # word ids
         w = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK_W)
@@ -71,7 +72,17 @@ def _kernels():
         local = (w - tl.load(woff_ptr + s))[:, None] * 16 + lane[None, :]   # in the tensor
         valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
         x = tl.load(x_ptr + tl.load(xoff_ptr + s) + local, mask=valid, other=0.0).to(tl.float32)
-        t = tl.load(t_ptr + s)
+        if FIT:
+            # t = scale * sum|x| / n (IEEE, as torch divides), 0 * t + 1 where not > 0 (an
+            # all-zero tensor: 1; NaN stays); the tensor's first block writes its scale: t,
+            # or NaN where sum|x| is NaN or max|x| infinite (a NaN/Inf in the tensor)
+            a_sum = tl.load(sum_ptr + s)
+            t = tl.math.div_rn(scale * a_sum, tl.load(n_ptr + s).to(tl.float32))
+            t = tl.where(t > 0, t, t * 0.0 + 1.0)
+            bad_fit = (a_sum != a_sum) | (tl.load(max_ptr + s) == float("inf"))
+            tl.store(t_ptr + s, tl.where(bad_fit, float("nan"), t), mask=pid == tl.load(first_ptr + s))
+        else:
+            t = tl.load(t_ptr + s)
         code = tl.where(x >= t, 1, tl.where(x <= -t, 2, 0))
         word = tl.sum(code << (2 * lane[None, :]), axis=1)                     # disjoint bits
         tl.store(words_ptr + w, word.to(tl.int32), mask=w < stop)
@@ -331,11 +342,46 @@ def pack_segments(x, lengths, t, backend=None, block_words=256):
     blocks, xoff, woff, n, total = _segment_table(lengths, x.device, block_words)
     words = torch.empty(total, dtype=torch.int32, device=x.device)
     bad = torch.zeros(len(lengths), dtype=torch.int32, device=x.device)
+    t = t.float().reshape(-1).contiguous()
     count_launch("twobit_pack_segments")
     kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
-                                     t.float().reshape(-1).contiguous(), words, bad,
-                                     BLOCK_W=block_words)
+                                     t, words, bad, t, t, blocks.first, 1.0,
+                                     BLOCK_W=block_words, FIT=False)
     return words, bad
+
+
+def pack_fit_reference(x, lengths, abs_sum, abs_max, scale):
+    """:func:`pack_fit`, in torch: the thresholds as twobit computes them, then
+    :func:`pack_segments_reference`."""
+    n = torch.tensor(list(lengths), dtype=torch.float32, device=x.device)
+    t = scale * abs_sum.float() / n
+    t = torch.where(t > 0, t, 0 * t + 1.0)
+    words, bad = pack_segments_reference(x, lengths, t)
+    nonfinite = torch.isnan(abs_sum) | (abs_max == float("inf"))
+    return words, torch.where(nonfinite, torch.full_like(t, float("nan")), t), bad
+
+
+def pack_fit(x, lengths, abs_sum, abs_max, scale, backend=None, block_words=256):
+    """``(words, scales, bad)`` of a bucket with twobit's adaptive thresholds, computed in
+    the pack kernel itself: ``t[s] = scale * sum|x_s| / n_s`` (``abs_sum``, ``abs_max``:
+    float32 ``[T]``, a segmented pass's), 1 where not > 0, packed as
+    :func:`pack_segments`; ``scales`` is ``t``, NaN where the tensor holds NaN/Inf.  One
+    launch where some ten framework ops computed ``t`` and the scales before."""
+    lengths = tuple(int(n) for n in lengths)
+    if pick_backend(x, backend) == "torch":
+        return pack_fit_reference(x, lengths, abs_sum, abs_max, scale)
+    kernel = _kernels()[3]
+    x = x.reshape(-1).contiguous()
+    blocks, xoff, woff, n, total = _segment_table(lengths, x.device, block_words)
+    words = torch.empty(total, dtype=torch.int32, device=x.device)
+    bad = torch.zeros(len(lengths), dtype=torch.int32, device=x.device)
+    scales = torch.empty(len(lengths), dtype=torch.float32, device=x.device)
+    count_launch("twobit_pack_segments")
+    kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
+                                     scales, words, bad, abs_sum.float().contiguous(),
+                                     abs_max.float().contiguous(), blocks.first, float(scale),
+                                     BLOCK_W=block_words, FIT=True)
+    return words, scales, bad
 
 
 def decode_segments(words, scales, lengths, backend=None, block_words=256):

@@ -56,6 +56,7 @@ in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact
 ``segment_histogram``, ``histogram_pick``, ``band_select``, all PyTorch only: TensorFlow's
 ``histogram_search_supported`` is False and they raise NotImplementedError there);
 bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_segments``,
+``twobit_pack_fit``,
 ``twobit_decode_segments``, ``rangefloat_encode_segments``, ``rangefloat_decode_segments``,
 ``rangefloat_decode_sum``, ``onebit_pack_segments``, ``onebit_decode_segments``, and the
 stochastic quantizers' ``uniform_segments`` and ``segment_sum``: PyTorch's Triton path;

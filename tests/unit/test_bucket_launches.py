@@ -52,6 +52,8 @@ def one_exchange(T, spec):
 CODEC_LAUNCHES = {
     "twobit": {"segment_abs_sum_max": 1, "twobit_pack_segments": 1, "twobit_decode_segments": 1,
                "twobit_subtract_segments": 1, "copy_if_flagged": 1},
+    "twobit:threshold=0.5": {"twobit_pack_segments": 1, "twobit_decode_segments": 1,
+                             "twobit_subtract_segments": 1, "copy_if_flagged": 1},
     "rangefloat:bits=8": {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
                           "rangefloat_decode_sum": 2, "copy_if_flagged": 1},
     SPARSE: {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,

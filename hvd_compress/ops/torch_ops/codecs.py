@@ -73,6 +73,15 @@ def twobit_pack_segments(flat, layout, t):
     return twobit.pack_segments(flat, layout.numels, t)
 
 
+def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale):
+    """``(words, scales, bad)``: twobit's adaptive thresholds ``scale * sum|x| / n`` per
+    tensor (1 where not > 0) computed in the pack kernel, the scales NaN where a tensor
+    holds NaN/Inf (``abs_sum``, ``abs_max`` float32 ``[T]``); one launch, where
+    :func:`bucket_codec_kernels`."""
+    from ...kernels import twobit
+    return twobit.pack_fit(flat, layout.numels, abs_sum, abs_max, scale)
+
+
 def uniform_segments(layout, seeds, steps, like):
     """float32 draws in [0, 1) of every entry of the bucket ``layout``, tensor ``s``
     drawing with ``(seeds[s], steps[s])`` (host ints; counter-based, so a tensor draws the
