@@ -64,3 +64,19 @@ def test_stochastic_quantizers_stay_unbiased_on_the_kernel_path(spec, monkeypatc
     err = (runs.mean(0) - g).abs()
     assert bool((err <= 5 * (step / 2) / 300 ** 0.5).all()), float((err / step).max())
     assert bool((runs.std(0) > 0).float().mean() > 0.5)         # the draws change by step
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_randomk_hash_keys_kernel_matches_its_int64_torch_ops(full):
+    """randomk's draw keys (53-bit, or the 32-bit key of 2j) from the kernel: the bits
+    of the int64 torch ops it replaces, for counters up to 2^31 - 1 and words up to
+    2^32 - 1."""
+    g = torch.Generator().manual_seed(1)
+    j = torch.cat([torch.randint(0, 2 ** 31 - 1, (5000,), generator=g),
+                   torch.tensor([0, 1, 2 ** 31 - 1])]).to(DEVICE)
+    seg = torch.randint(0, len(WORDS), (j.numel(),), generator=g).to(DEVICE)
+    words = torch.tensor(WORDS, dtype=torch.int64, device=DEVICE)
+    got = U.hash_keys(j, seg, words, full, backend="triton")
+    want = U.hash_keys_reference(j, seg, words, full)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert int(got.max()) < 2 ** (53 if full else 32) and int(got.min()) >= 0

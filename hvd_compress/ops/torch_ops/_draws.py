@@ -15,7 +15,7 @@ import math as _math
 import numpy as _np
 import torch as _torch
 
-from ...kernels.uniform_draws import hash32_np as _np_hash32
+from ...kernels.uniform_draws import hash32_np as _np_hash32, key32 as _key32, keys53 as _keys53
 from .core import _cached, _constant, _host_list, _mix, _segment_table, _starts
 
 # A counter-based generator in int64 torch ops, so that the draws of a whole bucket are a
@@ -32,31 +32,6 @@ from .core import _cached, _constant, _host_list, _mix, _segment_table, _starts
 # position), in ascending position order.
 
 _M32 = 0xFFFFFFFF
-
-
-def _mul32(x, c):
-    """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32) and a 32-bit constant ``c``, with
-    no int64 overflow (``c`` in two 16-bit halves)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _hash32(x):
-    """lowbias32: a bijection of [0, 2^32) that mixes every bit (int64 in, int64 out)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _key32(c, lo, hi):
-    """``H(H(c ^ lo) ^ hi)``: the 32-bit key of counter ``c`` (int64, < 2^32)."""
-    return _hash32(_hash32(c ^ lo) ^ hi)
-
-
-def _keys53(j, lo, hi):
-    """53-bit keys (int64) of counters ``j`` (< 2^31) under key words ``lo``, ``hi``."""
-    return (_key32(2 * j, lo, hi) << 21) | (_key32(2 * j + 1, lo, hi) >> 11)
 
 
 _CHUNK = 1 << 16                      # uint32 entries a chunk: 256 KiB, in cache
@@ -84,9 +59,14 @@ def _host_keys(j, words, seg=None, full=True):
 
 
 def _draw_keys(words, seg, j, device, full=True):
-    """:func:`_host_keys` on the CPU path, the same keys in torch ops on ``device``."""
+    """:func:`_host_keys` on the CPU path; the same keys on the kernels' path in one
+    launch (:func:`hvd_compress.kernels.uniform_draws.hash_keys`), else in torch ops."""
     if _host_path(device):
         return _host_keys(j, words, seg, full)
+    from ...kernels import pick_backend, uniform_draws
+    if pick_backend(j) == "triton":
+        pairs = _host_list([[x & _M32, x >> 32] for x in words], device)
+        return uniform_draws.hash_keys(j, seg, pairs, full)
     lo, hi = _word_columns(words, seg, device)
     return _keys53(j, lo, hi) if full else _key32(2 * j, lo, hi)
 
