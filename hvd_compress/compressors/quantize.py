@@ -113,10 +113,17 @@ class CodesAndScales(Compressor):
         widths = [self.sizes(n) for n in numels]
         wc, ws = sum(w for w, _ in widths), sum(s for _, s in widths)
         nc, ns = ops.length(codes), ops.length(scales)
+        if wc == 0 and ws == 0:                          # empty tensors only: nothing sent
+            if isinstance(nc, int) and nc + ns:
+                raise ValueError(f"{self.name} ({ctx.name or 'tensor'}): {nc} code words and "
+                                 f"{ns} scales for empty tensors; the payload is malformed")
+            return ops.zeros(sum(numels), ops.float32, codes)
         if isinstance(nc, int) and isinstance(ns, int) and (ns % ws or nc != ns // ws * wc):
             raise ValueError(f"{self.name} ({ctx.name or 'tensor'}): {nc} code words and {ns} "
                              f"scales are not whole ranks of {wc} words and {ws} scales; the "
                              "payload is malformed")
+        if wc == 0:                                      # empty tensors only: no code word
+            return ops.zeros(0, ops.float32, codes)
         codes, scales = ops.reshape(codes, [-1, wc]), ops.reshape(scales, [-1, ws])
         if lay is not None:
             fast = self.decode_bucket(codes, scales, numels, ops)
@@ -124,7 +131,8 @@ class CodesAndScales(Compressor):
                 return fast
         out, at_c, at_s = [], 0, 0
         for n, (w, s) in zip(numels, widths):
-            out.append(self.decode_one(codes[:, at_c:at_c + w], scales[:, at_s:at_s + s], n, ops))
+            out.append(self.decode_one(codes[:, at_c:at_c + w], scales[:, at_s:at_s + s], n, ops)
+                       if n else ops.zeros(0, ops.float32, codes))
             at_c, at_s = at_c + w, at_s + s
         return out[0] if len(out) == 1 else ops.concat(out)
 

@@ -56,14 +56,12 @@ class OneBit(CodesAndScales):
     def decode_one(self, codes, scales, n, ops):
         return ops.onebit_decode_sum(codes, scales, n)
 
-    def bucket_levels(self, x, positive, lay, ops, abs_sum):
-        """``[a, b]`` of every tensor of the bucket (float32 ``[T, 2]``), by segment sums:
-        :meth:`levels` for all tensors at once."""
-        numels = ops.layout_constant("numels.int64", lay, lambda: lay.numels, ops.int64, x)
-        ones = ops.to_float32(positive)
-        count_pos = ops.segment_sum(ones, numels)
-        sum_pos = ops.segment_sum(x * ones, numels)
-        sum_neg = ops.segment_sum(x, numels) - sum_pos
+    def bucket_levels(self, x, lay, ops, abs_sum):
+        """``[a, b]`` of every tensor of the bucket (float32 ``[T, 2]``) from one pass of
+        sums per tensor: :meth:`levels` for all tensors at once."""
+        sums = ops.segment_sign_sums(x, lay)                 # [#(x >= 0), sum of them, sum]
+        count_pos, sum_pos = sums[:, 0], sums[:, 1]
+        sum_neg = sums[:, 2] - sum_pos
         count_neg = ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32,
                                         x) - count_pos
         a = sum_pos / ops.where(count_pos > 0, count_pos, count_pos * 0 + 1.0)
@@ -77,7 +75,7 @@ class OneBit(CodesAndScales):
             return None
         x = ops.to_float32(flat)
         abs_sum, _, bad = self.bucket_flags(x, lay, ops)
-        levels = self.bucket_levels(x, x >= 0, lay, ops, abs_sum)
+        levels = self.bucket_levels(x, lay, ops, abs_sum)
         levels = ops.where(ops.reshape(bad, [-1, 1]) > 0, float("nan"), levels)   # one NaN
         return ops.onebit_pack_segments(x, lay), ops.reshape(levels, [-1]), bad
 
@@ -97,6 +95,6 @@ class SignSGD(OneBit):
         a = ops.reshape(abs_sum / float(max(n, 1)), [1])
         return ops.concat([a, -a])
 
-    def bucket_levels(self, x, positive, lay, ops, abs_sum):
+    def bucket_levels(self, x, lay, ops, abs_sum):
         a = abs_sum / ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32, x)
         return ops.stack_cols([a, -a])

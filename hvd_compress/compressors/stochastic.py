@@ -128,7 +128,8 @@ class QSGD(Stochastic):
             out = []
             for n in numels:
                 blocks, width = self._blocks(n)
-                out += [width] * (blocks - 1) + [n - (blocks - 1) * width]
+                if blocks:                                # an empty tensor has none
+                    out += [width] * (blocks - 1) + [n - (blocks - 1) * width]
             return out
         sizes = types.SimpleNamespace(key="sizes", numels=tuple(int(n) for n in numels))
         return ops.layout_constant(("qsgd.blocks", self.block), sizes, lengths, ops.int64, like)
@@ -144,7 +145,7 @@ class QSGD(Stochastic):
         per_tensor = ops.layout_constant(("qsgd.per", self.block), lay,
                                          lambda: [self._blocks(n)[0] for n in lay.numels],
                                          ops.int64, x)
-        norms = ops.segment_sum(x * x, lengths) ** 0.5
+        norms = ops.segment_sum(x * x, lengths) ** 0.5       # (blocks of `block`: short runs)
         norms = ops.where(ops.repeat_interleave(bad, per_tensor, ops.length(lengths)) > 0,
                           float("nan"), norms)
         norm = ops.repeat_interleave(norms, lengths, lay.total)
@@ -155,7 +156,7 @@ class QSGD(Stochastic):
         return codes, norms, bad
 
     def decode_bucket(self, codes, scales, numels, ops):
-        if not ops.bucket_codec_kernels(codes):
+        if not ops.bucket_codec_kernels(codes) or min(numels) < 1:
             return None
         lengths = self._block_lengths(numels, ops, codes)
         per_value = ops.repeat_interleave(ops.reshape(scales, [-1]), ops.concat(

@@ -65,6 +65,17 @@ def _kernels():
         tl.atomic_add(counts_ptr + cell, above.to(tl.int32), mask=above)
 
     @triton.jit
+    def _block_sign_sums_kernel(x_ptr, starts_ptr, stops_ptr, part_ptr, BLOCK: tl.constexpr):
+        # a block's [#(x >= 0), sum of those x, sum of x] (NaN counts in the last only)
+        pid = tl.program_id(0)
+        offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < tl.load(stops_ptr + pid), other=0.0).to(tl.float32)
+        pos = (x >= 0) & (offs < tl.load(stops_ptr + pid))
+        tl.store(part_ptr + 3 * pid, tl.sum(pos.to(tl.float32), axis=0))
+        tl.store(part_ptr + 3 * pid + 1, tl.sum(tl.where(pos, x, 0.0), axis=0))
+        tl.store(part_ptr + 3 * pid + 2, tl.sum(x, axis=0))
+
+    @triton.jit
     def _table_scan_kernel(counts_ptr, T, ends_ptr, bends_ptr, vstart_ptr, gstart_ptr,
                            groups_ptr, G: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr):
         # one program: the segments' exclusive and inclusive sums (values, blocks, groups)
@@ -107,7 +118,7 @@ def _kernels():
         tl.store(segs_ptr + b, s, mask=m)
 
     return (triton, _block_abs_sum_max_kernel, _segment_count_above_kernel, _table_scan_kernel,
-            _table_blocks_kernel)
+            _table_blocks_kernel, _block_sign_sums_kernel)
 
 
 def _lengths(lengths, device):
@@ -225,6 +236,36 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096):
             torch.segment_reduce(part_max, "max", lengths=blocks.counts, unsafe=True))
 
 
+# -- sums of the signs per segment (onebit's levels) -----------------------------------------
+
+def segment_sign_sums_reference(x, lengths):
+    """float32 ``[T, 3]``: per segment, the number of entries ``>= 0``, their sum, and the
+    sum of all entries."""
+    rows = []
+    for p in torch.split(x.reshape(-1).float(), list(lengths)):
+        pos = p >= 0
+        rows.append(torch.stack([pos.float().sum(), torch.where(pos, p, 0.0).sum(), p.sum()]))
+    return torch.stack(rows) if rows else torch.zeros(0, 3, device=x.device)
+
+
+def segment_sign_sums(x, lengths, backend=None, block=4096):
+    """:func:`segment_sign_sums_reference` in one pass (kernel on CUDA): a block's three
+    sums per program, then the blocks' partials reduced per segment in a fixed order (a
+    segmented reduction of the raw values gives one thread block per segment on CUDA)."""
+    lengths = tuple(int(v) for v in lengths)
+    if min(lengths, default=1) < 1 or sum(lengths) != x.numel():
+        raise ValueError(f"segment lengths {lengths[:8]}... must be >= 1 and sum to {x.numel()}")
+    if pick_backend(x, backend) == "torch":
+        return segment_sign_sums_reference(x, lengths)
+    kernel = _kernels()[5]
+    x = x.reshape(-1).contiguous()
+    blocks = block_table(lengths, x.device, block)
+    part = torch.empty(blocks.starts.numel(), 3, dtype=torch.float32, device=x.device)
+    count_launch("segment_sign_sums")
+    kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, part, BLOCK=block)
+    return torch.segment_reduce(part, "sum", lengths=blocks.counts, axis=0, unsafe=True)
+
+
 # -- counts above a grid of thresholds per segment ----------------------------------------
 
 def segment_count_above_reference(a, seg, thresholds, chunk=1 << 16):
@@ -296,13 +337,13 @@ def device_blocks(counts, n, g, block, backend=None):
     segments = counts.numel()
     if pick_backend(counts, backend) == "torch" or not 0 < segments <= DEVICE_BLOCKS_MAX_SEGMENTS:
         return device_blocks_reference(counts, n, g, block)
-    triton, _, _, scan, blocks_kernel = _kernels()
+    triton, _, _, scan, blocks_kernel = _kernels()[:5]
     dev = counts.device
     ends, bends, vstart, gstart = torch.empty(4, segments, dtype=torch.int64, device=dev)
     groups = torch.empty((), dtype=torch.int64, device=dev)
     count_launch("segment_table_scan")
     scan[(1,)](counts.reshape(-1).contiguous(), segments, ends, bends, vstart, gstart, groups,
-               G=g, BLOCK=block, TB=triton.next_power_of_2(segments))
+               G=g, BLOCK=block, TB=max(16, triton.next_power_of_2(segments)))
     nb = -(-n // block) + segments
     starts, stops, segs = torch.empty(3, nb, dtype=torch.int64, device=dev)
     count_launch("segment_table_blocks")

@@ -2,6 +2,7 @@
 bucket path where the kernels run): each kernel against its torch reference (in Triton's
 interpreter on the CPU, TRITON_INTERPRET=1 from conftest.py; on CUDA tensors on a GPU),
 and the bytes those of ``ops.onebit_pack`` tensor by tensor, the wire format unchanged."""
+import numpy as np
 import pytest
 import torch
 
@@ -50,3 +51,20 @@ def test_decode_segments_matches_reference_and_onebit_decode_sum(ranks):
 def test_no_values():
     x = torch.zeros(0, device=DEVICE)
     assert O.pack_segments(x, (), backend="triton").numel() == 0
+
+
+@pytest.mark.parametrize("block", [4096, 1024])
+def test_segment_sign_sums_matches_reference(block):
+    """onebit's levels from one pass: per tensor the count of entries >= 0, their sum and
+    the sum of all (-0.0 counts as >= 0, a NaN in the last sum only; +-Inf as they are)."""
+    from hvd_compress.kernels import segmented
+    x = torch.from_numpy(np.random.default_rng(3).laplace(size=sum(LENGTHS)).astype(np.float32))
+    x = x.to(DEVICE)
+    x[7], x[5003] = -0.0, float("inf")
+    x[5301 + 9] = float("nan")
+    got = segmented.segment_sign_sums(x, LENGTHS, backend="triton", block=block)
+    want = segmented.segment_sign_sums_reference(x, LENGTHS)
+    assert got.shape == (len(LENGTHS), 3)
+    assert torch.equal(got[:, 0], want[:, 0])                       # counts: exact
+    assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-3)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[3, 2].isnan())

@@ -63,6 +63,11 @@ def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale):
     raise NotImplementedError("twobit_pack_fit runs on PyTorch tensors only")
 
 
+def segment_sign_sums(flat, layout):
+    """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
+    raise NotImplementedError("segment_sign_sums runs on PyTorch tensors only")
+
+
 def onebit_pack_segments(flat, layout):
     """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
     raise NotImplementedError("onebit_pack_segments runs on PyTorch tensors only")

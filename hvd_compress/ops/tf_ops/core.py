@@ -201,7 +201,9 @@ def new_store():
 # -- small tensor helpers ----------------------------------------------------------------
 
 def sum_rows(t, n):
-    """Sum of the rows of ``t`` viewed as (len(t) // n, n)."""
+    """Sum of the rows of ``t`` viewed as (len(t) // n, n) (no rows of nothing: empty)."""
+    if isinstance(n, int) and n == 0:
+        return _tf.zeros([0], dtype=t.dtype)
     return _tf.reduce_sum(_tf.reshape(t, [-1, n]), axis=0)
 
 

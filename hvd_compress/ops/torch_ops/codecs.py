@@ -95,7 +95,8 @@ def uniform_segments(layout, seeds, steps, like):
 
 def segment_sum(values, lengths):
     """float32 sums of consecutive runs of ``values`` of ``lengths`` (int64 on the
-    device, each >= 1, summing to the length of ``values``), in a fixed order."""
+    device, each >= 1, summing to the length of ``values``), in a fixed order.  For short
+    runs (QSGD's norm blocks): on CUDA one thread block sums a run."""
     return _torch.segment_reduce(values.float(), "sum", lengths=lengths, unsafe=True)
 
 
@@ -304,6 +305,13 @@ def onebit_decode_sum(words, scales, n):
     rows = _torch.arange(ranks, device=words.device)[:, None]
     values = tables[rows, words.long()].reshape(ranks, -1)[:, :n]         # (ranks, n)
     return values.sum(0)
+
+
+def segment_sign_sums(flat, layout):
+    """float32 ``[T, 3]``: per tensor of the bucket, the count of entries ``>= 0``, their
+    sum and the sum of all (one pass; where :func:`bucket_codec_kernels`)."""
+    from ...kernels import segmented
+    return segmented.segment_sign_sums(flat, layout.numels)
 
 
 def onebit_pack_segments(flat, layout):

@@ -266,8 +266,8 @@ def new_store():
 # -- small tensor helpers ----------------------------------------------------------------
 
 def sum_rows(t, n):
-    """Sum of the rows of ``t`` viewed as (len(t) // n, n)."""
-    return t.reshape(-1, n).sum(0)
+    """Sum of the rows of ``t`` viewed as (len(t) // n, n) (no rows of nothing: empty)."""
+    return t.reshape(-1, n).sum(0) if n else t.new_zeros(0)
 
 
 def length(t):
