@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["preflight", "tests", "select 4K", "codecs", "models", "gpu step", "breakdown",
-         "select 1K,2K + real", "profile", "codec time", "select 8K"]
+         "bucket ops", "select 1K,2K + real", "profile", "codec time", "select 8K"]
 
 
 def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
