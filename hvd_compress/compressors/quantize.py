@@ -113,12 +113,8 @@ class CodesAndScales(Compressor):
         widths = [self.sizes(n) for n in numels]
         wc, ws = sum(w for w, _ in widths), sum(s for _, s in widths)
         nc, ns = ops.length(codes), ops.length(scales)
-        if wc == 0 and ws == 0:                          # empty tensors only: nothing sent
-            if isinstance(nc, int) and nc + ns:
-                raise ValueError(f"{self.name} ({ctx.name or 'tensor'}): {nc} code words and "
-                                 f"{ns} scales for empty tensors; the payload is malformed")
-            return ops.zeros(sum(numels), ops.float32, codes)
-        if isinstance(nc, int) and isinstance(ns, int) and (ns % ws or nc != ns // ws * wc):
+        if isinstance(nc, int) and isinstance(ns, int) and (
+                (ns % ws or nc != ns // ws * wc) if ws else nc + ns):
             raise ValueError(f"{self.name} ({ctx.name or 'tensor'}): {nc} code words and {ns} "
                              f"scales are not whole ranks of {wc} words and {ws} scales; the "
                              "payload is malformed")

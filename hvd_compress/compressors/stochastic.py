@@ -195,7 +195,7 @@ class TernGrad(Stochastic):
         x = ops.to_float32(flat)
         _, s = ops.segment_abs_sum_max(x, lay)
         s = ops.where(s > 0, s, 0 * s + 1.0)           # all zero: every code is 0
-        numels = ops.layout_constant("numels.int64", lay, lambda: lay.numels, ops.int64, x)
+        numels = ops.layout_constant("numels", lay, lambda: lay.numels, ops.int64, x)
         keep = self.bucket_draws(lay, ops, step, x) < ops.abs(x) / ops.repeat_interleave(
             s, numels, lay.total)
         ternary = ops.where(keep, ops.where(x < 0, x * 0 - 1.0, x * 0 + 1.0), x * 0)

@@ -16,7 +16,8 @@ import numpy as _np
 import torch as _torch
 
 from ...kernels.uniform_draws import hash32_np as _np_hash32, key32 as _key32, keys53 as _keys53
-from .core import _cached, _constant, _host_list, _mix, _segment_table, _starts
+from .core import (_cached, _constant, _host_list, _mix, _segment_table, _starts,
+                   _word_pairs)
 
 # A counter-based generator in int64 torch ops, so that the draws of a whole bucket are a
 # fixed number of ops on any device and equal on the CPU and CUDA.  Draw j of a tensor
@@ -65,8 +66,7 @@ def _draw_keys(words, seg, j, device, full=True):
         return _host_keys(j, words, seg, full)
     from ...kernels import pick_backend, uniform_draws
     if pick_backend(j) == "triton":
-        pairs = _host_list([[x & _M32, x >> 32] for x in words], device)
-        return uniform_draws.hash_keys(j, seg, pairs, full)
+        return uniform_draws.hash_keys(j, seg, _word_pairs(words, device), full)
     lo, hi = _word_columns(words, seg, device)
     return _keys53(j, lo, hi) if full else _key32(2 * j, lo, hi)
 
@@ -103,7 +103,7 @@ def draw_segments(numels, ks, seed, steps, like=None):
 
 def _word_columns(words, seg, device):
     """The (lo, hi) key words of each entry, from one word per segment."""
-    w = _host_list([[x & _M32, x >> 32] for x in words], device)
+    w = _word_pairs(words, device)
     return w[:, 0][seg], w[:, 1][seg]
 
 

@@ -6,7 +6,7 @@ May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
-from .core import _host_list, _mix, subtract as _subtract
+from .core import _mix, _word_pairs, subtract as _subtract
 
 
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
@@ -88,8 +88,8 @@ def uniform_segments(layout, seeds, steps, like):
     same alone as in any bucket), one launch (:mod:`hvd_compress.kernels.uniform_draws`);
     where :func:`bucket_codec_kernels`."""
     from ...kernels import uniform_draws
-    words = [_mix(seed, int(step)) for seed, step in zip(seeds, steps)]
-    pairs = _host_list([[w & 0xFFFFFFFF, w >> 32] for w in words], like.device)
+    pairs = _word_pairs([_mix(seed, int(step)) for seed, step in zip(seeds, steps)],
+                        like.device)
     return uniform_draws.uniform_segments(layout.numels, pairs, like.device)
 
 

@@ -83,6 +83,12 @@ def _mix(seed, step):
     return (x ^ (x >> 31)) & (2**63 - 1)
 
 
+def _word_pairs(words, device):
+    """int64 ``[T, 2]`` on ``device``: each 64-bit host word as its ``(lo, hi)`` 32-bit
+    halves (the counter-based draws' keys)."""
+    return _host_list([[w & 0xFFFFFFFF, (w >> 32) & 0xFFFFFFFF] for w in words], device)
+
+
 # -- bucket layouts: tables and constants made once (segments and the draws use them) ----
 
 def _segment_table(sizes, device):

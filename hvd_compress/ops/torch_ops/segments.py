@@ -185,8 +185,9 @@ def histogram_search_supported():
 
 def layout_constant(what, layout, values, dtype, like):
     """A small per-tensor constant of a bucket (k, n, ...) on ``like``'s device: the
-    list ``values()`` returns, made and copied there once per (what, layout, device)."""
-    return _per_layout(what, layout, like.device,
+    list ``values()`` returns, made and copied there once per (what, dtype, layout,
+    device)."""
+    return _per_layout((what, str(dtype)), layout, like.device,
                        lambda: _host_list(list(values()), like.device, dtype))
 
 
