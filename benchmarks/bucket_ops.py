@@ -15,7 +15,15 @@ left out: an op counts when no frame of its call stack is Triton's.  ``views`` a
 ops that launch no kernel (views, allocations, splits).  ``host_us_estimate`` is
 ``launches * 27.5 + (ops - views) * 11`` -- **an estimate from the H200's costs
 (benchmarks/results/gpu_2026-11-26/after_sort/gpu_breakdown_2026-11-26.json), not a
-time**.  Writes ``bucket_ops_<date>.json`` and ``.png``.
+time**.
+
+The host's work per tensor (its residuals, step counters, tables: Python that grows
+with T even where launches and ops do not) is measured on buckets of T = 4, 40 and 200
+tensors of 64 values: ``python_calls`` counts the exchange's Python and builtin function
+calls (``sys.setprofile``, the kernels' bodies in the interpreter left out; exact), and
+``host_us`` times it (the wall time on CUDA; on the CPU, minus the time in Triton's
+interpreter, which leaves it noisy).  ``*_per_tensor`` is the growth from 4 to 200 (``--host-tensors``).
+Writes ``bucket_ops_<date>.json`` and ``.png``.
 """
 import os
 import sys
@@ -44,6 +52,7 @@ VIEWS = ("aten.view", "aten.select", "aten.empty", "aten.detach", "aten.split", 
          "aten.expand", "aten.alias", "aten.lift_fresh", "aten._reshape_alias", "aten.squeeze",
          "aten.unsqueeze")
 OP_US, LAUNCH_US = 11.0, 27.5        # the H200's, 2026-11-26 (gpu_breakdown's launch row)
+HOST_TENSORS = "4,40,200"            # bucket sizes for the host's work per tensor
 
 
 def counter_mode():
@@ -87,6 +96,80 @@ def one_exchange(spec, T, device):
     return out
 
 
+def interpreter_clock():
+    """A list: [0] accumulates the seconds spent inside Triton's interpreter (the kernels'
+    bodies, which a GPU runs instead), [1] is True while inside; [0] stays 0 off the
+    interpreter."""
+    state = [0.0, False]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return state
+    import time
+    from triton.runtime import interpreter
+    run = interpreter.InterpretedFunction.run
+    if getattr(run, "clocked", None) is not None:
+        return run.clocked
+
+    def clocked_run(self, *args, **kwargs):
+        t, state[1] = time.perf_counter(), True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            state[0] += time.perf_counter() - t
+            state[1] = False
+    clocked_run.clocked = state
+    interpreter.InterpretedFunction.run = clocked_run
+    return state
+
+
+def host_work(spec, T, device, reps=5):
+    """Host work of one exchange (compress with error feedback, decompress of two ranks'
+    payloads) of a bucket of ``T`` tensors of 64 values, the kernels' bodies left out:
+    ``(python_calls, median_us)``.  ``python_calls`` counts the Python and builtin
+    function calls the exchange makes (``sys.setprofile``; exact, so it compares across
+    machines); ``median_us`` is its host time (noisy on the CPU, where the interpreter's
+    work between the calls disturbs it)."""
+    import time
+    import numpy as np
+    import torch
+    import hvd_compress
+    from hvd_compress.buckets import layout
+    clock = interpreter_clock()
+    lay = layout([f"t{i}" for i in range(T)], [(64,)] * T)
+    c = hvd_compress.from_spec(spec)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event in ("call", "c_call") and not clock[1]:
+            calls[0] += 1
+
+    def exchange(flat):
+        payload, ctx = c.compress_bucket(flat, lay)
+        two = (tuple(torch.cat([p, p]) for p in payload) if isinstance(payload, tuple)
+               else payload * 2)
+        c.decompress_bucket(two, ctx)
+
+    times = []
+    for step in range(reps + 3):
+        flat = torch.from_numpy(np.random.default_rng(step).laplace(size=lay.total)
+                                .astype(np.float32)).to(device)
+        sync()
+        if step == reps + 2:                   # the last exchange is counted, not timed
+            sys.setprofile(count)
+            try:
+                exchange(flat)
+            finally:
+                sys.setprofile(None)
+            break
+        inside, t = clock[0], time.perf_counter()
+        exchange(flat)
+        host = time.perf_counter() - t - (clock[0] - inside)
+        sync()
+        if step >= 2:
+            times.append(host * 1e6)
+    return calls[0], float(np.median(times))
+
+
 def plot(rows, title, path, before=None, before_label=None):
     try:
         import matplotlib
@@ -95,23 +178,35 @@ def plot(rows, title, path, before=None, before_label=None):
     except ImportError:
         print("(matplotlib missing: no PNG)")
         return
-    mine = [r for r in rows if r["tensors"] == 40]
-    old = {r["spec"]: r.get("host_us_estimate") for r in before or () if r["tensors"] == 40}
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(mine) + 1.5))
-    y = list(range(len(mine)))
-    if old:
-        ax.barh([v + 0.2 for v in y], [old.get(r["spec"]) or 0 for r in mine], height=0.4,
-                color="lightgrey", label=before_label)
-    ax.barh([v - 0.2 * bool(old) for v in y], [r["host_us_estimate"] for r in mine],
-            height=0.4 if old else 0.8, color="tab:blue", label="this run")
-    ax.set_yticks(y)
-    ax.set_yticklabels([r["spec"] for r in mine], fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel("estimated host us per bucket exchange of 40 tensors\n"
-                  f"(launches x {LAUNCH_US} + kernel-launching ops x {OP_US}; log scale)")
-    ax.set_title(title, fontsize=9)
-    if old:
-        ax.legend(fontsize=7)
+    mine = [r for r in rows if r.get("tensors") == 40]
+    old = {r["spec"]: r.get("host_us_estimate") for r in before or () if r.get("tensors") == 40}
+    host = {r["spec"]: r["python_calls_per_tensor"] for r in rows if r.get("host")}
+    old_host = {r["spec"]: r["python_calls_per_tensor"] for r in before or () if r.get("host")}
+    panels = [("estimate", old, {r["spec"]: r["host_us_estimate"] for r in mine},
+               "estimated host us per bucket exchange of 40 tensors\n"
+               f"(launches x {LAUNCH_US} + kernel-launching ops x {OP_US}; log scale)")]
+    if host:
+        panels.append(("per tensor", old_host, host,
+                       "Python calls per added tensor (T = 4 to 200; sys.setprofile,\n"
+                       "the kernels' bodies left out)"))
+    specs = [r["spec"] for r in mine]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 0.45 * len(specs) + 1.5),
+                             squeeze=False)
+    y = list(range(len(specs)))
+    for ax, (what, earlier, now, label) in zip(axes[0], panels):
+        if earlier:
+            ax.barh([v + 0.2 for v in y], [earlier.get(s) or 0 for s in specs], height=0.4,
+                    color="lightgrey", label=before_label)
+        ax.barh([v - 0.2 * bool(earlier) for v in y], [now.get(s) or 0 for s in specs],
+                height=0.4 if earlier else 0.8, color="tab:blue", label="this run")
+        ax.set_yticks(y)
+        ax.set_yticklabels(specs if what == "estimate" else [], fontsize=7)
+        if what == "estimate":
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        if earlier:
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -123,6 +218,11 @@ def main():
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="bucket_ops")
     p.add_argument("--compare", help="a JSON of an earlier run, drawn beside this one")
+    p.add_argument("--host-reps", type=int, default=5,
+                   help="exchanges timed per bucket size for host_us (0: no host work)")
+    p.add_argument("--host-tensors", default=HOST_TENSORS,
+                   help="','-separated bucket sizes (tensors) for the host's work, smallest "
+                        "first")
     args = p.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -146,6 +246,23 @@ def main():
                          "decompress_views": vd, "host_us_estimate": est})
             print(f"{spec:55s} {T:3d} {f'{lc}/{oc}/{vc}':>30s} {f'{ld}/{od}/{vd}':>14s} "
                   f"{est:15.0f}", flush=True)
+        if args.host_reps:
+            sizes = [int(v) for v in args.host_tensors.split(",")]
+            try:
+                work = {T: host_work(spec, T, args.device, args.host_reps) for T in sizes}
+            except Exception as e:  # noqa: BLE001 - recorded like the counts' errors
+                rows.append({"spec": spec, "host": True, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            lo, hi = sizes[0], sizes[-1]
+            rows.append({"spec": spec, "host": True, "tensor_numel": 64,
+                         "python_calls": {str(T): w[0] for T, w in work.items()},
+                         "python_calls_per_tensor": (work[hi][0] - work[lo][0]) / (hi - lo),
+                         "host_us": {str(T): w[1] for T, w in work.items()},
+                         "host_us_per_tensor": (work[hi][1] - work[lo][1]) / (hi - lo)})
+            print(f"{'':55s} python calls: "
+                  + ", ".join(f"T={T} {w[0]}" for T, w in work.items())
+                  + f" ({rows[-1]['python_calls_per_tensor']:.1f} per tensor); host us: "
+                  + ", ".join(f"{w[1]:.0f}" for w in work.values()), flush=True)
     import subprocess
     import torch
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],

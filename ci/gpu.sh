@@ -13,7 +13,7 @@
 #                 compress + decompress of every bucket, and two processes through the DDP
 #                 hook on Gloo with CUDA tensors (gpu_step.py); a bucket compress's
 #                 device time kernel by kernel against its wall time (gpu_breakdown.py);
-#                 the launches and framework ops of a bucket exchange (bucket_ops.py)
+#                 the launches, framework ops and host work per tensor of a bucket exchange (bucket_ops.py)
 #   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
 #
 # Needs python with torch (and triton for the kernels); installs nothing and uses no
@@ -182,8 +182,9 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
   run_step breakdown 60 "$PY" benchmarks/gpu_breakdown.py --device "$DEVICE" \
     ${DRY:+--tiny --repeat 1} --out "$RESULTS"  # device time by kernel; host overhead
-  run_step "bucket ops" 30 "$PY" benchmarks/bucket_ops.py --device "$DEVICE" \
-    ${DRY:+--specs "twobit;qsgd"} --out "$RESULTS"     # launches and ops a bucket exchange
+  run_step "bucket ops" 60 "$PY" benchmarks/bucket_ops.py --device "$DEVICE" \
+    ${DRY:+--specs "twobit;qsgd" --host-tensors 2,6 --host-reps 1} \
+    --out "$RESULTS"      # launches, ops and host work per tensor of a bucket exchange
   run_step "select $SMALL + real" 60 "${SELECT[@]}" --sizes "$SMALL" --inputs laplace,gaussian,student_t2,real \
     --out "$RESULTS/.select_1_small.json"
   run_step profile 60 "${BENCH[@]}" profile --device "$DEVICE" --sizes "$PROF" --repeat "$REPEAT" \

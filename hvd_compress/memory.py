@@ -19,6 +19,7 @@ without reading them (no host synchronisation on CUDA).
 
 Imports: the standard library, numpy; on first use, torch, TensorFlow.
 """
+import operator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -79,6 +80,7 @@ class TorchStore:
     def __init__(self):
         self._tensors = {}
         self._spares = {}
+        self.buckets = {}        #: scratch of ResidualMemory: parts -> (keys, views, base)
 
     def _record(self, table, key):
         if self.journal is not None:
@@ -108,9 +110,22 @@ class TorchStore:
         self._record("_tensors", key)
         self._tensors[key] = value
 
+    def set_many(self, keys, values):
+        """:meth:`set` for each pair of ``keys`` and ``values``."""
+        if self.journal is not None:
+            for key in keys:
+                self._record("_tensors", key)
+        self._tensors.update(zip(keys, values))
+
+    def holds(self, keys, values):
+        """Whether ``keys`` hold exactly the objects ``values`` (identity, not equality)."""
+        held = self._tensors.get
+        return all(map(operator.is_, map(held, keys), values))
+
     def pop(self, key):
         """Remove ``key``; its value (None if absent)."""
         self._record("_tensors", key)
+        self.buckets.clear()
         return self._tensors.pop(key, None)
 
     def keys(self):
@@ -138,6 +153,12 @@ class TorchStore:
         self.set(key, value + 1)
         return value
 
+    def next_counts(self, keys):
+        """:meth:`next_count` of each of ``keys``, a list."""
+        values = [int(self._tensors.get(key, 0)) for key in keys]
+        self.set_many(keys, [v + 1 for v in values])
+        return values
+
     def state_dict(self):
         import torch
         return {k: v.detach().clone() if hasattr(v, "detach")
@@ -146,6 +167,7 @@ class TorchStore:
     def load_state_dict(self, state):
         import torch
         self._tensors = {k: torch.as_tensor(v).clone() for k, v in state.items()}
+        self.buckets.clear()
         self.loaded = _residual_keys(state)
 
 
@@ -206,6 +228,10 @@ class TFStore:
         self._record(key)
         var.assign_add(1)
         return value
+
+    def next_counts(self, keys):
+        """:meth:`next_count` of each of ``keys``, a list."""
+        return [self.next_count(key) for key in keys]
 
     def state_dict(self):
         return {k: v.numpy().copy() for k, v in self._vars.items()}
@@ -297,10 +323,12 @@ class ResidualMemory:
         if len(parts) == 1:
             return self.compensate(parts[0][0], flat)
         ops = self.ops
-        residuals = [self._residual_n(name, n, flat) for name, n in parts]
-        r = self._contiguous(residuals) if self.reuse else None
+        r = self._bucket_base(parts, flat)
         if r is None:
-            r = ops.concat(residuals)
+            residuals = [self._residual_n(name, n, flat) for name, n in parts]
+            r = self._contiguous(residuals) if self.reuse else None
+            if r is None:
+                r = ops.concat(residuals)
         if self.reuse and own:
             return ops.add_into(flat, ops.cast(r, flat.dtype), flat)
         return flat + ops.cast(r, flat.dtype)
@@ -313,23 +341,52 @@ class ResidualMemory:
         names = [name for name, _ in parts]
         lengths = [n for _, n in parts]
         if isinstance(finite, NonFinite):
-            residuals = [self._residual_n(name, n, compensated) for name, n in parts]
-            old = (self._contiguous(residuals) if self.reuse else None)
-            old = ops.concat(residuals) if old is None else old
+            old = self._bucket_base(parts, compensated)
+            if old is None:
+                residuals = [self._residual_n(name, n, compensated) for name, n in parts]
+                old = (self._contiguous(residuals) if self.reuse else None)
+                old = ops.concat(residuals) if old is None else old
             new = self._restored(subtract_sent(compensated, self.reuse), old, finite)
-            for name, view in zip(names, ops.split(new, lengths)):
-                self.store.set(self.PREFIX + name, view)
+            self._set_parts(parts, new)
             return
         if self.reuse:
             if ops.host_bool(finite):
-                new = subtract_sent(compensated, True)       # c's buffer is the residual now
-                for name, view in zip(names, ops.split(new, lengths)):
-                    self.store.set(self.PREFIX + name, view)
+                # c's buffer is the residual now
+                self._set_parts(parts, subtract_sent(compensated, True))
             return
         new = subtract_sent(compensated, False)
         old = ops.concat([self._residual_n(name, n, compensated) for name, n in parts])
         for name, value in zip(names, ops.split(ops.select(finite, new, old), lengths)):
             self.store.set(self.PREFIX + name, value)
+
+    def _set_parts(self, parts, new):
+        """Store ``new``'s consecutive views as the residuals of ``parts``; remember them
+        (PyTorch), so that the next step of this bucket finds its residuals as one buffer
+        without touching each tensor's (:meth:`_bucket_base`)."""
+        buckets = getattr(self.store, "buckets", None)
+        known = buckets.get(parts) if buckets is not None else None
+        keys = known[0] if known else tuple(self.PREFIX + name for name, _ in parts)
+        views = tuple(self.ops.split(new, [n for _, n in parts]))
+        if buckets is not None:
+            self.store.set_many(keys, views)
+            buckets[parts] = (keys, views, new)
+        else:
+            for key, view in zip(keys, views):
+                self.store.set(key, view)
+
+    def _bucket_base(self, parts, like):
+        """The buffer :meth:`_set_parts` last stored for ``parts``, when the store still
+        holds exactly its views and it has ``like``'s dtype (else None: each residual is
+        then fetched and checked on its own).  Where residuals are updated in place on
+        the buffer (``reuse``) only."""
+        buckets = getattr(self.store, "buckets", None) if self.reuse else None
+        known = buckets.get(parts) if buckets is not None else None
+        if known is None:
+            return None
+        keys, views, base = known
+        if base.dtype != like.dtype or not self.store.holds(keys, views):
+            return None
+        return base
 
     def _restored(self, new, old, finite):
         """``new``, or ``old``'s values where :class:`NonFinite` ``finite`` flags any."""

@@ -1,9 +1,10 @@
 """Counting what a bucket exchange costs on the CUDA code path: Triton launches (the
 launchers' own counter, ``hvd_compress.kernels.counting_launches``), framework (ATen)
-ops (a ``TorchDispatchMode``) and the calls that synchronise with the host on CUDA
-(:class:`CountSyncs`).  Run with ``HVD_COMPRESS_BACKEND=triton``, so on CPU
+ops (a ``TorchDispatchMode``), the calls that synchronise with the host on CUDA
+(:class:`CountSyncs`) and the host's own Python calls (:func:`python_calls`).  Run with ``HVD_COMPRESS_BACKEND=triton``, so on CPU
 tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, conftest.py)."""
 import collections
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -154,3 +155,38 @@ def one_exchange(T, spec, data, size=1000):
             payload, ctx = c.compress_bucket(flat, lay)
             c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
     return launched, ops.ops
+
+
+def python_calls(T, spec, data, size=64):
+    """Python and builtin function calls of compress + decompress (two ranks' payloads)
+    of a bucket of ``T`` tensors of ``size`` values, after a warm-up step: the host's
+    work that grows with the tensors even where launches and ops do not (each costs the
+    host about as much on a GPU machine).  Generator resumes and the kernels' bodies in
+    Triton's interpreter are left out."""
+    lay = layout([f"t{i}" for i in range(T)], [(size,)] * T)
+    c = hvd_compress.from_spec(spec)
+    calls, inside = [0], []
+
+    def count(frame, event, arg):
+        code = frame.f_code
+        if inside:
+            if event == "return" and frame is inside[-1]:
+                inside.pop()
+        elif event == "call" and code.co_name == "run" and code.co_filename.endswith(
+                "interpreter.py"):
+            inside.append(frame)
+        elif event == "c_call" or (event == "call" and code.co_name != "<genexpr>"):
+            calls[0] += 1
+
+    for step in range(2):
+        flat = data(lay.total, step)
+        if step:
+            sys.setprofile(count)
+        try:
+            payload, ctx = c.compress_bucket(flat, lay)
+            two = (tuple(torch.cat([p, p]) for p in payload) if isinstance(payload, tuple)
+                   else payload * 2)
+            c.decompress_bucket(two, ctx)
+        finally:
+            sys.setprofile(None)
+    return calls[0]

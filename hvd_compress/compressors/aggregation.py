@@ -137,7 +137,7 @@ def propose(sp, flat, ctx, ops, step, parts, own, rank, size):
 
     if sp.agg == "leader":         # counted on every rank and every step, finite or not
         state = sp._state(ops)
-        counts = [state.next_count(LEADER_PREFIX + name) for name, _ in parts]
+        counts = state.next_counts([LEADER_PREFIX + name for name, _ in parts])
         leads = (counts[0] % size) == rank
 
     def chosen():

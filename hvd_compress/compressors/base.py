@@ -167,7 +167,7 @@ class Compressor:
         if not self.uses_step:
             return None
         state = self._state(ops)
-        steps = [state.next_count("step/" + n) for n in names]
+        steps = state.next_counts(["step/" + n for n in names])
         return steps[0] if len(steps) == 1 else steps
 
     def _compress_flat(self, flat, ctx, ops, step, parts, own=False):

@@ -60,10 +60,23 @@ class Stochastic(CodesAndScales):
         if rank is not None and int(rank) < 0:
             raise ValueError(f"rank must be >= 0, got {rank!r}")
         self.rank = None if rank is None else int(rank)
+        self._keys_cache = {}     # (rank, names) -> the draw keys of a bucket's tensors
 
-    def _key(self, name):
-        rank = process_rank() if self.rank is None else self.rank
+    def _key(self, name, rank=None):
+        if rank is None:
+            rank = process_rank() if self.rank is None else self.rank
         return zlib.crc32(f"{self.seed}/{rank}/{name}".encode())
+
+    def _bucket_keys(self, names):
+        """:meth:`_key` of each of ``names``, computed once per bucket and rank."""
+        rank = process_rank() if self.rank is None else self.rank
+        cache = self._keys_cache
+        keys = cache.get((rank, names))
+        if keys is None:
+            if len(cache) > 256:
+                cache.clear()
+            keys = cache[rank, names] = [self._key(n, rank) for n in names]
+        return keys
 
     def draws(self, n, ops, step, name, like):
         """``n`` uniform draws for tensor ``name`` at ``step`` on this rank."""
@@ -75,7 +88,7 @@ class Stochastic(CodesAndScales):
         (:mod:`hvd_compress.kernels.uniform_draws`), not the framework's generator that
         :meth:`draws` uses, so these draws differ from the tensor-by-tensor path's."""
         steps = step if isinstance(step, list) else [step] * len(lay.names)
-        return ops.uniform_segments(lay, [self._key(n) for n in lay.names], steps, like)
+        return ops.uniform_segments(lay, self._bucket_keys(lay.names), steps, like)
 
 
 @register

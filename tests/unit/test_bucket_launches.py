@@ -91,6 +91,23 @@ def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch, 
     assert o4 == o40, set(o40.items()) ^ set(o4.items())
 
 
+#: Python calls of a bucket exchange per tensor of the bucket, at most (the residuals, draw
+#: keys and step counters of every tensor were fetched and checked one by one: 10 to 41 a
+#: tensor before; what is left is arithmetic such as each tensor's k or block count)
+CALLS_PER_TENSOR = 8
+
+
+@pytest.mark.parametrize("spec", [*CODEC_LAUNCHES, "topk:density=0.01", "randomk:density=0.01",
+                                  "laplace_topk:density=0.01,fused=1"])
+def test_python_calls_per_tensor_of_a_bucket_are_few(monkeypatch, spec):
+    """The host's own work per tensor, which launches and ops do not show: a bucket of 40
+    tensors makes at most CALLS_PER_TENSOR more Python calls a tensor than one of 4."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    data = lambda n, step: laplace(n, seed=step)  # noqa: E731
+    few, many = counting.python_calls(4, spec, data), counting.python_calls(40, spec, data)
+    assert (many - few) / 36 <= CALLS_PER_TENSOR, (few, many)
+
+
 # -- twobit kernels against their references ----------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -1,0 +1,105 @@
+"""A bucket's residuals found as one buffer (``ResidualMemory._bucket_base``): after a
+step, the next step of the same bucket takes its residuals without fetching and checking
+each tensor's, as long as the store still holds the views that step stored.  These tests
+change the store between steps in every way a user can (a restored checkpoint, a step
+undone by a journal, a tensor compressed alone, a residual removed) and check that the
+next step then equals a compressor that starts from the same state with nothing
+remembered.  On the torch path and on the kernel path (Triton's interpreter on the CPU).
+"""
+import numpy as np
+import pytest
+import torch
+
+import hvd_compress
+from hvd_compress import buckets
+from hvd_compress.memory import Journal
+
+SPECS = ["twobit", "topk:density=0.1", "qsgd:ef=1", "rangefloat:bits=8", "onebit"]
+LAY = buckets.layout(["a", "b", "c"], [(40,), (7, 3), (129,)])
+
+
+def grad(step):
+    rng = np.random.default_rng(100 + step)
+    return torch.from_numpy(rng.laplace(size=LAY.total).astype(np.float32))
+
+
+def exchange(c, step):
+    """This rank's payload of ``step`` and its residuals, copied."""
+    payload, _ = c.compress_bucket(grad(step), LAY)
+    payload = payload if isinstance(payload, tuple) else (payload,)
+    return [p.clone() for p in payload], [c.residual(n).clone() for n in LAY.names]
+
+
+def fresh(state):
+    c = hvd_compress.from_spec(state["spec"])
+    c.load_state_dict(state)
+    return c
+
+
+def assert_same(got, want):
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_restored_checkpoint_replaces_the_remembered_residuals(spec, backend):
+    c = hvd_compress.from_spec(spec)
+    for step in range(2):
+        exchange(c, step)
+    saved = c.state_dict()
+    exchange(c, 2)                                    # the store moves on, and remembers
+    c.load_state_dict(saved)
+    assert_same(exchange(c, 3), exchange(fresh(saved), 3))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_step_undone_by_the_journal_is_forgotten(spec, backend):
+    c = hvd_compress.from_spec(spec)
+    for step in range(2):
+        exchange(c, step)
+    saved = c.state_dict()
+    journal = Journal()
+    c.attach_journal(journal)
+    exchange(c, 2)
+    journal.rollback()
+    assert_same(exchange(c, 3), exchange(fresh(saved), 3))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_tensor_compressed_alone_between_bucket_steps(spec, backend):
+    """The bucket's tensor ``b`` compressed on its own stores a residual of its own; the
+    next bucket step must start from it, not from the bucket's buffer."""
+    c = hvd_compress.from_spec(spec)
+    for step in range(2):
+        exchange(c, step)
+    c.compress(torch.linspace(-3, 3, 21).reshape(7, 3), "b")
+    saved = c.state_dict()
+    assert_same(exchange(c, 2), exchange(fresh(saved), 2))
+
+
+def test_a_residual_removed_from_the_store_starts_again_from_zero(backend):
+    c = hvd_compress.from_spec("twobit")
+    for step in range(2):
+        exchange(c, step)
+    ref = fresh(c.state_dict())
+    for each in (c, ref):                  # ref: the same state, with nothing remembered
+        assert each._store.pop("residual/b") is not None
+    assert_same(exchange(c, 2), exchange(ref, 2))
+
+
+def test_steady_state_residuals_are_views_of_one_buffer(backend):
+    """What makes the next step cheap: each tensor's residual is a view of one buffer,
+    in the bucket's order."""
+    c = hvd_compress.from_spec("twobit")
+    for step in range(3):
+        exchange(c, step)
+    views = [c._store._tensors["residual/" + n] for n in LAY.names]
+    base = views[0]._base
+    assert base is not None and all(v._base is base for v in views)
+    assert [v.data_ptr() for v in views] == [base.data_ptr() + 4 * o for o in LAY.offsets]
