@@ -30,6 +30,15 @@ def exchange(c, step):
     return [p.clone() for p in payload], [c.residual(n).clone() for n in LAY.names]
 
 
+def after_steps(spec, steps=3):
+    """A compressor that has exchanged ``steps`` bucket steps (its store remembers the
+    last one's residual buffer)."""
+    c = hvd_compress.from_spec(spec)
+    for step in range(steps):
+        exchange(c, step)
+    return c
+
+
 def fresh(state):
     c = hvd_compress.from_spec(state["spec"])
     c.load_state_dict(state)
@@ -49,9 +58,7 @@ def backend(request, monkeypatch):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_restored_checkpoint_replaces_the_remembered_residuals(spec, backend):
-    c = hvd_compress.from_spec(spec)
-    for step in range(2):
-        exchange(c, step)
+    c = after_steps(spec, 2)
     saved = c.state_dict()
     exchange(c, 2)                                    # the store moves on, and remembers
     c.load_state_dict(saved)
@@ -60,9 +67,7 @@ def test_a_restored_checkpoint_replaces_the_remembered_residuals(spec, backend):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_step_undone_by_the_journal_is_forgotten(spec, backend):
-    c = hvd_compress.from_spec(spec)
-    for step in range(2):
-        exchange(c, step)
+    c = after_steps(spec, 2)
     saved = c.state_dict()
     journal = Journal()
     c.attach_journal(journal)
@@ -75,18 +80,14 @@ def test_a_step_undone_by_the_journal_is_forgotten(spec, backend):
 def test_a_tensor_compressed_alone_between_bucket_steps(spec, backend):
     """The bucket's tensor ``b`` compressed on its own stores a residual of its own; the
     next bucket step must start from it, not from the bucket's buffer."""
-    c = hvd_compress.from_spec(spec)
-    for step in range(2):
-        exchange(c, step)
+    c = after_steps(spec, 2)
     c.compress(torch.linspace(-3, 3, 21).reshape(7, 3), "b")
     saved = c.state_dict()
     assert_same(exchange(c, 2), exchange(fresh(saved), 2))
 
 
 def test_a_residual_removed_from_the_store_starts_again_from_zero(backend):
-    c = hvd_compress.from_spec("twobit")
-    for step in range(2):
-        exchange(c, step)
+    c = after_steps("twobit", 2)
     ref = fresh(c.state_dict())
     for each in (c, ref):                  # ref: the same state, with nothing remembered
         assert each._store.pop("residual/b") is not None
@@ -96,9 +97,7 @@ def test_a_residual_removed_from_the_store_starts_again_from_zero(backend):
 def test_steady_state_residuals_are_views_of_one_buffer(backend):
     """What makes the next step cheap: each tensor's residual is a view of one buffer,
     in the bucket's order."""
-    c = hvd_compress.from_spec("twobit")
-    for step in range(3):
-        exchange(c, step)
+    c = after_steps("twobit")
     views = [c._store._tensors["residual/" + n] for n in LAY.names]
     base = views[0]._base
     assert base is not None and all(v._base is base for v in views)
