@@ -22,7 +22,8 @@ with T even where launches and ops do not) is measured on buckets of T = 4, 40 a
 tensors of 64 values: ``python_calls`` counts the exchange's Python and builtin function
 calls (``sys.setprofile``, the kernels' bodies in the interpreter left out; exact), and
 ``host_us`` times it (the wall time on CUDA; on the CPU, minus the time in Triton's
-interpreter, which leaves it noisy).  ``*_per_tensor`` is the growth from 4 to 200 (``--host-tensors``).
+interpreter, which still leaves the ATen ops' own work on data that grows with T, a
+GPU's work, and is noisy: read the calls there).  ``*_per_tensor`` is the growth from 4 to 200 (``--host-tensors``).
 Writes ``bucket_ops_<date>.json`` and ``.png``.
 """
 import os
