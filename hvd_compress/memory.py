@@ -360,33 +360,32 @@ class ResidualMemory:
             self.store.set(self.PREFIX + name, value)
 
     def _set_parts(self, parts, new):
-        """Store ``new``'s consecutive views as the residuals of ``parts``; remember them
-        (PyTorch), so that the next step of this bucket finds its residuals as one buffer
-        without touching each tensor's (:meth:`_bucket_base`)."""
+        """Store ``new``'s consecutive views as the residuals of ``parts``; PyTorch: and
+        remember them, for :meth:`_bucket_base` (a new bucket drops those it replaces,
+        whose buffers would stay alive here)."""
         buckets = getattr(self.store, "buckets", None)
         known = buckets.get(parts) if buckets is not None else None
         keys = known[0] if known else tuple(self.PREFIX + name for name, _ in parts)
         views = tuple(self.ops.split(new, [n for _, n in parts]))
-        if buckets is not None:
-            self.store.set_many(keys, views)
-            buckets[parts] = (keys, views, new)
-        else:
+        if buckets is None:
             for key, view in zip(keys, views):
                 self.store.set(key, view)
+            return
+        self.store.set_many(keys, views)
+        if known is None:
+            for other in [p for p, k in buckets.items() if not set(keys).isdisjoint(k[0])]:
+                del buckets[other]
+        buckets[parts] = (keys, views, new)
 
     def _bucket_base(self, parts, like):
-        """The buffer :meth:`_set_parts` last stored for ``parts``, when the store still
-        holds exactly its views and it has ``like``'s dtype (else None: each residual is
-        then fetched and checked on its own).  Where residuals are updated in place on
-        the buffer (``reuse``) only."""
+        """The buffer :meth:`_set_parts` last stored for ``parts`` if the store still holds
+        exactly its views and it has ``like``'s dtype, else None (then each residual is
+        fetched and checked).  Only where residuals are updated in place (``reuse``)."""
         buckets = getattr(self.store, "buckets", None) if self.reuse else None
         known = buckets.get(parts) if buckets is not None else None
-        if known is None:
+        if known is None or known[2].dtype != like.dtype or not self.store.holds(*known[:2]):
             return None
-        keys, views, base = known
-        if base.dtype != like.dtype or not self.store.holds(keys, views):
-            return None
-        return base
+        return known[2]
 
     def _restored(self, new, old, finite):
         """``new``, or ``old``'s values where :class:`NonFinite` ``finite`` flags any."""

@@ -102,3 +102,16 @@ def test_steady_state_residuals_are_views_of_one_buffer(backend):
     base = views[0]._base
     assert base is not None and all(v._base is base for v in views)
     assert [v.data_ptr() for v in views] == [base.data_ptr() + 4 * o for o in LAY.offsets]
+
+
+def test_a_new_bucketing_of_the_same_tensors_forgets_the_old_one(backend):
+    """Buckets re-planned (DDP's rebuild, auto, elastic): the store remembers only the
+    current bucket of each tensor, so an old bucket's buffer is not kept alive."""
+    c = after_steps("twobit", 2)
+    other = buckets.layout(["c", "a"], [(129,), (40,)])
+    g = grad(5)
+    c.compress_bucket(torch.cat([g[LAY.offsets[2]:], g[:40]]), other)
+    c.compress_bucket(torch.cat([g[LAY.offsets[2]:], g[:40]]), other)
+    assert len(c._store.buckets) == 1
+    ref = fresh(c.state_dict())
+    assert_same(exchange(c, 2), exchange(ref, 2))
