@@ -23,8 +23,8 @@ tensors of 64 values: ``python_calls`` counts the exchange's Python and builtin 
 calls (``sys.setprofile``, the kernels' bodies in the interpreter left out; exact), and
 ``host_us`` times it (the wall time on CUDA; on the CPU, minus the time in Triton's
 interpreter, which still leaves the ATen ops' own work on data that grows with T, a
-GPU's work, and is noisy: read the calls there).  ``*_per_tensor`` is the growth from 4 to 200 (``--host-tensors``).
-Writes ``bucket_ops_<date>.json`` and ``.png``.
+GPU's work, and is noisy: read the calls there).  ``*_per_tensor`` is the growth from 4
+to 200 (``--host-tensors``).  Writes ``bucket_ops_<date>.json`` and ``.png``.
 """
 import os
 import sys
@@ -127,7 +127,8 @@ def host_work(spec, T, device, reps=5):
     payloads) of a bucket of ``T`` tensors of 64 values, the kernels' bodies left out:
     ``(python_calls, median_us)``.  ``python_calls`` counts the Python and builtin
     function calls the exchange makes (``sys.setprofile``; generator resumes left out;
-    exact, so it compares across machines; tests/counting.py's ``python_calls``); ``median_us`` is its host time (noisy on the CPU, where the interpreter's
+    exact, so it compares across machines; as tests/counting.py's ``python_calls``
+    counts); ``median_us`` is its host time (noisy on the CPU, where the interpreter's
     work between the calls disturbs it)."""
     import time
     import numpy as np

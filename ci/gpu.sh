@@ -13,7 +13,8 @@
 #                 compress + decompress of every bucket, and two processes through the DDP
 #                 hook on Gloo with CUDA tensors (gpu_step.py); a bucket compress's
 #                 device time kernel by kernel against its wall time (gpu_breakdown.py);
-#                 the launches, framework ops and host work per tensor of a bucket exchange (bucket_ops.py)
+#                 the launches, framework ops and host work per tensor of a bucket
+#                 exchange (bucket_ops.py)
 #   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
 #
 # Needs python with torch (and triton for the kernels); installs nothing and uses no

@@ -149,9 +149,7 @@ class TorchStore:
         """Return the counter ``key`` (from 0) and increment it.  Held as a Python int (a
         tensor after :meth:`load_state_dict`, read once), so that counting a bucket's
         tensors costs no tensor op per tensor; :meth:`state_dict` gives int64 tensors."""
-        value = int(self.get(key, lambda: 0))
-        self.set(key, value + 1)
-        return value
+        return self.next_counts([key])[0]
 
     def next_counts(self, keys):
         """:meth:`next_count` of each of ``keys``, a list."""
@@ -323,12 +321,7 @@ class ResidualMemory:
         if len(parts) == 1:
             return self.compensate(parts[0][0], flat)
         ops = self.ops
-        r = self._bucket_base(parts, flat)
-        if r is None:
-            residuals = [self._residual_n(name, n, flat) for name, n in parts]
-            r = self._contiguous(residuals) if self.reuse else None
-            if r is None:
-                r = ops.concat(residuals)
+        r = self._residuals(parts, flat)
         if self.reuse and own:
             return ops.add_into(flat, ops.cast(r, flat.dtype), flat)
         return flat + ops.cast(r, flat.dtype)
@@ -338,14 +331,8 @@ class ResidualMemory:
         if len(parts) == 1:
             return self.update(parts[0][0], compensated, subtract_sent, finite)
         ops = self.ops
-        names = [name for name, _ in parts]
-        lengths = [n for _, n in parts]
         if isinstance(finite, NonFinite):
-            old = self._bucket_base(parts, compensated)
-            if old is None:
-                residuals = [self._residual_n(name, n, compensated) for name, n in parts]
-                old = (self._contiguous(residuals) if self.reuse else None)
-                old = ops.concat(residuals) if old is None else old
+            old = self._residuals(parts, compensated)
             new = self._restored(subtract_sent(compensated, self.reuse), old, finite)
             self._set_parts(parts, new)
             return
@@ -355,13 +342,12 @@ class ResidualMemory:
                 self._set_parts(parts, subtract_sent(compensated, True))
             return
         new = subtract_sent(compensated, False)
-        old = ops.concat([self._residual_n(name, n, compensated) for name, n in parts])
-        for name, value in zip(names, ops.split(ops.select(finite, new, old), lengths)):
-            self.store.set(self.PREFIX + name, value)
+        old = self._residuals(parts, compensated)
+        self._set_parts(parts, ops.select(finite, new, old))
 
     def _set_parts(self, parts, new):
         """Store ``new``'s consecutive views as the residuals of ``parts``; PyTorch: and
-        remember them, for :meth:`_bucket_base` (a new bucket drops those it replaces,
+        remember them, for :meth:`_residuals` (a new bucket drops those it replaces,
         whose buffers would stay alive here)."""
         buckets = getattr(self.store, "buckets", None)
         known = buckets.get(parts) if buckets is not None else None
@@ -373,19 +359,24 @@ class ResidualMemory:
             return
         self.store.set_many(keys, views)
         if known is None:
-            for other in [p for p, k in buckets.items() if not set(keys).isdisjoint(k[0])]:
+            mine = set(keys)
+            for other in [p for p, k in buckets.items() if not mine.isdisjoint(k[0])]:
                 del buckets[other]
         buckets[parts] = (keys, views, new)
 
-    def _bucket_base(self, parts, like):
-        """The buffer :meth:`_set_parts` last stored for ``parts`` if the store still holds
-        exactly its views and it has ``like``'s dtype, else None (then each residual is
-        fetched and checked).  Only where residuals are updated in place (``reuse``)."""
+    def _residuals(self, parts, like):
+        """The residuals of ``parts``, end to end in one tensor.  Where residuals are
+        updated in place (``reuse``): the buffer :meth:`_set_parts` last stored for
+        ``parts`` if the store still holds exactly its views and it has ``like``'s dtype;
+        else each residual fetched and checked, and the buffer they are views of, or
+        their concatenation."""
         buckets = getattr(self.store, "buckets", None) if self.reuse else None
         known = buckets.get(parts) if buckets is not None else None
-        if known is None or known[2].dtype != like.dtype or not self.store.holds(*known[:2]):
-            return None
-        return known[2]
+        if known is not None and known[2].dtype == like.dtype and self.store.holds(*known[:2]):
+            return known[2]
+        residuals = [self._residual_n(name, n, like) for name, n in parts]
+        r = self._contiguous(residuals) if self.reuse else None
+        return self.ops.concat(residuals) if r is None else r
 
     def _restored(self, new, old, finite):
         """``new``, or ``old``'s values where :class:`NonFinite` ``finite`` flags any."""

@@ -1,8 +1,9 @@
 """Counting what a bucket exchange costs on the CUDA code path: Triton launches (the
 launchers' own counter, ``hvd_compress.kernels.counting_launches``), framework (ATen)
 ops (a ``TorchDispatchMode``), the calls that synchronise with the host on CUDA
-(:class:`CountSyncs`) and the host's own Python calls (:func:`python_calls`).  Run with ``HVD_COMPRESS_BACKEND=triton``, so on CPU
-tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, conftest.py)."""
+(:class:`CountSyncs`) and the host's own Python calls (:func:`python_calls`).  Run with
+``HVD_COMPRESS_BACKEND=triton``, so on CPU tensors the kernels run in Triton's
+interpreter (``TRITON_INTERPRET=1``, conftest.py)."""
 import collections
 import sys
 

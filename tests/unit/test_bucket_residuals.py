@@ -1,4 +1,4 @@
-"""A bucket's residuals found as one buffer (``ResidualMemory._bucket_base``): after a
+"""A bucket's residuals found as one buffer (``ResidualMemory._residuals``): after a
 step, the next step of the same bucket takes its residuals without fetching and checking
 each tensor's, as long as the store still holds the views that step stored.  These tests
 change the store between steps in every way a user can (a restored checkpoint, a step
