@@ -18,8 +18,14 @@ if platform.machine() in ("x86_64", "AMD64"):
 import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors.  It must be on
-# before any kernel module is imported (triton.jit reads it at decoration time).
-if not torch.cuda.is_available():
+# before any kernel module is imported (triton.jit reads it at decoration time).  With
+# HVD_COMPRESS_COMPILE_FOR=90 (make compile-check) every launch is also compiled for that
+# GPU first (tests/triton_compile.py), which needs the interpreter off at decoration time.
+COMPILE_FOR = os.environ.get("HVD_COMPRESS_COMPILE_FOR")
+if COMPILE_FOR:
+    import triton_compile  # noqa: E402
+    triton_compile.enable(int(COMPILE_FOR))
+elif not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Triton must be loaded before TensorFlow in one process: loaded after it, both register
@@ -113,3 +119,24 @@ def free_cuda_cache():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Under ``HVD_COMPRESS_COMPILE_FOR``: every kernel compiled, and how; the table also
+    goes to ``$HVD_COMPRESS_COMPILE_REPORT`` (JSON) when that is set."""
+    if not COMPILE_FOR:
+        return
+    import triton
+
+    rows = triton_compile.report()
+    tr = terminalreporter
+    tr.section(f"Triton kernels compiled for sm_{COMPILE_FOR} (triton {triton.__version__})")
+    tr.write_line(f"{'kernel':40s} {'variants':>8s} {'max shared B':>12s} {'warps':>8s} {'s':>7s}")
+    for name, r in sorted(rows.items()):
+        tr.write_line(f"{name:40s} {r['specialisations']:8d} {r['max_shared']:12d} "
+                      f"{','.join(map(str, r['num_warps'])):>8s} {r['seconds']:7.1f}")
+    path = os.environ.get("HVD_COMPRESS_COMPILE_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"arch": int(COMPILE_FOR), "triton": triton.__version__,
+                       "torch": torch.__version__, "kernels": rows}, f, indent=1, sort_keys=True)

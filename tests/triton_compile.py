@@ -1,0 +1,173 @@
+"""Compile every Triton kernel for a GPU that is not here, then run it in the interpreter.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python on numpy: it checks
+what a kernel computes, not that the kernel compiles.  A lent GPU is rare (15 minutes of
+device time), so a kernel that fails to compile there costs the session its one run.
+This module makes the CPU test run compile, too: with :func:`enable`, every kernel
+launch is first compiled by Triton's real compiler for a CUDA target (sm_90 by default,
+the lent H100/H200: TTIR, TTGIR, LLVM IR, PTX, then ``ptxas`` into a cubin -- Triton
+ships ``ptxas``, no GPU or driver is needed), with the arguments, specialisations and
+meta-parameters of that launch, then run in the interpreter as before, so the test
+still checks the results.
+
+What the compiler catches that the interpreter does not: a loop-carried value whose
+type changes, a constexpr a kernel needs but is not given, type errors in ``tl.where``
+or in a store, an op the backend lacks, and shared memory past what one program may
+use on the device (checked here against ``SHARED_LIMIT``).  What it cannot catch: that
+the compiled code computes what the interpreter computes (only a GPU says that).
+
+Enabled by ``HVD_COMPRESS_COMPILE_FOR=<arch>`` (``90``) in ``tests/conftest.py``, which
+then leaves ``TRITON_INTERPRET`` unset (``triton.jit`` must build compilable
+functions); ``make compile-check`` runs the kernel tests so.  ``report()`` lists every
+specialisation compiled, with its shared memory, warps and compile time.
+
+Imports: the standard library, torch, triton (private parts: the driver seam, the JIT
+function and the interpreter, as of Triton 3.6-3.9).
+"""
+import os
+import time
+
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+from triton.runtime.jit import JITFunction
+
+#: the most shared memory one program may use, by compute capability (bytes; CUDA's
+#: ``sharedMemPerBlockOptin``: 227 KiB on sm_90, 163 KiB on sm_80)
+SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376, 86: 101376}
+
+#: one row per specialisation compiled: kernel, arch, shared bytes, warps, seconds
+COMPILED = []
+
+#: every jitted function defined since :func:`enable` (kernels and their helpers)
+DEFINED = set()
+
+_INTERPRETED = {}
+_SEEN = {}
+
+
+def _name(fn):
+    """``module.function``: kernels of different modules may share a name."""
+    return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
+
+
+class _TargetOnly:
+    """A driver that names a CUDA target and nothing else (no device, no launch)."""
+
+    def __init__(self, arch):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+class CompiledThenInterpreted(JITFunction):
+    """``triton.jit``'s function, whose launch compiles for the target, then interprets."""
+
+    arch = 90
+
+    def __init__(self, fn, **kwargs):
+        super().__init__(fn, **kwargs)
+        DEFINED.add(_name(fn))
+
+    def run(self, *args, grid, warmup, **kwargs):
+        start = time.perf_counter()
+        try:
+            compiled = super().run(*args, grid=grid, warmup=True, **kwargs)
+        except Exception as e:   # the compiler's own error, with the kernel named
+            raise RuntimeError(f"Triton kernel {self.fn.__name__} does not compile for "
+                               f"sm_{self.arch}: {e}") from e
+        if id(compiled) in _SEEN:      # compiled before: Triton's cache
+            return self._interpret(compiled, args, grid, warmup, kwargs)
+        _SEEN[id(compiled)] = compiled
+        shared = compiled.metadata.shared
+        COMPILED.append({"kernel": _name(self.fn), "arch": self.arch, "shared": shared,
+                         "num_warps": compiled.metadata.num_warps,
+                         "seconds": round(time.perf_counter() - start, 3)})
+        limit = SHARED_LIMIT.get(self.arch)
+        if limit is not None and shared > limit:
+            raise RuntimeError(f"Triton kernel {self.fn.__name__} needs {shared} bytes of shared "
+                               f"memory; sm_{self.arch} allows {limit}")
+        return self._interpret(compiled, args, grid, warmup, kwargs)
+
+    def _interpret(self, compiled, args, grid, warmup, kwargs):
+        if warmup:
+            return compiled
+        knobs.runtime.interpret = True
+        try:
+            return _interpreted(self.fn).run(*args, grid=grid, warmup=False, **kwargs)
+        finally:
+            knobs.runtime.interpret = False
+
+
+def _interpreted(fn):
+    f = _INTERPRETED.get(fn)
+    if f is None:
+        f = _INTERPRETED[fn] = InterpretedFunction(fn)
+    return f
+
+
+_jit_call = JITFunction.__call__
+
+
+def _call(self, *args, **kwargs):
+    """A jitted function called inside an interpreted kernel (``tl.max``, a helper) runs
+    interpreted; anywhere else Triton's own rule holds (it may not be called)."""
+    if not knobs.runtime.interpret:
+        return _jit_call(self, *args, **kwargs)
+    # as InterpretedFunction.__call__, but the language patches are undone afterwards
+    # (the compiler, next, must see triton.language as it is)
+    scope = _patch_lang(self.fn)
+    try:
+        return _interpreted(self.fn).rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
+
+
+def _jit(fn=None, **kwargs):
+    if fn is None:
+        return lambda f: CompiledThenInterpreted(f, **kwargs)
+    return CompiledThenInterpreted(fn, **kwargs)
+
+
+def enable(arch=90):
+    """From now on, ``triton.jit`` kernels compile for ``sm_<arch>`` at every launch, then
+    run in the interpreter.  Call before any kernel is defined (the package defines its
+    kernels on first launch), with ``TRITON_INTERPRET`` unset."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("triton_compile.enable needs TRITON_INTERPRET unset: the "
+                           "interpreter's triton.jit builds functions that cannot compile")
+    CompiledThenInterpreted.arch = int(arch)
+    driver.set_active(_TargetOnly(int(arch)))
+    JITFunction.__call__ = _call
+    triton.jit = _jit
+
+
+def report():
+    """``{kernel: {"specialisations", "max_shared", "num_warps", "seconds"}}`` so far, for
+    every jitted function of this package defined so far (a kernel never launched, or a
+    helper that is compiled inside its callers, has 0 specialisations)."""
+    out = {name: {"specialisations": 0, "max_shared": 0, "num_warps": set(), "seconds": 0.0}
+           for name in DEFINED if not name.startswith(("standard.", "core.", "math."))}
+    for row in COMPILED:
+        k = out.setdefault(row["kernel"], {"specialisations": 0, "max_shared": 0,
+                                           "num_warps": set(), "seconds": 0.0})
+        k["specialisations"] += 1
+        k["max_shared"] = max(k["max_shared"], row["shared"])
+        k["num_warps"].add(row["num_warps"])
+        k["seconds"] += row["seconds"]
+    for k in out.values():
+        k["num_warps"] = sorted(k["num_warps"])
+        k["seconds"] = round(k["seconds"], 2)
+    return out
