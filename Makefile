@@ -2,12 +2,13 @@
 # make test  - set up if needed, then run the whole test suite (what CI runs)
 # make test-fast - set up if needed, then only the in-process tests (tests/unit, a few minutes)
 # make test-triton36 - the kernel tests in Triton 3.6's interpreter (the GPU machine's version)
+# make compile-check - those tests with every kernel also compiled for sm_90 (H100/H200) by Triton 3.6
 # make setup - create .venv with torch, TensorFlow, Triton and Horovod (built from source)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 
-.PHONY: setup test test-fast test-triton36 demo demo-tf demo-keras demo-ddp demo-lightning demo-cssgd bench clean gpu-test gpu-dry-run
+.PHONY: setup test test-fast triton36 test-triton36 compile-check demo demo-tf demo-keras demo-ddp demo-lightning demo-cssgd bench clean gpu-test gpu-dry-run
 
 setup:
 	@bash ci/setup.sh
@@ -48,15 +49,28 @@ TRITON36 := .venv-triton36
 KERNEL_TESTS := tests/unit/test_kernels.py tests/unit/test_bucket_launches.py \
 	tests/unit/test_bucket_syncs.py tests/unit/test_dct.py tests/unit/test_dct_bucket.py \
 	tests/unit/test_histogram_select.py tests/unit/test_histogram_select_review.py \
-	tests/unit/test_buckets.py
-test-triton36: setup
+	tests/unit/test_buckets.py tests/unit/test_hylo.py tests/unit/test_onebit_segments.py \
+	tests/unit/test_uniform_draws.py
+triton36: setup
 	@test -x $(TRITON36)/bin/python || { $(PY) -m venv $(TRITON36) && \
 		$(PY) -c "import site; print(site.getsitepackages()[0])" > \
 		"$$($(TRITON36)/bin/python -c 'import site; print(site.getsitepackages()[0])')/zz_main_venv.pth" && \
 		$(TRITON36)/bin/pip install -q --no-deps triton==3.6.0; }
 	$(TRITON36)/bin/python -c "import triton; assert triton.__version__.startswith('3.6'), triton.__version__"
+
+test-triton36: triton36
 	$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
 	HVD_COMPRESS_GPU_TESTS_ON_CPU=1 $(TRITON36)/bin/python -m pytest -q -p no:cacheprovider tests/gpu
+
+# make compile-check - the same tests, every kernel launch also compiled for the lent GPU (sm_90:
+#                     H100/H200) by Triton 3.6's compiler, down to a cubin, no GPU needed
+#                     (tests/triton_compile.py); the table of what compiled goes to $(COMPILE_REPORT)
+COMPILE_REPORT ?= $${TMPDIR:-/tmp}/hvd_compress_compiled_sm90.json
+compile-check: triton36
+	HVD_COMPRESS_COMPILE_FOR=90 HVD_COMPRESS_COMPILE_REPORT=$(COMPILE_REPORT) \
+		$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	HVD_COMPRESS_COMPILE_FOR=90 HVD_COMPRESS_GPU_TESTS_ON_CPU=1 \
+		$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider tests/gpu
 
 clean:
 	rm -rf $(VENV) $(TRITON36) build *.egg-info

@@ -122,8 +122,10 @@ def free_cuda_cache():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Under ``HVD_COMPRESS_COMPILE_FOR``: every kernel compiled, and how; the table also
-    goes to ``$HVD_COMPRESS_COMPILE_REPORT`` (JSON) when that is set."""
+    """Under ``HVD_COMPRESS_COMPILE_FOR``: every kernel compiled, and how (the most shared
+    memory, registers and spilled bytes of its variants, the fewest of its warps that fit
+    on an SM at once, of 64); the table also goes to ``$HVD_COMPRESS_COMPILE_REPORT``
+    (JSON) when that is set."""
     if not COMPILE_FOR:
         return
     import triton
@@ -131,10 +133,13 @@ def pytest_terminal_summary(terminalreporter):
     rows = triton_compile.report()
     tr = terminalreporter
     tr.section(f"Triton kernels compiled for sm_{COMPILE_FOR} (triton {triton.__version__})")
-    tr.write_line(f"{'kernel':40s} {'variants':>8s} {'max shared B':>12s} {'warps':>8s} {'s':>7s}")
+    tr.write_line(f"{'kernel':40s} {'variants':>8s} {'shared B':>9s} {'warps':>6s} {'regs':>5s} "
+                  f"{'spill B':>7s} {'warps/SM':>8s} {'s':>6s}")
     for name, r in sorted(rows.items()):
-        tr.write_line(f"{name:40s} {r['specialisations']:8d} {r['max_shared']:12d} "
-                      f"{','.join(map(str, r['num_warps'])):>8s} {r['seconds']:7.1f}")
+        tr.write_line(f"{name:40s} {r['specialisations']:8d} {r['max_shared']:9d} "
+                      f"{','.join(map(str, r['num_warps'])):>6s} {r['max_registers']:5d} "
+                      f"{r['max_local_bytes']:7d} {r.get('min_resident_warps', 0):8d} "
+                      f"{r['seconds']:6.1f}")
     path = os.environ.get("HVD_COMPRESS_COMPILE_REPORT")
     if path:
         with open(path, "w") as f:

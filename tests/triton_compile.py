@@ -19,15 +19,21 @@ the compiled code computes what the interpreter computes (only a GPU says that).
 Enabled by ``HVD_COMPRESS_COMPILE_FOR=<arch>`` (``90``) in ``tests/conftest.py``, which
 then leaves ``TRITON_INTERPRET`` unset (``triton.jit`` must build compilable
 functions); ``make compile-check`` runs the kernel tests so.  ``report()`` lists every
-specialisation compiled, with its shared memory, warps and compile time.
+specialisation compiled, with its shared memory, warps, registers per thread, local
+memory per thread (spills: a kernel that needs it is slower than it should be, which
+the table shows; it is not an error) and compile time.
 
 Imports: the standard library, torch, triton (private parts: the driver seam, the JIT
 function and the interpreter, as of Triton 3.6-3.9).
 """
 import os
+import re
+import subprocess
+import tempfile
 import time
 
 import triton
+import triton.backends.nvidia as nvidia_backend
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
@@ -94,7 +100,8 @@ class CompiledThenInterpreted(JITFunction):
         shared = compiled.metadata.shared
         COMPILED.append({"kernel": _name(self.fn), "arch": self.arch, "shared": shared,
                          "num_warps": compiled.metadata.num_warps,
-                         "seconds": round(time.perf_counter() - start, 3)})
+                         "seconds": round(time.perf_counter() - start, 3),
+                         **resource_usage(compiled.asm.get("cubin"))})
         limit = SHARED_LIMIT.get(self.arch)
         if limit is not None and shared > limit:
             raise RuntimeError(f"Triton kernel {self.fn.__name__} needs {shared} bytes of shared "
@@ -109,6 +116,37 @@ class CompiledThenInterpreted(JITFunction):
             return _interpreted(self.fn).run(*args, grid=grid, warmup=False, **kwargs)
         finally:
             knobs.runtime.interpret = False
+
+
+def resource_usage(cubin):
+    """``{"registers", "local_bytes"}`` of a cubin's function, as ``cuobjdump -res-usage``
+    (shipped with Triton) reads it: registers per thread, and local memory per thread
+    (register spills and stack; 0 in a kernel that keeps everything in registers).
+    ``{}`` where the tool or the cubin is missing."""
+    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out))
+    if "REG" not in usage:
+        return {}
+    return {"registers": int(usage["REG"]),
+            "local_bytes": int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))}
+
+
+def resident_warps(registers, shared, num_warps, arch=90):
+    """Warps of one kernel that fit on an SM at once (of 64 on sm_80/sm_90), limited by
+    registers (65,536 per SM, given out per warp in units of 256), shared memory (228 KiB
+    per SM on sm_90, 164 on sm_80, with 1 KiB reserved per program) and 32 programs per
+    SM: CUDA's occupancy calculation.  A static figure, not a measured one."""
+    per_warp = -(-registers * 32 // 256) * 256
+    programs = (65536 // per_warp) // num_warps if per_warp else 32
+    sm_shared = {90: 233472, 80: 167936}.get(arch, 102400)
+    programs = min(programs, sm_shared // (shared + 1024), 32)
+    return min(programs * num_warps, 64)
 
 
 def _interpreted(fn):
@@ -155,16 +193,24 @@ def enable(arch=90):
 
 
 def report():
-    """``{kernel: {"specialisations", "max_shared", "num_warps", "seconds"}}`` so far, for
+    """``{kernel: {"specialisations", "max_shared", "num_warps", "seconds",
+    "max_registers", "max_local_bytes", "min_resident_warps"}}`` so far, for
     every jitted function of this package defined so far (a kernel never launched, or a
     helper that is compiled inside its callers, has 0 specialisations)."""
-    out = {name: {"specialisations": 0, "max_shared": 0, "num_warps": set(), "seconds": 0.0}
+    out = {name: {"specialisations": 0, "max_shared": 0, "num_warps": set(), "seconds": 0.0,
+                  "max_registers": 0, "max_local_bytes": 0}
            for name in DEFINED if not name.startswith(("standard.", "core.", "math."))}
     for row in COMPILED:
         k = out.setdefault(row["kernel"], {"specialisations": 0, "max_shared": 0,
-                                           "num_warps": set(), "seconds": 0.0})
+                                           "num_warps": set(), "seconds": 0.0,
+                                           "max_registers": 0, "max_local_bytes": 0})
         k["specialisations"] += 1
         k["max_shared"] = max(k["max_shared"], row["shared"])
+        k["max_registers"] = max(k["max_registers"], row.get("registers", 0))
+        k["max_local_bytes"] = max(k["max_local_bytes"], row.get("local_bytes", 0))
+        if "registers" in row:
+            warps = resident_warps(row["registers"], row["shared"], row["num_warps"], row["arch"])
+            k["min_resident_warps"] = min(k.get("min_resident_warps", 64), warps)
         k["num_warps"].add(row["num_warps"])
         k["seconds"] += row["seconds"]
     for k in out.values():
