@@ -27,7 +27,10 @@ tensor.  ``--tiny`` divides every size by 1000.
    of 2046 with an atomic per entry in the bracket) against four passes of 2046 (before
    2026-11-26's second stop), and ``torch.topk`` per tensor; ``exact=1`` indices must be
    equal, and the tolerance mode's counts are given.
-5. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+5. **aligned**: the bucket kernels told that the layout's offsets are multiples of 16
+   values (16-byte loads) against told nothing, for ``segment_abs_sum_max``, the twobit
+   bucket compress and the fused selection (layouts ``gpt2`` and ``one``).
+6. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation.
 
 Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
@@ -225,6 +228,47 @@ def search_rows(args):
     return rows
 
 
+def aligned_rows(args):
+    """The bucket kernels told that every offset is a multiple of 16 values (as now: the
+    layout's ``segmented.alignment``, which lets the compiler load 16 bytes at a time)
+    against told nothing (``alignment`` forced to 1: one value a load, as before
+    2026-11-26's fourth stop): ``segment_abs_sum_max``, the twobit bucket compress, the
+    fused selection."""
+    import hvd_compress
+    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.kernels import segmented
+    from hvd_compress.ops import torch_ops
+    real = segmented.alignment
+    rows = []
+    for lname in ("gpt2", "one"):
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=6)
+        row = {"layout": lname, "numel": lay.total, "align": real(lay.numels, 4096)}
+        twobit = hvd_compress.from_spec("twobit:ef=0")
+        search = hvd_compress.from_spec(f"laplace_topk:density={DENSITY},fused=1")
+        calls = {"abs_sum_max": lambda: segmented.segment_abs_sum_max(flat, lay.numels),
+                 "twobit_compress": lambda: twobit.compress_bucket(flat, lay),
+                 "select": lambda: select_histogram(search, flat, lay, torch_ops,
+                                                    HISTOGRAM_PASSES)[0]}
+        for told in ("aligned", "unaligned"):
+            segmented.alignment = real if told == "aligned" else (lambda *a, **k: 1)
+            segmented._DEVICE_BLOCKS.clear()
+            segmented._WORD_TABLES.clear()
+            try:
+                for name, fn in calls.items():
+                    row[f"{name}_{told}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat,
+                                                                   args.device)
+            finally:
+                segmented.alignment = real
+                segmented._DEVICE_BLOCKS.clear()
+                segmented._WORD_TABLES.clear()
+        rows.append(row)
+        print(f"aligned {lname:7s} (align {row['align']:2d})  "
+              + "  ".join(f"{name} {row[f'{name}_aligned_ms']:8.3f} vs {row[f'{name}_unaligned_ms']:8.3f} ms"
+                          for name in calls), flush=True)
+    return rows
+
+
 def launch_row(args):
     from hvd_compress.kernels import histogram_select as H
     x = common.laplace(torch, 1000, args.device)
@@ -290,7 +334,7 @@ def main():
     print(title, flush=True)
     result = {"info": info, "args": vars(args), "compress": compress_rows(args, cuda),
               "topk": topk_rows(args), "graph": graph_rows(args, cuda),
-              "search": search_rows(args),
+              "search": search_rows(args), "aligned": aligned_rows(args),
               "launch": launch_row(args)}
     stamp = datetime.date.today().isoformat()
     out = Path(args.out) / f"gpu_breakdown{'_tiny' if args.tiny else ''}_{stamp}"

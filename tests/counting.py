@@ -122,12 +122,13 @@ def host_state(c):
                                      if k.startswith("step/")]
 
 
-def exchange_syncs(T, spec, data, size=1000, counter=None):
-    """``(compress, decompress)`` host synchronisations of a bucket of ``T`` tensors
-    (decompress: two ranks' payloads), after a warm-up: with :class:`CountSyncs` (two
-    Counters), or ``counter(fn) -> (count, result)`` (two ints; on a GPU, its sync-debug
-    count)."""
-    lay = layout([f"t{i}" for i in range(T)], [(size + 37 * i,) for i in range(T)])
+def exchange_syncs(T, spec, data, size=1000, counter=None, sizes=None):
+    """``(compress, decompress)`` host synchronisations of a bucket of ``T`` tensors of
+    ``size + 37 i`` values (or of ``sizes``; decompress: two ranks' payloads), after a
+    warm-up: with :class:`CountSyncs` (two Counters), or ``counter(fn) -> (count,
+    result)`` (two ints; on a GPU, its sync-debug count)."""
+    sizes = sizes or [size + 37 * i for i in range(T)]
+    lay = layout([f"t{i}" for i in range(len(sizes))], [(n,) for n in sizes])
     c = hvd_compress.from_spec(spec)
     for step in range(2):
         flat = data(lay.total, step)

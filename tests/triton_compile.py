@@ -21,11 +21,13 @@ then leaves ``TRITON_INTERPRET`` unset (``triton.jit`` must build compilable
 functions); ``make compile-check`` runs the kernel tests so.  ``report()`` lists every
 specialisation compiled, with its shared memory, warps, registers per thread, local
 memory per thread (spills: a kernel that needs it is slower than it should be, which
-the table shows; it is not an error) and compile time.
+the table shows; it is not an error), the width of most global loads and stores, and
+compile time.
 
-Imports: the standard library, torch, triton (private parts: the driver seam, the JIT
+Imports: the standard library and triton (private parts: the driver seam, the JIT
 function and the interpreter, as of Triton 3.6-3.9).
 """
+import collections
 import os
 import re
 import subprocess
@@ -44,7 +46,8 @@ from triton.runtime.jit import JITFunction
 #: ``sharedMemPerBlockOptin``: 227 KiB on sm_90, 163 KiB on sm_80)
 SHARED_LIMIT = {90: 232448, 80: 166912, 89: 101376, 86: 101376}
 
-#: one row per specialisation compiled: kernel, arch, shared bytes, warps, seconds
+#: one row per specialisation compiled: kernel, arch, shared bytes, warps, seconds,
+#: registers, local (spilled) bytes, load and store widths
 COMPILED = []
 
 #: every jitted function defined since :func:`enable` (kernels and their helpers)
@@ -101,7 +104,8 @@ class CompiledThenInterpreted(JITFunction):
         COMPILED.append({"kernel": _name(self.fn), "arch": self.arch, "shared": shared,
                          "num_warps": compiled.metadata.num_warps,
                          "seconds": round(time.perf_counter() - start, 3),
-                         **resource_usage(compiled.asm.get("cubin"))})
+                         **resource_usage(compiled.asm.get("cubin")),
+                         **access_widths(compiled.asm.get("ptx", ""))})
         limit = SHARED_LIMIT.get(self.arch)
         if limit is not None and shared > limit:
             raise RuntimeError(f"Triton kernel {self.fn.__name__} needs {shared} bytes of shared "
@@ -135,6 +139,19 @@ def resource_usage(cubin):
         return {}
     return {"registers": int(usage["REG"]),
             "local_bytes": int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))}
+
+
+def access_widths(ptx):
+    """``{"load_bits", "store_bits"}``: the width, in bits per thread and instruction, of
+    most of a kernel's global loads and stores in its PTX (128: ``ld.global.v4.b32``, four
+    floats at once, the vectorised access that streams memory fastest; 32: one float at
+    a time; 0: none).  Triton vectorises where it can prove addresses contiguous and
+    16-byte aligned, so a kernel whose offsets are loaded from a table gets 32."""
+    def typical(op):
+        found = re.findall(op + r"\.global(?:\.[a-z]+)*?\.(?:v(\d)\.)?[bsuf](\d+)", ptx)
+        widths = collections.Counter(int(v or 1) * int(b) for v, b in found)
+        return max(widths, key=lambda w: (widths[w], w)) if widths else 0
+    return {"load_bits": typical("ld"), "store_bits": typical("st")}
 
 
 def resident_warps(registers, shared, num_warps, arch=90):
@@ -194,7 +211,8 @@ def enable(arch=90):
 
 def report():
     """``{kernel: {"specialisations", "max_shared", "num_warps", "seconds",
-    "max_registers", "max_local_bytes", "min_resident_warps"}}`` so far, for
+    "max_registers", "max_local_bytes", "min_resident_warps", "load_bits", "store_bits"}}``
+    so far (the widest typical access of any variant), for
     every jitted function of this package defined so far (a kernel never launched, or a
     helper that is compiled inside its callers, has 0 specialisations)."""
     out = {name: {"specialisations": 0, "max_shared": 0, "num_warps": set(), "seconds": 0.0,
@@ -208,6 +226,8 @@ def report():
         k["max_shared"] = max(k["max_shared"], row["shared"])
         k["max_registers"] = max(k["max_registers"], row.get("registers", 0))
         k["max_local_bytes"] = max(k["max_local_bytes"], row.get("local_bytes", 0))
+        k["load_bits"] = max(k.get("load_bits", 0), row.get("load_bits", 0))
+        k["store_bits"] = max(k.get("store_bits", 0), row.get("store_bits", 0))
         if "registers" in row:
             warps = resident_warps(row["registers"], row["shared"], row["num_warps"], row["arch"])
             k["min_resident_warps"] = min(k.get("min_resident_warps", 64), warps)

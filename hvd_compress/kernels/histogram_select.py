@@ -63,12 +63,15 @@ def _kernels():
 
     @triton.jit
     def _histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T, hist_ptr,
-                          BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr):
-        # state rows read here (LO = 0, HI = 1, ACTIVE = 4): no host slicing per launch
+                          BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr,
+                          ALIGN: tl.constexpr):
+        # state rows read here (LO = 0, HI = 1, ACTIVE = 4): no host slicing per launch;
+        # ALIGN divides every start and stop (Blocks.align: 16-byte loads)
         pid = tl.program_id(0)
-        start = tl.load(starts_ptr + pid)
+        start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         s = tl.load(segs_ptr + pid)
-        stop = tl.where(tl.load(state_ptr + 4 * T + s) != 0, tl.load(stops_ptr + pid), start)
+        stop = tl.where(tl.load(state_ptr + 4 * T + s) != 0,
+                        tl.multiple_of(tl.load(stops_ptr + pid), ALIGN), start)
         offs = start + tl.arange(0, BLOCK)
         valid = offs < stop                                  # inactive tensor: nothing read
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
@@ -131,12 +134,12 @@ def _kernels():
     @triton.jit
     def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T,
                      above_ptr, band_ptr, out_offset_ptr, idx_ptr,
-                     WRITE: tl.constexpr, BLOCK: tl.constexpr):
+                     WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
         # WRITE=False: count the block's entries above hi and in the band (lo, hi];
         # WRITE=True: write the taken entries' indices (band_ptr: band entries before it)
         pid = tl.program_id(0)
-        offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
-        valid = offs < tl.load(stops_ptr + pid)
+        offs = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN) + tl.arange(0, BLOCK)
+        valid = offs < tl.multiple_of(tl.load(stops_ptr + pid), ALIGN)
         s = tl.load(segs_ptr + pid)
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)   # bits of |x|
@@ -321,7 +324,7 @@ def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None, local
     count_launch("segment_histogram")
     _kernels().histogram[(blocks.starts.numel(),)](
         x.reshape(-1), blocks.starts, blocks.stops, blocks.segs, _whole(state), T, hist,
-        BINS=bins, BLOCK=blocks.block, LOCAL=bool(local))
+        BINS=bins, BLOCK=blocks.block, LOCAL=bool(local), ALIGN=blocks.align)
     return hist
 
 
@@ -415,7 +418,8 @@ def band_select(x, blocks, state, backend=None):
     count_launch("band_count")
     kernels = _kernels()
     kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, _whole(state), T, above,
-                              band, above, above, WRITE=False, BLOCK=blocks.block)
+                              band, above, above, WRITE=False, BLOCK=blocks.block,
+                              ALIGN=blocks.align)
     band_before, out_start, scratch, result = (
         torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
     count_launch("band_offsets")
@@ -428,5 +432,6 @@ def band_select(x, blocks, state, backend=None):
     if total:
         count_launch("band_write")
         kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, state, T, above,
-                                  band_before, out_start, idx, WRITE=True, BLOCK=blocks.block)
+                                  band_before, out_start, idx, WRITE=True, BLOCK=blocks.block,
+                                  ALIGN=blocks.align)
     return idx, bool(finite)

@@ -116,7 +116,7 @@ def pack_segments(x, lengths, backend=None, block_words=512):
         return pack_segments_reference(x, lengths)
     _, kernel, _ = _kernels()
     x = x.reshape(-1).contiguous()
-    blocks, xoff, woff, n, total = word_table(lengths, PER_BYTE, x.device, block_words)
+    blocks, xoff, woff, n, total, _ = word_table(lengths, PER_BYTE, x.device, block_words)
     out = torch.empty(total, dtype=torch.uint8, device=x.device)
     if total:
         count_launch("onebit_pack_segments")
@@ -133,7 +133,7 @@ def decode_segments(codes, scales, lengths, backend=None, block_words=512):
     if pick_backend(codes, backend) == "torch":
         return decode_segments_reference(codes, scales, lengths)
     _, _, kernel = _kernels()
-    blocks, xoff, woff, n, total = word_table(lengths, PER_BYTE, codes.device, block_words)
+    blocks, xoff, woff, n, total, _ = word_table(lengths, PER_BYTE, codes.device, block_words)
     ranks = scales.shape[0]
     out = torch.empty(sum(lengths), dtype=torch.float32, device=codes.device)
     if out.numel():

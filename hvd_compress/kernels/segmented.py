@@ -25,6 +25,7 @@ Imports: the standard library, numpy, torch; on first use, Triton; and modules o
 package.
 """
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -41,10 +42,12 @@ def _kernels():
 
     @triton.jit
     def _block_abs_sum_max_kernel(x_ptr, starts_ptr, stops_ptr, part_sum_ptr, part_max_ptr,
-                                  BLOCK: tl.constexpr):
+                                  BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+        # ALIGN: every start and stop is a multiple of it (Blocks.align), so the compiler
+        # may load 16 bytes at a time
         pid = tl.program_id(0)
-        start = tl.load(starts_ptr + pid)                     # int64 offsets
-        stop = tl.load(stops_ptr + pid)
+        start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)      # int64 offsets
+        stop = tl.multiple_of(tl.load(stops_ptr + pid), ALIGN)
         offs = start + tl.arange(0, BLOCK)
         a = tl.abs(tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32))
         tl.store(part_sum_ptr + pid, tl.sum(a, axis=0))
@@ -65,12 +68,14 @@ def _kernels():
         tl.atomic_add(counts_ptr + cell, above.to(tl.int32), mask=above)
 
     @triton.jit
-    def _block_sign_sums_kernel(x_ptr, starts_ptr, stops_ptr, part_ptr, BLOCK: tl.constexpr):
+    def _block_sign_sums_kernel(x_ptr, starts_ptr, stops_ptr, part_ptr, BLOCK: tl.constexpr,
+                                ALIGN: tl.constexpr):
         # a block's [#(x >= 0), sum of those x, sum of x] (NaN counts in the last only)
         pid = tl.program_id(0)
-        offs = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < tl.load(stops_ptr + pid), other=0.0).to(tl.float32)
-        pos = (x >= 0) & (offs < tl.load(stops_ptr + pid))
+        offs = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN) + tl.arange(0, BLOCK)
+        valid = offs < tl.multiple_of(tl.load(stops_ptr + pid), ALIGN)
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        pos = (x >= 0) & valid
         tl.store(part_ptr + 3 * pid, tl.sum(pos.to(tl.float32), axis=0))
         tl.store(part_ptr + 3 * pid + 1, tl.sum(tl.where(pos, x, 0.0), axis=0))
         tl.store(part_ptr + 3 * pid + 2, tl.sum(x, axis=0))
@@ -155,6 +160,18 @@ class Blocks(NamedTuple):
     first: torch.Tensor      #: index of each tensor's first block
     counts: torch.Tensor     #: blocks per tensor
     block: int               #: entries per block
+    align: int = 1           #: a power of two (<= 16) dividing every start and stop
+
+
+def alignment(lengths, block=16):
+    """The largest power of two, at most 16, that divides ``block`` and every length: then
+    every offset of a bucket of tensors of ``lengths``, and of its blocks, is a multiple
+    of it.  Kernels pass it to ``tl.multiple_of``, which lets the compiler load 16 bytes
+    at a time (4 float32) where it would load one value (offsets read from a table are
+    otherwise of unknown alignment); a claim the host proves from the layout, so it
+    holds."""
+    g = math.gcd(int(block), *(int(n) for n in lengths))
+    return min(16, g & -g) if g else 16
 
 
 @functools.lru_cache(maxsize=256)
@@ -186,7 +203,7 @@ def block_table(lengths, device, block=4096):
             _DEVICE_BLOCKS.clear()
         lists = _block_lists(key[0], key[1])
         table = Blocks(*(torch.tensor(v, dtype=torch.int64, device=device) for v in lists),
-                       block=key[1])
+                       block=key[1], align=alignment(key[0], key[1]))
         _DEVICE_BLOCKS[key] = table
     return table
 
@@ -195,11 +212,12 @@ _WORD_TABLES = {}
 
 
 def word_table(lengths, per_word, device, block_words):
-    """``(word blocks, value offsets, word offsets, lengths, total words)`` of a bucket of
-    tensors of ``lengths`` packed ``per_word`` codes a word, each tensor padded to whole
-    words (2-bit codes: 16 an int32; signs: 8 a byte): :class:`Blocks` of the *words*,
-    which the pack and decode kernels walk, and int64 tensors on ``device`` (cached per
-    lengths, packing, block and device: copied there once)."""
+    """``(word blocks, value offsets, word offsets, lengths, total words, value alignment)``
+    of a bucket of tensors of ``lengths`` packed ``per_word`` codes a word, each tensor
+    padded to whole words (2-bit codes: 16 an int32; signs: 8 a byte): :class:`Blocks` of
+    the *words*, which the pack and decode kernels walk, int64 tensors on ``device``
+    (cached per lengths, packing, block and device: copied there once), and
+    :func:`alignment` of the value offsets and lengths."""
     key = (tuple(int(n) for n in lengths), int(per_word), int(block_words), str(device))
     table = _WORD_TABLES.get(key)
     if table is None:
@@ -211,7 +229,8 @@ def word_table(lengths, per_word, device, block_words):
         woff = np.cumsum([0, *words[:-1]])
         as_t = lambda v: torch.as_tensor(np.asarray(v, dtype=np.int64), device=device)  # noqa: E731
         table = _WORD_TABLES[key] = (block_table(words, device, block_words), as_t(xoff),
-                                     as_t(woff), as_t(lengths), sum(words))
+                                     as_t(woff), as_t(lengths), sum(words),
+                                     alignment(lengths, per_word))
     return table
 
 
@@ -229,7 +248,8 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096):
     part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
     part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     count_launch("segment_abs_sum_max")
-    kernel[(programs,)](x, blocks.starts, blocks.stops, part_sum, part_max, BLOCK=block)
+    kernel[(programs,)](x, blocks.starts, blocks.stops, part_sum, part_max, BLOCK=block,
+                        ALIGN=blocks.align)
     # unsafe=True: the lengths are the package's own block table (the default checks
     # them with two host synchronisations per call)
     return (torch.segment_reduce(part_sum, "sum", lengths=blocks.counts, unsafe=True),
@@ -262,7 +282,8 @@ def segment_sign_sums(x, lengths, backend=None, block=4096):
     blocks = block_table(lengths, x.device, block)
     part = torch.empty(blocks.starts.numel(), 3, dtype=torch.float32, device=x.device)
     count_launch("segment_sign_sums")
-    kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, part, BLOCK=block)
+    kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, part, BLOCK=block,
+                                     ALIGN=blocks.align)
     return torch.segment_reduce(part, "sum", lengths=blocks.counts, axis=0, unsafe=True)
 
 

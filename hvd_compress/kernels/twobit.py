@@ -63,15 +63,19 @@ def _kernels():
     @triton.jit
     def _pack_segments_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, xoff_ptr, woff_ptr,
                               n_ptr, t_ptr, words_ptr, bad_ptr, sum_ptr, max_ptr, first_ptr,
-                              scale, BLOCK_W: tl.constexpr, FIT: tl.constexpr):
+                              scale, BLOCK_W: tl.constexpr, FIT: tl.constexpr,
+                              ALIGN: tl.constexpr):
+        # ALIGN divides every tensor's offset and length in the bucket (the word table's
+        # alignment): a row of 16 values is then read 16 bytes at a time
         pid = tl.program_id(0)
         stop = tl.load(stops_ptr + pid)                                      # word ids
         w = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK_W)
         s = tl.load(segs_ptr + pid)
         lane = tl.arange(0, 16)
         local = (w - tl.load(woff_ptr + s))[:, None] * 16 + lane[None, :]   # in the tensor
-        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
-        x = tl.load(x_ptr + tl.load(xoff_ptr + s) + local, mask=valid, other=0.0).to(tl.float32)
+        valid = (w < stop)[:, None] & (local < tl.multiple_of(tl.load(n_ptr + s), ALIGN))
+        x = tl.load(x_ptr + tl.multiple_of(tl.load(xoff_ptr + s), ALIGN) + local, mask=valid,
+                    other=0.0).to(tl.float32)
         if FIT:
             # t = scale * sum|x| / n (IEEE, as torch divides), 0 * t + 1 where not > 0 (an
             # all-zero tensor: 1; NaN stays); the tensor's first block writes its scale: t,
@@ -92,7 +96,8 @@ def _kernels():
     @triton.jit
     def _decode_segments_kernel(words_ptr, scale_ptr, out_ptr, starts_ptr, stops_ptr, segs_ptr,
                                 xoff_ptr, woff_ptr, n_ptr, words_per_rank, segments,
-                                RANKS: tl.constexpr, BLOCK_W: tl.constexpr):
+                                RANKS: tl.constexpr, BLOCK_W: tl.constexpr,
+                                ALIGN: tl.constexpr):
         # RANKS a constexpr: a runtime loop bound fails in Triton 3.6's interpreter
         pid = tl.program_id(0)
         stop = tl.load(stops_ptr + pid)
@@ -100,7 +105,7 @@ def _kernels():
         s = tl.load(segs_ptr + pid)
         lane = tl.arange(0, 16)
         local = (w - tl.load(woff_ptr + s))[:, None] * 16 + lane[None, :]
-        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
+        valid = (w < stop)[:, None] & (local < tl.multiple_of(tl.load(n_ptr + s), ALIGN))
         acc = tl.zeros([BLOCK_W, 16], dtype=tl.float32)
         word_ptrs = words_ptr + w                                # rank 0's; then a row on
         scale_at = scale_ptr + s
@@ -111,11 +116,12 @@ def _kernels():
             acc += sign * tl.load(scale_at)
             word_ptrs += words_per_rank
             scale_at += segments
-        tl.store(out_ptr + tl.load(xoff_ptr + s) + local, acc, mask=valid)
+        tl.store(out_ptr + tl.multiple_of(tl.load(xoff_ptr + s), ALIGN) + local, acc, mask=valid)
 
     @triton.jit
     def _subtract_segments_kernel(c_ptr, starts_ptr, stops_ptr, segs_ptr, xoff_ptr, woff_ptr,
-                                  n_ptr, t_ptr, tq_ptr, BLOCK_W: tl.constexpr):
+                                  n_ptr, t_ptr, tq_ptr, BLOCK_W: tl.constexpr,
+                                  ALIGN: tl.constexpr):
         # in place: c -= q, q = +t / -t / 0 by c's own codes (compared with float32 t), of
         # t rounded to c's dtype (tq: as the decoded payload cast to it; rounded by torch,
         # as the interpreter does not round a cast to bfloat16), the difference in float32
@@ -125,8 +131,8 @@ def _kernels():
         s = tl.load(segs_ptr + pid)
         lane = tl.arange(0, 16)
         local = (w - tl.load(woff_ptr + s))[:, None] * 16 + lane[None, :]
-        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
-        ptrs = c_ptr + tl.load(xoff_ptr + s) + local
+        valid = (w < stop)[:, None] & (local < tl.multiple_of(tl.load(n_ptr + s), ALIGN))
+        ptrs = c_ptr + tl.multiple_of(tl.load(xoff_ptr + s), ALIGN) + local
         raw = tl.load(ptrs, mask=valid, other=0.0)
         x = raw.to(tl.float32)
         t = tl.load(t_ptr + s)
@@ -339,14 +345,14 @@ def pack_segments(x, lengths, t, backend=None, block_words=256):
         return pack_segments_reference(x, lengths, t)
     triton, kernel = _kernels()[0], _kernels()[3]
     x = x.reshape(-1).contiguous()
-    blocks, xoff, woff, n, total = _segment_table(lengths, x.device, block_words)
+    blocks, xoff, woff, n, total, align = _segment_table(lengths, x.device, block_words)
     words = torch.empty(total, dtype=torch.int32, device=x.device)
     bad = torch.zeros(len(lengths), dtype=torch.int32, device=x.device)
     t = t.float().reshape(-1).contiguous()
     count_launch("twobit_pack_segments")
     kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
                                      t, words, bad, t, t, blocks.first, 1.0,
-                                     BLOCK_W=block_words, FIT=False)
+                                     BLOCK_W=block_words, FIT=False, ALIGN=align)
     return words, bad
 
 
@@ -372,7 +378,7 @@ def pack_fit(x, lengths, abs_sum, abs_max, scale, backend=None, block_words=256)
         return pack_fit_reference(x, lengths, abs_sum, abs_max, scale)
     kernel = _kernels()[3]
     x = x.reshape(-1).contiguous()
-    blocks, xoff, woff, n, total = _segment_table(lengths, x.device, block_words)
+    blocks, xoff, woff, n, total, align = _segment_table(lengths, x.device, block_words)
     words = torch.empty(total, dtype=torch.int32, device=x.device)
     bad = torch.zeros(len(lengths), dtype=torch.int32, device=x.device)
     scales = torch.empty(len(lengths), dtype=torch.float32, device=x.device)
@@ -380,7 +386,7 @@ def pack_fit(x, lengths, abs_sum, abs_max, scale, backend=None, block_words=256)
     kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
                                      scales, words, bad, abs_sum.float().contiguous(),
                                      abs_max.float().contiguous(), blocks.first, float(scale),
-                                     BLOCK_W=block_words, FIT=True)
+                                     BLOCK_W=block_words, FIT=True, ALIGN=align)
     return words, scales, bad
 
 
@@ -392,14 +398,15 @@ def decode_segments(words, scales, lengths, backend=None, block_words=256):
     if pick_backend(words, backend) == "torch":
         return decode_segments_reference(words, scales, lengths)
     triton, kernel = _kernels()[0], _kernels()[4]
-    blocks, xoff, woff, n, total = _segment_table(lengths, words.device, block_words)
+    blocks, xoff, woff, n, total, align = _segment_table(lengths, words.device, block_words)
     ranks = scales.shape[0]
     out = torch.empty(sum(lengths), dtype=torch.float32, device=words.device)
     count_launch("twobit_decode_segments")
     kernel[(blocks.starts.numel(),)](words.reshape(-1).contiguous(),
                                      scales.float().reshape(-1).contiguous(), out,
                                      blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
-                                     total, len(lengths), RANKS=ranks, BLOCK_W=block_words)
+                                     total, len(lengths), RANKS=ranks, BLOCK_W=block_words,
+                                     ALIGN=align)
     return out
 
 
@@ -437,9 +444,9 @@ def subtract_segments(c, lengths, t, backend=None, block_words=256):
     if pick_backend(c, backend) == "torch":
         return c.copy_(subtract_segments_reference(c, lengths, t))
     triton, kernel = _kernels()[0], _kernels()[5]
-    blocks, xoff, woff, n, _ = _segment_table(lengths, c.device, block_words)
+    blocks, xoff, woff, n, _, align = _segment_table(lengths, c.device, block_words)
     count_launch("twobit_subtract_segments")
     t = t.float().reshape(-1).contiguous()
     kernel[(blocks.starts.numel(),)](c, blocks.starts, blocks.stops, blocks.segs, xoff, woff, n,
-                                     t, t.to(c.dtype), BLOCK_W=block_words)
+                                     t, t.to(c.dtype), BLOCK_W=block_words, ALIGN=align)
     return c

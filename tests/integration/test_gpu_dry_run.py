@@ -51,6 +51,8 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert all(row["equal"] for row in breakdown["topk"])     # the sort = a topk per tensor
     assert [row["layout"] for row in breakdown["search"]] == ["gpt2", "one"]   # tiny
     assert all(row["exact_equal"] for row in breakdown["search"])   # both pass schedules
+    assert [row["layout"] for row in breakdown["aligned"]] == ["gpt2", "one"]
+    assert all(row["select_aligned_ms"] > 0 for row in breakdown["aligned"])
     ops = json.loads(next(tmp_path.glob("bucket_ops_*.json")).read_text())
     counted = [r for r in ops["rows"] if "tensors" in r]
     assert {(r["spec"], r["tensors"]) for r in counted} == {

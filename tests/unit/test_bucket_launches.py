@@ -492,3 +492,21 @@ def test_empty_tensors_alone_and_in_a_bucket(spec, backend, monkeypatch):
         assert torch.allclose(two, torch.cat(alone), rtol=1e-5, atol=1e-5)
     p, ctx = from_spec(spec).compress(torch.zeros(0, device=DEVICE), "z")
     assert from_spec(spec).decompress(tuple(torch.cat([t, t]) for t in p), ctx).numel() == 0
+
+
+@pytest.mark.parametrize("lengths, block, want", [
+    ((768, 3072, 768), 4096, 16), ((1000, 24), 4096, 8), ((6, 10), 4096, 2), ((7, 16), 4096, 1),
+    ((64,), 4096, 16), ((0, 32), 4096, 16), ((32, 32), 24, 8)])
+def test_alignment_divides_every_offset_the_kernels_are_told_of(lengths, block, want):
+    """The kernels tell the compiler (``tl.multiple_of``) that every start and stop of a
+    block table, and every tensor's offset and length of a word table, is a multiple of
+    ``align``: 16-byte loads.  A wrong claim would be a misaligned access on a GPU, which
+    the interpreter cannot see, so the claim is checked here against the tables."""
+    from hvd_compress.kernels.segmented import alignment, block_table, word_table
+    assert alignment(lengths, block) == want
+    blocks = block_table(lengths, "cpu", block)
+    assert blocks.align == want
+    assert all(int(v) % want == 0 for v in torch.cat([blocks.starts, blocks.stops]))
+    _, xoff, _, n, _, align = word_table(lengths, 16, "cpu", 256)
+    assert align == alignment(lengths, 16)
+    assert all(int(v) % align == 0 for v in torch.cat([xoff, n]))

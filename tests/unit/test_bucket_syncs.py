@@ -28,6 +28,19 @@ def test_bucket_syncs_do_not_grow_with_its_tensors(spec, monkeypatch):
     assert got[4] == got[40]
 
 
+#: a GPT-2 block's tensor sizes, scaled down: every tensor a multiple of 16 values, as
+#: in the real models, where the kernels' tables hold aligned offsets (under
+#: HVD_COMPRESS_COMPILE_FOR the kernels are compiled at these specialisations too)
+ALIGNED = [768, 4 * 768, 768, 3 * 768, 64 * 48]
+
+
+@pytest.mark.parametrize("spec", list(counting.BUCKET_SYNCS))
+def test_bucket_syncs_of_aligned_tensors(spec, monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    comp, dec = counting.exchange_syncs(0, spec, laplace, sizes=ALIGNED)
+    assert (sum(comp.values()), sum(dec.values())) == counting.BUCKET_SYNCS[spec], (comp, dec)
+
+
 @pytest.mark.parametrize("spec, want, kernel", [
     ("twobit", (0, 0), "twobit_pack_segments"),
     ("twobit:threshold=0.5", (0, 0), "twobit_pack_segments"),
