@@ -36,15 +36,18 @@ def _kernels():
 
     @triton.jit
     def _pack_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, xoff_ptr, woff_ptr, n_ptr,
-                     out_ptr, BLOCK_W: tl.constexpr):
+                     out_ptr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
+        # ALIGN divides every tensor's offset and length (segmented.word_table): a row of
+        # 8 values is read 16 bytes at a time
         pid = tl.program_id(0)
         stop = tl.load(stops_ptr + pid)                                   # byte ids
         w = tl.load(starts_ptr + pid) + tl.arange(0, BLOCK_W)
         s = tl.load(segs_ptr + pid)
         lane = tl.arange(0, 8)
         local = (w - tl.load(woff_ptr + s))[:, None] * 8 + lane[None, :]   # in the tensor
-        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
-        x = tl.load(x_ptr + tl.load(xoff_ptr + s) + local, mask=valid, other=-1.0)
+        valid = (w < stop)[:, None] & (local < tl.multiple_of(tl.load(n_ptr + s), ALIGN))
+        x = tl.load(x_ptr + tl.multiple_of(tl.load(xoff_ptr + s), ALIGN) + local, mask=valid,
+                    other=-1.0)
         bit = (x.to(tl.float32) >= 0).to(tl.int32)
         byte = tl.sum(bit << (7 - lane[None, :]), axis=1)                  # disjoint bits
         tl.store(out_ptr + w, byte.to(tl.uint8), mask=w < stop)
@@ -52,7 +55,7 @@ def _kernels():
     @triton.jit
     def _decode_kernel(codes_ptr, scale_ptr, out_ptr, starts_ptr, stops_ptr, segs_ptr,
                        xoff_ptr, woff_ptr, n_ptr, bytes_per_rank, segments,
-                       RANKS: tl.constexpr, BLOCK_W: tl.constexpr):
+                       RANKS: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
         # RANKS a constexpr: a runtime loop bound fails in Triton 3.6's interpreter
         pid = tl.program_id(0)
         stop = tl.load(stops_ptr + pid)
@@ -60,7 +63,7 @@ def _kernels():
         s = tl.load(segs_ptr + pid)
         lane = tl.arange(0, 8)
         local = (w - tl.load(woff_ptr + s))[:, None] * 8 + lane[None, :]
-        valid = (w < stop)[:, None] & (local < tl.load(n_ptr + s))
+        valid = (w < stop)[:, None] & (local < tl.multiple_of(tl.load(n_ptr + s), ALIGN))
         acc = tl.zeros([BLOCK_W, 8], dtype=tl.float32)
         code_ptrs = codes_ptr + w                              # rank 0's; then a row on
         scale_at = scale_ptr + 2 * s
@@ -70,7 +73,7 @@ def _kernels():
             acc += tl.where(bit != 0, tl.load(scale_at), tl.load(scale_at + 1))
             code_ptrs += bytes_per_rank
             scale_at += 2 * segments
-        tl.store(out_ptr + tl.load(xoff_ptr + s) + local, acc, mask=valid)
+        tl.store(out_ptr + tl.multiple_of(tl.load(xoff_ptr + s), ALIGN) + local, acc, mask=valid)
 
     return triton, _pack_kernel, _decode_kernel
 
@@ -116,12 +119,12 @@ def pack_segments(x, lengths, backend=None, block_words=512):
         return pack_segments_reference(x, lengths)
     _, kernel, _ = _kernels()
     x = x.reshape(-1).contiguous()
-    blocks, xoff, woff, n, total, _ = word_table(lengths, PER_BYTE, x.device, block_words)
+    blocks, xoff, woff, n, total, align = word_table(lengths, PER_BYTE, x.device, block_words)
     out = torch.empty(total, dtype=torch.uint8, device=x.device)
     if total:
         count_launch("onebit_pack_segments")
         kernel[(blocks.starts.numel(),)](x, blocks.starts, blocks.stops, blocks.segs, xoff, woff,
-                                         n, out, BLOCK_W=block_words)
+                                         n, out, BLOCK_W=block_words, ALIGN=align)
     return out
 
 
@@ -133,7 +136,7 @@ def decode_segments(codes, scales, lengths, backend=None, block_words=512):
     if pick_backend(codes, backend) == "torch":
         return decode_segments_reference(codes, scales, lengths)
     _, _, kernel = _kernels()
-    blocks, xoff, woff, n, total, _ = word_table(lengths, PER_BYTE, codes.device, block_words)
+    blocks, xoff, woff, n, total, align = word_table(lengths, PER_BYTE, codes.device, block_words)
     ranks = scales.shape[0]
     out = torch.empty(sum(lengths), dtype=torch.float32, device=codes.device)
     if out.numel():
@@ -142,5 +145,5 @@ def decode_segments(codes, scales, lengths, backend=None, block_words=512):
                                          scales.float().reshape(-1).contiguous(), out,
                                          blocks.starts, blocks.stops, blocks.segs, xoff, woff,
                                          n, total, len(lengths), RANKS=ranks,
-                                         BLOCK_W=block_words)
+                                         BLOCK_W=block_words, ALIGN=align)
     return out
