@@ -37,6 +37,11 @@
 #                   unless RESULTS_DIR is set; status "dry_run": it shows that the steps
 #                   run, its times are no GPU figures
 #   GPU_TEST_TESTS  the test paths of step 2 (default tests/gpu, and more with CUDA)
+#   GPU_TEST_COMPILE_FOR=90
+#                   with GPU_TEST_DEVICE=cpu: every kernel launch of every step is also
+#                   compiled for that GPU first (tests/triton_compile.py: Triton's compiler
+#                   down to a cubin, no GPU), so a benchmark's own kernel variants that
+#                   would not compile show here
 #
 # Exit status: 0 all passed (or no CUDA device, reported as such), 1 a test or step
 # failed, 2 the environment is unusable (no torch, hvd_compress does not import).
@@ -92,6 +97,12 @@ import sys
 for _name in filter(None, os.environ.get("HVD_COMPRESS_BLOCK_IMPORTS", "").split(",")):
     sys.modules.setdefault(_name, None)
 
+if os.environ.get("HVD_COMPRESS_COMPILE_FOR"):   # a dry run that compiles every kernel
+    sys.path.insert(0, os.path.join(os.environ["HVD_COMPRESS_ROOT"], "tests"))
+    import triton_compile
+    triton_compile.enable(int(os.environ["HVD_COMPRESS_COMPILE_FOR"]))
+    del sys.path[0]
+
 
 # run the sitecustomize this one shadows, if any
 _here = os.path.dirname(os.path.abspath(__file__))
@@ -109,9 +120,15 @@ export HVD_COMPRESS_BLOCK_IMPORTS=${HVD_COMPRESS_BLOCK_IMPORTS:-horovod,tensorfl
 export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 unset HVD_COMPRESS_BACKEND TRITON_INTERPRET
+unset HVD_COMPRESS_COMPILE_FOR
 if [ "$DEVICE" = cpu ]; then         # the CUDA path's kernels, in Triton's interpreter
-  export TRITON_INTERPRET=1 HVD_COMPRESS_BACKEND=triton HVD_COMPRESS_GPU_TESTS_ON_CPU=1
+  export HVD_COMPRESS_BACKEND=triton HVD_COMPRESS_GPU_TESTS_ON_CPU=1
   export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Nehalem}
+  if [ -n "${GPU_TEST_COMPILE_FOR:-}" ]; then   # ... each launch compiled for that GPU first
+    export HVD_COMPRESS_COMPILE_FOR=$GPU_TEST_COMPILE_FOR HVD_COMPRESS_ROOT=$ROOT
+  else
+    export TRITON_INTERPRET=1
+  fi
 fi
 
 echo "==> [gpu] $(date -u '+%Y-%m-%d %H:%M:%S') UTC, python: $PY, device: $DEVICE, results: $RESULTS, budget ${BUDGET}s"

@@ -204,7 +204,8 @@ def enable(arch=90):
         raise RuntimeError("triton_compile.enable needs TRITON_INTERPRET unset: the "
                            "interpreter's triton.jit builds functions that cannot compile")
     CompiledThenInterpreted.arch = int(arch)
-    driver.set_active(_TargetOnly(int(arch)))
+    knobs.runtime.interpret = False     # whatever TRITON_INTERPRET says later (a benchmark
+    driver.set_active(_TargetOnly(int(arch)))   # sets it on the CPU)
     JITFunction.__call__ = _call
     triton.jit = _jit
 

@@ -2,8 +2,10 @@
 puts CPU tensors through the CUDA code path (HVD_COMPRESS_BACKEND=triton, its kernels in
 Triton's interpreter), with Horovod and TensorFlow unimportable as on the lent GPU
 machine.  A lent GPU is rare: a benchmark that broke since the last GPU run would waste
-it.  This asserts that each step ran and wrote what the summary reads; no figure of it
-is a GPU figure."""
+it.  Every kernel launch of every step is also compiled for sm_90 (GPU_TEST_COMPILE_FOR,
+tests/triton_compile.py), so a benchmark's own kernel variants that would not compile
+fail here.  This asserts that each step ran and wrote what the summary reads; no figure
+of it is a GPU figure."""
 import json
 import os
 import subprocess
@@ -18,6 +20,7 @@ STEPS = ["preflight", "tests", "select 4K", "codecs", "models", "gpu step", "bre
 def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     env = dict(os.environ, GPU_TEST_DEVICE="cpu", PYTHON=sys.executable,
                RESULTS_DIR=str(tmp_path), GPU_TEST_TESTS="tests/gpu/test_gpu_coded.py",
+               GPU_TEST_COMPILE_FOR="90",       # each kernel variant compiled for sm_90
                GPU_TEST_BUDGET="780")       # every step ends within the budget: a clean failure
     r = subprocess.run(["bash", str(ROOT / "ci" / "gpu.sh")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
@@ -25,6 +28,7 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert r.returncode == 0, tail
     summary = json.loads((tmp_path / "gpu_summary.json").read_text())
     assert summary["status"] == "dry_run", tail
+    assert "Triton kernels compiled for sm_90" in (tmp_path / "gpu.log").read_text()
     assert [s["step"] for s in summary["steps"]] == STEPS
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
     assert summary["tests"]["passed"] > 0 and not summary["tests"]["failed"]
