@@ -239,6 +239,12 @@ def aligned_rows(args):
     from hvd_compress.kernels import segmented
     from hvd_compress.ops import torch_ops
     real = segmented.alignment
+
+    def use(alignment):          # the tables are cached with the alignment: built anew
+        segmented.alignment = alignment
+        segmented._DEVICE_BLOCKS.clear()
+        segmented._WORD_TABLES.clear()
+
     rows = []
     for lname in ("gpt2", "one"):
         lay = make_layout(lname, args.tiny)
@@ -250,18 +256,14 @@ def aligned_rows(args):
                  "twobit_compress": lambda: twobit.compress_bucket(flat, lay),
                  "select": lambda: select_histogram(search, flat, lay, torch_ops,
                                                     HISTOGRAM_PASSES)[0]}
-        for told in ("aligned", "unaligned"):
-            segmented.alignment = real if told == "aligned" else (lambda *a, **k: 1)
-            segmented._DEVICE_BLOCKS.clear()
-            segmented._WORD_TABLES.clear()
+        for told, alignment in (("aligned", real), ("unaligned", lambda *a, **k: 1)):
+            use(alignment)
             try:
                 for name, fn in calls.items():
                     row[f"{name}_{told}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat,
                                                                    args.device)
             finally:
-                segmented.alignment = real
-                segmented._DEVICE_BLOCKS.clear()
-                segmented._WORD_TABLES.clear()
+                use(real)
         rows.append(row)
         print(f"aligned {lname:7s} (align {row['align']:2d})  "
               + "  ".join(f"{name} {row[f'{name}_aligned_ms']:8.3f} vs {row[f'{name}_unaligned_ms']:8.3f} ms"

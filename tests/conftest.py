@@ -139,8 +139,8 @@ def pytest_terminal_summary(terminalreporter):
     for name, r in sorted(rows.items()):
         tr.write_line(f"{name:40s} {r['specialisations']:8d} {r['max_shared']:9d} "
                       f"{','.join(map(str, r['num_warps'])):>6s} {r['max_registers']:5d} "
-                      f"{r['max_local_bytes']:7d} {r.get('min_resident_warps', 0):8d} "
-                      f"{r.get('load_bits', 0):>5d}/{r.get('store_bits', 0):<4d} {r['seconds']:6.1f}")
+                      f"{r['max_local_bytes']:7d} {r['min_resident_warps']:8d} "
+                      f"{r['load_bits']:>5d}/{r['store_bits']:<4d} {r['seconds']:6.1f}")
     path = os.environ.get("HVD_COMPRESS_COMPILE_REPORT")
     if path:
         with open(path, "w") as f:

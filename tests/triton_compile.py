@@ -213,28 +213,27 @@ def enable(arch=90):
 def report():
     """``{kernel: {"specialisations", "max_shared", "num_warps", "seconds",
     "max_registers", "max_local_bytes", "min_resident_warps", "load_bits", "store_bits"}}``
-    so far (the widest typical access of any variant), for
-    every jitted function of this package defined so far (a kernel never launched, or a
-    helper that is compiled inside its callers, has 0 specialisations)."""
-    out = {name: {"specialisations": 0, "max_shared": 0, "num_warps": set(), "seconds": 0.0,
-                  "max_registers": 0, "max_local_bytes": 0}
-           for name in DEFINED if not name.startswith(("standard.", "core.", "math."))}
+    over the variants compiled so far (the most of each, the fewest resident warps, the
+    widest typical access), for every jitted function of this package defined so far (a
+    kernel never launched, or a helper that is compiled inside its callers, has 0
+    specialisations and zeros)."""
+    rows = collections.defaultdict(list)
     for row in COMPILED:
-        k = out.setdefault(row["kernel"], {"specialisations": 0, "max_shared": 0,
-                                           "num_warps": set(), "seconds": 0.0,
-                                           "max_registers": 0, "max_local_bytes": 0})
-        k["specialisations"] += 1
-        k["max_shared"] = max(k["max_shared"], row["shared"])
-        k["max_registers"] = max(k["max_registers"], row.get("registers", 0))
-        k["max_local_bytes"] = max(k["max_local_bytes"], row.get("local_bytes", 0))
-        k["load_bits"] = max(k.get("load_bits", 0), row.get("load_bits", 0))
-        k["store_bits"] = max(k.get("store_bits", 0), row.get("store_bits", 0))
-        if "registers" in row:
-            warps = resident_warps(row["registers"], row["shared"], row["num_warps"], row["arch"])
-            k["min_resident_warps"] = min(k.get("min_resident_warps", 64), warps)
-        k["num_warps"].add(row["num_warps"])
-        k["seconds"] += row["seconds"]
-    for k in out.values():
-        k["num_warps"] = sorted(k["num_warps"])
-        k["seconds"] = round(k["seconds"], 2)
+        rows[row["kernel"]].append(row)
+    names = {n for n in DEFINED if not n.startswith(("standard.", "core.", "math."))} | set(rows)
+    out = {}
+    for name in names:
+        rs = rows[name]
+
+        def most(key, rs=rs):
+            return max((r.get(key, 0) for r in rs), default=0)
+
+        out[name] = {"specialisations": len(rs), "max_shared": most("shared"),
+                     "num_warps": sorted({r["num_warps"] for r in rs}),
+                     "seconds": round(sum(r["seconds"] for r in rs), 2),
+                     "max_registers": most("registers"), "max_local_bytes": most("local_bytes"),
+                     "min_resident_warps": min((resident_warps(r["registers"], r["shared"],
+                                                               r["num_warps"], r["arch"])
+                                                for r in rs if "registers" in r), default=0),
+                     "load_bits": most("load_bits"), "store_bits": most("store_bits")}
     return out
