@@ -1,6 +1,6 @@
 """``auto`` on a real link (horovodrun -np 2): inside a namespace shaped to 100 Mbit/s
-it chooses a sparsifier for the large bucket; on plain loopback none or fp16 for every
-bucket.  The shaped case needs root (tc), like tests/integration/test_shaped_link.py."""
+it chooses a sparsifier for the large bucket; on plain loopback it compresses only where it
+measured a win over dense.  The shaped case needs root (tc), like tests/integration/test_shaped_link.py."""
 import json
 import re
 import os
@@ -27,21 +27,28 @@ def run_auto(tmp_path, prefix):
         return json.load(f)
 
 
-def test_plain_loopback_chooses_none_or_fp16_everywhere(tmp_path):
-    """Decided from measured times, so a hiccup of this 2-core machine during the 20
-    calibration steps can tip it (seen in 2 of about 6 full runs): a second, independent
-    launch decides again, and one of the two must choose dense everywhere.  Both launches
-    tipped once in CI, each keeping a compressor its trial measured 4% faster than dense;
-    since then a tie (under ``trial_margin``, 5%) keeps dense."""
-    runs = []
-    for attempt in range(2):
-        (tmp_path / str(attempt)).mkdir()
-        got = run_auto(tmp_path / str(attempt), [])
-        assert got["choices"], got
-        runs.append(got)
-        if all(spec.split(":")[0] in ("none", "fp16") for spec in got["choices"].values()):
-            return
-    raise AssertionError(f"auto chose a compressor on plain loopback in both launches: {runs}")
+def test_plain_loopback_compresses_only_where_measured_faster(tmp_path):
+    """On plain loopback auto sees a fast link, and keeps a compressor for a bucket only
+    where the combination it chose was measured ``trial_margin`` (5%) faster than dense
+    everywhere, both timed for real in this launch.
+
+    This test used to assert that loopback chooses ``none`` or ``fp16`` everywhere.  Since
+    the CPU codecs got cheaper (bucket residuals), laplace_topk at 1% on the 1M-value
+    tensor ties with a 4 MB loopback allreduce on this 2-core machine, and in CI both of
+    two launches measured a compressed mix 7-15% faster than dense and kept it: a real
+    measurement, not a wrong decision.  What must hold on a fast link is that compressing
+    was paid for by a measured win."""
+    got = run_auto(tmp_path, [])
+    assert got["choices"], got
+    # the link fit: loopback moves gigabytes per second (100 Mbit/s is 1.25e7 B/s)
+    assert got["decision"]["beta_Bps"] > 2e8, got["decision"]
+    if all(spec.split(":")[0] in ("none", "fp16") for spec in got["choices"].values()):
+        return
+    trials, measured, choice = got["trials"], got["measured"], got["choice"]
+    dense = {key: 0 for key in choice}
+    assert dense in trials, f"auto compressed on plain loopback without timing dense: {got}"
+    base, chosen = measured[trials.index(dense)], measured[trials.index(choice)]
+    assert chosen < base * (1 - 0.05), f"auto compressed without a measured 5% win: {got}"
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,

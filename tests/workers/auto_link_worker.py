@@ -1,5 +1,6 @@
 """``auto`` until its first decision (20 steps of calibration, then trials) on a model with one large tensor (1M values) and small ones;
-rank 0 writes what auto chose per bucket to ``$1/auto_link.json``.  Run on plain
+rank 0 writes what auto chose per bucket, the combinations it tried (bucket key -> candidate
+index) and their measured steps to ``$1/auto_link.json``.  Run on plain
 loopback and inside a namespace shaped to 100 Mbit/s by tests/integration/test_auto_link.py."""
 import json
 import os
@@ -31,4 +32,5 @@ if hvd.rank() == 0:
     sizes = {lay.key: lay.total for lay in opt._layouts}
     with open(os.path.join(sys.argv[1], "auto_link.json"), "w") as f:
         json.dump({"choices": opt.stats.as_dict()["choices"], "sizes": sizes,
-                   "decision": opt.compression.decisions[-1]}, f)
+                   "decision": auto.decisions[-1], "trials": auto.trials,
+                   "measured": auto.measured, "choice": auto.choice}, f)
