@@ -45,6 +45,7 @@ def compile_env(**extra):
 
 
 def test_every_kernel_compiles_for_sm90_and_still_passes_its_tests(tmp_path):
+    from triton_compile import SHARED_LIMIT          # what one program may use on sm_90
     report = tmp_path / "compiled.json"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         *[f"tests/unit/{t}" for t in TESTS]],
@@ -60,7 +61,7 @@ def test_every_kernel_compiles_for_sm90_and_still_passes_its_tests(tmp_path):
     assert len(want) >= 29, want                       # the scan found the kernels
     missing = sorted(k for k in want if kernels.get(k, {}).get("specialisations", 0) == 0)
     assert not missing, f"never compiled: {missing}"
-    assert all(kernels[k]["max_shared"] <= 232448 for k in want)
+    assert all(kernels[k]["max_shared"] <= SHARED_LIMIT[90] for k in want)
     # no kernel spills registers to local memory (it would be slower than it looks);
     # registers were read from every cubin (cuobjdump, shipped with Triton)
     assert all(0 < kernels[k]["max_registers"] <= 255 for k in want), kernels

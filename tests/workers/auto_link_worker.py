@@ -1,7 +1,8 @@
-"""``auto`` until its first decision (20 steps of calibration, then trials) on a model with one large tensor (1M values) and small ones;
-rank 0 writes what auto chose per bucket, the combinations it tried (bucket key -> candidate
-index) and their measured steps to ``$1/auto_link.json``.  Run on plain
-loopback and inside a namespace shaped to 100 Mbit/s by tests/integration/test_auto_link.py."""
+"""``auto`` until its first decision (20 steps of calibration, then trials) on a model
+with one large tensor (1M values) and small ones; rank 0 writes what auto chose per
+bucket, the combinations it tried (bucket key -> candidate index) and their measured
+steps to ``$1/auto_link.json``.  Run on plain loopback and inside a namespace shaped to
+100 Mbit/s by tests/integration/test_auto_link.py."""
 import json
 import os
 import sys
