@@ -125,8 +125,10 @@ def pytest_terminal_summary(terminalreporter):
     """Under ``HVD_COMPRESS_COMPILE_FOR``: every kernel compiled, and how (the most shared
     memory, registers and spilled bytes of its variants, the fewest of its warps that fit
     on an SM at once, of 64, the width in bits of most of its global loads and stores, in
-    its best variant); the table also goes to ``$HVD_COMPRESS_COMPILE_REPORT``
-    (JSON) when that is set."""
+    its best variant; its machine instructions, and per entry at its widest block; its
+    64-bit integer divisions, and atomics with acquire/release order: see
+    ``triton_compile.instruction_counts``); the table also goes to
+    ``$HVD_COMPRESS_COMPILE_REPORT`` (JSON) when that is set."""
     if not COMPILE_FOR:
         return
     import triton
@@ -135,12 +137,15 @@ def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
     tr.section(f"Triton kernels compiled for sm_{COMPILE_FOR} (triton {triton.__version__})")
     tr.write_line(f"{'kernel':40s} {'variants':>8s} {'shared B':>9s} {'warps':>6s} {'regs':>5s} "
-                  f"{'spill B':>7s} {'warps/SM':>8s} {'ld/st bits':>10s} {'s':>6s}")
+                  f"{'spill B':>7s} {'warps/SM':>8s} {'ld/st bits':>10s} {'sass':>6s} "
+                  f"{'/entry':>6s} {'div64':>5s} {'acq':>4s} {'s':>6s}")
     for name, r in sorted(rows.items()):
         tr.write_line(f"{name:40s} {r['specialisations']:8d} {r['max_shared']:9d} "
                       f"{','.join(map(str, r['num_warps'])):>6s} {r['max_registers']:5d} "
                       f"{r['max_local_bytes']:7d} {r['min_resident_warps']:8d} "
-                      f"{r['load_bits']:>5d}/{r['store_bits']:<4d} {r['seconds']:6.1f}")
+                      f"{r['load_bits']:>5d}/{r['store_bits']:<4d} {r['max_sass']:6d} "
+                      f"{r['sass_per_entry']:6.1f} {r['max_div64']:5d} "
+                      f"{r['max_ordered_atomics']:4d} {r['seconds']:6.1f}")
     path = os.environ.get("HVD_COMPRESS_COMPILE_REPORT")
     if path:
         with open(path, "w") as f:

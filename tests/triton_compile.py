@@ -103,9 +103,12 @@ class CompiledThenInterpreted(JITFunction):
         shared = compiled.metadata.shared
         COMPILED.append({"kernel": _name(self.fn), "arch": self.arch, "shared": shared,
                          "num_warps": compiled.metadata.num_warps,
+                         "block": kwargs.get("BLOCK"),
                          "seconds": round(time.perf_counter() - start, 3),
                          **resource_usage(compiled.asm.get("cubin")),
-                         **access_widths(compiled.asm.get("ptx", ""))})
+                         **access_widths(compiled.asm.get("ptx", "")),
+                         **instruction_counts(compiled.asm.get("cubin"),
+                                              compiled.asm.get("ptx", ""))})
         limit = SHARED_LIMIT.get(self.arch)
         if limit is not None and shared > limit:
             raise RuntimeError(f"Triton kernel {self.fn.__name__} needs {shared} bytes of shared "
@@ -139,6 +142,32 @@ def resource_usage(cubin):
         return {}
     return {"registers": int(usage["REG"]),
             "local_bytes": int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))}
+
+
+#: a PTX atomic with acquire or release order (``atom.global.gpu.acq_rel.add.u64``)
+ORDERED_ATOMIC = re.compile(r"\b(?:atom|red)\.[\w.]*\.(?:acq_rel|acquire|release)\b")
+
+
+def instruction_counts(cubin, ptx):
+    """``{"sass", "div64", "ordered_atomics"}``: the machine instructions in a cubin's
+    code (``cuobjdump -sass``: straight-line kernels run each about once per thread, so
+    with the entries each thread holds it is a static cost per entry); the 64-bit
+    integer divisions and remainders in its PTX (sm_90 has no integer divider: each is a
+    subroutine of some 70 instructions, run per entry when the division is per entry);
+    and its atomics with acquire or release order (Triton's default ``sem="acq_rel"``:
+    ptxas puts a ``MEMBAR.ALL.GPU`` before each, which waits for the thread's memory
+    traffic; a counter needs ``sem="relaxed"``, a fire-and-forget ``RED``).  ``{}``
+    where the tool or the cubin is missing."""
+    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    sass = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?!NOP\b)\S", out, flags=re.M)
+    return {"sass": len(sass), "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
+            "ordered_atomics": len(re.findall(ORDERED_ATOMIC, ptx))}
 
 
 def access_widths(ptx):
@@ -235,5 +264,22 @@ def report():
                      "min_resident_warps": min((resident_warps(r["registers"], r["shared"],
                                                                r["num_warps"], r["arch"])
                                                 for r in rs if "registers" in r), default=0),
-                     "load_bits": most("load_bits"), "store_bits": most("store_bits")}
+                     "load_bits": most("load_bits"), "store_bits": most("store_bits"),
+                     "max_sass": most("sass"), "max_div64": most("div64"),
+                     "max_ordered_atomics": most("ordered_atomics"),
+                     "sass_per_entry": sass_per_entry(rs)}
     return out
+
+
+def sass_per_entry(rows):
+    """Machine instructions per entry, in the variants of a kernel compiled with its
+    widest ``BLOCK`` (the launchers' own; tests also launch narrow ones): ``BLOCK`` entries
+    a program, ``BLOCK / (32 * num_warps)`` a thread, the most of those variants' code
+    (0.0 for a kernel that takes no ``BLOCK``).  A static figure: a loop or a subroutine
+    counts once, an instruction on a path not taken counts too."""
+    rows = [r for r in rows if r.get("block") and "sass" in r]
+    if not rows:
+        return 0.0
+    widest = max(r["block"] for r in rows)
+    return max(round(r["sass"] * 32 * r["num_warps"] / r["block"], 1)
+               for r in rows if r["block"] == widest)

@@ -28,33 +28,36 @@ def _kernels():
     @triton.jit
     def _block_count_kernel(x_ptr, t_ptr, seg_ptr, block_counts_ptr, n,
                             PER_SEGMENT: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+        # per entry int32 offsets from the block's int64 start (and an int32 count)
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        local = tl.arange(0, BLOCK)
+        valid = local < tl.minimum(n - start, BLOCK).to(tl.int32)
+        a = tl.abs(tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32))
         if PER_SEGMENT:                          # a threshold per segment (bucket)
-            t = tl.load(t_ptr + tl.load(seg_ptr + offs, mask=valid, other=0))
+            t = tl.load(t_ptr + tl.load(seg_ptr + start + local, mask=valid, other=0))
         else:
             t = tl.load(t_ptr)
         sel = (a > t) & valid
-        tl.store(block_counts_ptr + pid, tl.sum(sel.to(tl.int64), axis=0))
+        tl.store(block_counts_ptr + tl.program_id(0), tl.sum(sel.to(tl.int32), axis=0).to(tl.int64))
 
     @triton.jit
     def _compact_kernel(x_ptr, t_ptr, seg_ptr, block_offsets_ptr, values_ptr, indices_ptr, n,
                         PER_SEGMENT: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+        # as _block_count_kernel; the positions within the block an int32 scan
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        local = tl.arange(0, BLOCK)
+        valid = local < tl.minimum(n - start, BLOCK).to(tl.int32)
+        x = tl.load(x_ptr + start + local, mask=valid, other=0.0)
         if PER_SEGMENT:
-            t = tl.load(t_ptr + tl.load(seg_ptr + offs, mask=valid, other=0))
+            t = tl.load(t_ptr + tl.load(seg_ptr + start + local, mask=valid, other=0))
         else:
             t = tl.load(t_ptr)
         sel = (tl.abs(x.to(tl.float32)) > t) & valid
-        s = sel.to(tl.int64)
-        pos = tl.load(block_offsets_ptr + pid) + tl.cumsum(s, axis=0) - s
-        tl.store(values_ptr + pos, x, mask=sel)
-        tl.store(indices_ptr + pos, offs.to(tl.int32), mask=sel)
+        s = sel.to(tl.int32)
+        pos = tl.cumsum(s, axis=0) - s
+        out = tl.load(block_offsets_ptr + tl.program_id(0))
+        tl.store(values_ptr + out + pos, x, mask=sel)
+        tl.store(indices_ptr + out + pos, (start + local).to(tl.int32), mask=sel)
 
     return triton, _block_count_kernel, _compact_kernel
 

@@ -65,39 +65,50 @@ def _kernels():
     def _histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T, hist_ptr,
                           BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr,
                           ALIGN: tl.constexpr):
-        # state rows read here (LO = 0, HI = 1, ACTIVE = 4): no host slicing per launch;
-        # ALIGN divides every start and stop (Blocks.align: 16-byte loads)
+        # per entry only int32 and one float64 multiply (bits of |x| are below 2^31), no
+        # 64-bit integer division (sm_90 has no divider: ~70 instructions each); the
+        # state's rows read here: LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every start
+        # and stop (Blocks.align: 16-byte loads)
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         s = tl.load(segs_ptr + pid)
-        stop = tl.where(tl.load(state_ptr + 4 * T + s) != 0,
-                        tl.multiple_of(tl.load(stops_ptr + pid), ALIGN), start)
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < stop                                  # inactive tensor: nothing read
-        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-        b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)   # bits of |x|
-        lo = tl.load(state_ptr + s)
-        width = tl.maximum(tl.load(state_ptr + T + s) - lo, 1)
-        hi = lo + width
+        count = tl.where(tl.load(state_ptr + 4 * T + s) != 0,
+                         tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start, 0).to(tl.int32)
+        local = tl.arange(0, BLOCK)
+        valid = local < count                                # inactive tensor: nothing read
+        x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
+        b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
+        lo64 = tl.load(state_ptr + s)
+        width = tl.maximum(tl.load(state_ptr + T + s) - lo64, 1)
+        lo = lo64.to(tl.int32)                                   # -1 <= lo < 2^31
+        hi = tl.minimum(lo64 + width, 0x7FFFFFFF).to(tl.int32)   # no |x| lies above that
+        # the window bin floor((b - lo - 1) * BINS / W) of an entry inside the bracket:
+        # b - lo - 1 < 2^31 is exact in float64, its product with BINS / W is within
+        # 2^-41 of the quotient q < 2^11, whose fractional part is 0 or at least
+        # 1 / W >= 2^-31, so adding 2^-36 (the literal) and truncating gives floor(q);
+        # entries outside get 0 (below) or BINS (above), so the conversion is in range
+        off = b - lo - 1
+        q = tl.where(off >= 0, off, 0).to(tl.float64) * (BINS / width.to(tl.float64))
+        j = 1 + tl.minimum(q + 1.4551915228366852e-11, BINS).to(tl.int32)
         row = hist_ptr + s * (BINS + 2)
         if LOCAL:
             # the block's own histogram (tl.histogram: BINS + 2 columns, few), then one
             # atomic per non-empty column: for a coarse pass, where most entries of a
             # block fall in a few columns and per-entry atomics would queue on them
-            col = tl.where(b > hi, BINS + 1, tl.where(b > lo, 1 + ((b - lo - 1) * BINS) // width, 0))
-            h = tl.histogram(col.to(tl.int32), BINS + 2, mask=valid & ((b > 0) | (b > lo)))
+            col = tl.where(b > hi, BINS + 1, tl.where(b > lo, j, 0))
+            h = tl.histogram(col, BINS + 2, mask=valid & ((b > 0) | (b > lo)))
             cols = tl.arange(0, BINS + 2)
-            tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0)
+            tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0, sem="relaxed")
         else:
             inside = valid & (b > lo) & (b <= hi)
-            j = 1 + ((b - lo - 1) * BINS) // width
-            tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside)
+            tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside,
+                          sem="relaxed")
             # every block of a tensor adds to these two counters: no atomic that adds 0 (an
             # inactive tensor's blocks, or nothing above hi), as they queue on one address
-            below = tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int64), axis=0)
-            above = tl.sum((valid & (b > hi)).to(tl.int64), axis=0)
-            tl.atomic_add(row, below, mask=below > 0)
-            tl.atomic_add(row + BINS + 1, above, mask=above > 0)
+            below = tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int32), axis=0).to(tl.int64)
+            above = tl.sum((valid & (b > hi)).to(tl.int32), axis=0).to(tl.int64)
+            tl.atomic_add(row, below, mask=below > 0, sem="relaxed")
+            tl.atomic_add(row + BINS + 1, above, mask=above > 0, sem="relaxed")
 
     @triton.jit
     def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, TB: tl.constexpr,
@@ -136,26 +147,32 @@ def _kernels():
                      above_ptr, band_ptr, out_offset_ptr, idx_ptr,
                      WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
         # WRITE=False: count the block's entries above hi and in the band (lo, hi];
-        # WRITE=True: write the taken entries' indices (band_ptr: band entries before it)
+        # WRITE=True: write the taken entries' indices (band_ptr: band entries before it).
+        # Per entry only int32 (a block's counts and ranks are below BLOCK); the state's
+        # rows read here: LO = 0, HI = 1, QUOTA = 5
         pid = tl.program_id(0)
-        offs = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN) + tl.arange(0, BLOCK)
-        valid = offs < tl.multiple_of(tl.load(stops_ptr + pid), ALIGN)
+        start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
+        local = tl.arange(0, BLOCK)
+        valid = local < (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
         s = tl.load(segs_ptr + pid)
-        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-        b = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)   # bits of |x|
-        lo = tl.load(state_ptr + s)                          # rows LO = 0, HI = 1, QUOTA = 5
-        hi = tl.load(state_ptr + T + s)
+        x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
+        b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
+        lo = tl.load(state_ptr + s).to(tl.int32)                 # -1 <= lo, hi < 2^31
+        hi = tl.load(state_ptr + T + s).to(tl.int32)
         above = valid & (b > hi)
-        band = (valid & (b > lo) & (b <= hi)).to(tl.int64)
+        band = (valid & (b > lo) & (b <= hi)).to(tl.int32)
         if WRITE:
-            rank = tl.load(band_ptr + pid) + tl.cumsum(band, axis=0) - band     # 0-based
-            take = above | ((band > 0) & (rank < tl.load(state_ptr + 5 * T + s)))
-            t = take.to(tl.int64)
-            pos = tl.load(out_offset_ptr + pid) + tl.cumsum(t, axis=0) - t
-            tl.store(idx_ptr + pos, offs.to(tl.int32), mask=take)
+            # the band entries this block may still take: QUOTA less those before it,
+            # clamped to [0, BLOCK] so that the compare stays in int32
+            room = tl.minimum(tl.maximum(tl.load(state_ptr + 5 * T + s) - tl.load(band_ptr + pid),
+                                         0), BLOCK).to(tl.int32)
+            take = above | ((band > 0) & (tl.cumsum(band, axis=0) - band < room))
+            t = take.to(tl.int32)
+            out = idx_ptr + tl.load(out_offset_ptr + pid)
+            tl.store(out + tl.cumsum(t, axis=0) - t, (start + local).to(tl.int32), mask=take)
         else:
-            tl.store(above_ptr + pid, tl.sum(above.to(tl.int64), axis=0))
-            tl.store(band_ptr + pid, tl.sum(band, axis=0))
+            tl.store(above_ptr + pid, tl.sum(above.to(tl.int32), axis=0).to(tl.int64))
+            tl.store(band_ptr + pid, tl.sum(band, axis=0).to(tl.int64))
 
     @triton.jit
     def _pick_kernel(hist_ptr, state_ptr, k_ptr, slack_ptr, T, BINS: tl.constexpr,

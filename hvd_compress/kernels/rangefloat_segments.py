@@ -64,7 +64,8 @@ def _kernels():
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
         field = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        tl.atomic_max(field_ptr + tl.load(segs_ptr + pid), tl.max(field, axis=0), mask=start < stop)
+        tl.atomic_max(field_ptr + tl.load(segs_ptr + pid), tl.max(field, axis=0), mask=start < stop,
+                      sem="relaxed")
 
     @triton.jit
     def _encode_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,

@@ -65,7 +65,7 @@ def _kernels():
         cell = seg[:, None] * G + g[None, :]                              # [BLOCK, G]
         t = tl.load(thr_ptr + cell, mask=valid[:, None], other=float("inf"))
         above = (a[:, None] > t) & valid[:, None]
-        tl.atomic_add(counts_ptr + cell, above.to(tl.int32), mask=above)
+        tl.atomic_add(counts_ptr + cell, above.to(tl.int32), mask=above, sem="relaxed")
 
     @triton.jit
     def _block_sign_sums_kernel(x_ptr, starts_ptr, stops_ptr, part_ptr, BLOCK: tl.constexpr,

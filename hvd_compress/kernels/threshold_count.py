@@ -27,12 +27,15 @@ def _kernels():
     def _count_above_kernel(x_ptr, thr_ptr, counts_ptr, n, T: tl.constexpr,
                             BLOCK: tl.constexpr):
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        a = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+        start = pid.to(tl.int64) * BLOCK
+        local = tl.arange(0, BLOCK)
+        valid = local < tl.minimum(n - start, BLOCK).to(tl.int32)
+        a = tl.abs(tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32))
         t = tl.load(thr_ptr + tl.arange(0, T))                          # padded with +inf
         above = (a[None, :] > t[:, None]) & valid[None, :]               # [T, BLOCK]
-        tl.atomic_add(counts_ptr + tl.arange(0, T), tl.sum(above.to(tl.int64), axis=1))
+        # a block's counts in int32 (at most BLOCK), added to the int64 totals
+        tl.atomic_add(counts_ptr + tl.arange(0, T), tl.sum(above.to(tl.int32), axis=1).to(tl.int64),
+                      sem="relaxed")
 
     return triton, _count_above_kernel
 

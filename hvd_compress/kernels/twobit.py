@@ -91,7 +91,7 @@ def _kernels():
         word = tl.sum(code << (2 * lane[None, :]), axis=1)                     # disjoint bits
         tl.store(words_ptr + w, word.to(tl.int32), mask=w < stop)
         bad = tl.max(tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1), axis=0)
-        tl.atomic_max(bad_ptr + s, bad, mask=bad > 0)
+        tl.atomic_max(bad_ptr + s, bad, mask=bad > 0, sem="relaxed")
 
     @triton.jit
     def _decode_segments_kernel(words_ptr, scale_ptr, out_ptr, starts_ptr, stops_ptr, segs_ptr,
