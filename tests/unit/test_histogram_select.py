@@ -88,6 +88,42 @@ def test_segment_histogram_matches_reference_and_counts_above_its_edges(dtype, b
         assert torch.equal(above[s], brute), s
 
 
+@pytest.mark.parametrize("bins, local", [(2046, False), (62, True)])
+def test_window_bins_are_exact_on_every_edge(bins, local):
+    """The kernel bins ``floor((b - lo - 1) * bins / W)`` by a float64 product (no 64-bit
+    division): entries whose bits lie on every edge ``E_j`` of the bracket and one bit
+    either side, for widths of 1 bit to nearly 2^31 (where the product is largest and a
+    fraction of 1 / W is smallest) and widths one off a multiple of the bins."""
+    top = 0x7F800000                                          # bits of +Inf
+    brackets = [(bits(1.0), bits(1.0) + 1), (bits(1.0), bits(1.0) + bins),
+                (bits(1.0), bits(1.0) + bins + 1), (bits(1.0), bits(1.0) + bins - 1),
+                (bits(0.3), bits(0.3) + 3 * bins + 1), (0, top - 1), (-1, top),
+                (bits(1e-30), bits(3e38)), (bits(2.0) - 7, bits(2.0) + 12345677)]
+    lo = torch.tensor([b[0] for b in brackets], dtype=torch.int64)
+    hi = torch.tensor([b[1] for b in brackets], dtype=torch.int64)
+    edges = H.histogram_edges(lo, hi, bins)
+    parts = []
+    for s in range(len(brackets)):
+        e = torch.cat([edges[s], edges[s] - 1, edges[s] + 1]).clamp(0, top)
+        parts.append(e.to(torch.int32).view(torch.float32) * (1 - 2 * (e % 2)))   # both signs
+    lengths = [p.numel() for p in parts]
+    x = torch.cat(parts).to(DEVICE)
+    state = state_for(lengths, lo.tolist(), hi.tolist())
+    blocks = H.block_table(lengths, x.device, block=1024)
+    got = H.segment_histogram(x, blocks, state, bins, backend="triton", local=local)
+    want = H.segment_histogram_reference(x, blocks, state, bins)
+    assert torch.equal(got, want)
+    above = torch.flip(torch.cumsum(torch.flip(want, [1]), 1), [1])        # count(> E_j)
+    b = x.abs().view(torch.int32).long()
+    off = 0
+    for s, n in enumerate(lengths):
+        brute = (b[off:off + n][None, :] > edges[s].to(DEVICE)[:, None]).sum(1)
+        off += n
+        if lo[s] < 0:        # lo = -1 (the search's select-all bracket): zeros lie in the
+            brute[0] = n     # window, so the first suffix sum counts them, E_0 = 0 or not
+        assert torch.equal(above[s], brute), brackets[s]
+
+
 @pytest.mark.parametrize("start", ["odd brackets", "from zero to max"])
 def test_histogram_pick_matches_reference(start):
     bins = 14
