@@ -125,18 +125,26 @@ class CompiledThenInterpreted(JITFunction):
             knobs.runtime.interpret = False
 
 
+def cuobjdump(cubin, option):
+    """What ``cuobjdump <option>`` (shipped with Triton) prints of a cubin, or None where
+    the tool or the cubin is missing."""
+    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True).stdout
+
+
 def resource_usage(cubin):
     """``{"registers", "local_bytes"}`` of a cubin's function, as ``cuobjdump -res-usage``
     (shipped with Triton) reads it: registers per thread, and local memory per thread
     (register spills and stack; 0 in a kernel that keeps everything in registers).
     ``{}`` where the tool or the cubin is missing."""
-    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
-    if not cubin or not os.path.exists(tool):
+    out = cuobjdump(cubin, "-res-usage")
+    if out is None:
         return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out))
     if "REG" not in usage:
         return {}
@@ -153,18 +161,14 @@ def instruction_counts(cubin, ptx):
     code (``cuobjdump -sass``: straight-line kernels run each about once per thread, so
     with the entries each thread holds it is a static cost per entry); the 64-bit
     integer divisions and remainders in its PTX (sm_90 has no integer divider: each is a
-    subroutine of some 70 instructions, run per entry when the division is per entry);
+    subroutine of some 85 instructions, run per entry when the division is per entry);
     and its atomics with acquire or release order (Triton's default ``sem="acq_rel"``:
     ptxas puts a ``MEMBAR.ALL.GPU`` before each, which waits for the thread's memory
     traffic; a counter needs ``sem="relaxed"``, a fire-and-forget ``RED``).  ``{}``
     where the tool or the cubin is missing."""
-    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
-    if not cubin or not os.path.exists(tool):
+    out = cuobjdump(cubin, "-sass")
+    if out is None:
         return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     sass = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?!NOP\b)\S", out, flags=re.M)
     return {"sass": len(sass), "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
             "ordered_atomics": len(re.findall(ORDERED_ATOMIC, ptx))}

@@ -66,7 +66,7 @@ def _kernels():
                           BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr,
                           ALIGN: tl.constexpr):
         # per entry only int32 and one float64 multiply (bits of |x| are below 2^31), no
-        # 64-bit integer division (sm_90 has no divider: ~70 instructions each); the
+        # 64-bit integer division (sm_90 has no divider: ~85 instructions each); the
         # state's rows read here: LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every start
         # and stop (Blocks.align: 16-byte loads)
         pid = tl.program_id(0)

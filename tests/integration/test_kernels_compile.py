@@ -66,7 +66,7 @@ def test_every_kernel_compiles_for_sm90_and_still_passes_its_tests(tmp_path):
     # registers were read from every cubin (cuobjdump, shipped with Triton)
     assert all(0 < kernels[k]["max_registers"] <= 255 for k in want), kernels
     assert not [k for k in want if kernels[k]["max_local_bytes"]], kernels
-    # no 64-bit integer division (a ~70-instruction subroutine on sm_90, which has no
+    # no 64-bit integer division (an 85-instruction subroutine on sm_90, which has no
     # divider: the histogram kernel had one per entry) and no atomic that orders memory
     # (Triton's default acq_rel puts a MEMBAR.ALL.GPU before each: every kernel's atomics
     # are counters or maxima, read after the launch)
