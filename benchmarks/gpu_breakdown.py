@@ -30,7 +30,11 @@ tensor.  ``--tiny`` divides every size by 1000.
 5. **aligned**: the bucket kernels told that the layout's offsets are multiples of 16
    values (16-byte loads) against told nothing, for ``segment_abs_sum_max``, the twobit
    bucket compress and the fused selection (layouts ``gpt2`` and ``one``).
-6. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+6. **warps**: the fused selection with its histogram and band-write programs at 4 or 8
+   warps (``histogram_select.HISTOGRAM_WARPS``, ``BAND_WRITE_WARPS``: 4 and 8 since
+   2026-11-26's fifth stop, chosen from register counts, not timed), layouts ``gpt2`` and
+   ``one``; the counts must not change.
+7. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation.
 
 Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
@@ -271,6 +275,38 @@ def aligned_rows(args):
     return rows
 
 
+def warps_rows(args):
+    """The fused selection at each (histogram, band-write) warps pair."""
+    import hvd_compress
+    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.kernels import histogram_select as H
+    from hvd_compress.ops import torch_ops
+    now = (H.HISTOGRAM_WARPS, H.BAND_WRITE_WARPS)
+    rows = []
+    for lname in ("gpt2", "one"):
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=7)
+        search = hvd_compress.from_spec(f"laplace_topk:density={DENSITY},fused=1")
+        row = {"layout": lname, "numel": lay.total, "default": list(now)}
+        counts = set()
+        for pair in ((4, 4), (4, 8), (8, 4), (8, 8)):
+            H.HISTOGRAM_WARPS, H.BAND_WRITE_WARPS = pair
+            try:
+                fn = lambda: select_histogram(search, flat, lay, torch_ops,  # noqa: E731
+                                              HISTOGRAM_PASSES)[0]
+                row[f"select_{pair[0]}_{pair[1]}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat,
+                                                                          args.device)
+                counts.add(int(fn().numel()))
+            finally:
+                H.HISTOGRAM_WARPS, H.BAND_WRITE_WARPS = now
+        row["same_count"] = len(counts) == 1
+        rows.append(row)
+        times = [f"{k[7:-3]} {v:8.3f} ms" for k, v in row.items() if k.startswith("select_")]
+        print(f"warps {lname:7s} (histogram, band write) " + "  ".join(times)
+              + f"  same count {row['same_count']}", flush=True)
+    return rows
+
+
 def launch_row(args):
     from hvd_compress.kernels import histogram_select as H
     x = common.laplace(torch, 1000, args.device)
@@ -337,7 +373,7 @@ def main():
     result = {"info": info, "args": vars(args), "compress": compress_rows(args, cuda),
               "topk": topk_rows(args), "graph": graph_rows(args, cuda),
               "search": search_rows(args), "aligned": aligned_rows(args),
-              "launch": launch_row(args)}
+              "warps": warps_rows(args), "launch": launch_row(args)}
     stamp = datetime.date.today().isoformat()
     out = Path(args.out) / f"gpu_breakdown{'_tiny' if args.tiny else ''}_{stamp}"
     common.write_json(out.with_suffix(".json"), result)

@@ -349,7 +349,8 @@ def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None, local
     count_launch("segment_histogram")
     _kernels().histogram[(blocks.starts.numel(),)](
         x.reshape(-1), blocks.starts, blocks.stops, blocks.segs, _whole(state), T, hist,
-        BINS=bins, BLOCK=blocks.block, LOCAL=bool(local), ALIGN=blocks.align)
+        BINS=bins, BLOCK=blocks.block, LOCAL=bool(local), ALIGN=blocks.align,
+        num_warps=HISTOGRAM_WARPS)
     return hist
 
 
@@ -423,6 +424,12 @@ def band_select_reference(x, blocks, state):
     return torch.nonzero(take).reshape(-1).to(torch.int32), bool(state[FINITE, 0])
 
 
+#: warps of a histogram program and of a band-write program (blocks of 4096 entries: 32
+#: and 16 a thread): chosen from the compiled register counts (sm_90, Triton 3.6), not
+#: timed yet; ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8 of each
+HISTOGRAM_WARPS = 4
+BAND_WRITE_WARPS = 8
+
 #: blocks the offsets program takes at once (its loop count, ``cdiv(blocks,
 #: OFFSETS_BLOCK)``, is a compile-time constant: one compile per such count, 1 up to 8M
 #: values in blocks of 4096, 4 for 25M)
@@ -460,5 +467,5 @@ def band_select(x, blocks, state, backend=None):
         # (sm_90, Triton 3.6), 85 with 8, so that as many warps fit on an SM as before it
         kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, state, T, above,
                                   band_before, out_start, idx, WRITE=True, BLOCK=blocks.block,
-                                  ALIGN=blocks.align, num_warps=8)
+                                  ALIGN=blocks.align, num_warps=BAND_WRITE_WARPS)
     return idx, bool(finite)
