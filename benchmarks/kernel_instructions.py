@@ -26,6 +26,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 
@@ -33,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 for extra in (ROOT, ROOT / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
+_spec = importlib.util.spec_from_file_location("gpu_common",
+                                               Path(__file__).with_name("gpu_common.py"))
+common = sys.modules.setdefault("gpu_common", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(common)
 
 SPECS = ["laplace_topk:density=0.01,fused=1", "laplace_topk:density=0.01,fused=1,exact=1",
          "laplace_topk:density=0.01", "topk:density=0.01,values=rangefloat8",
@@ -58,14 +63,13 @@ def exchange(spec):
                 payload, ctx = c.compress(t, f"t{i}")
                 c.decompress(payload, ctx)
             continue
-        two = (tuple(torch.cat([p, p]) for p in payload) if isinstance(payload, tuple)
-               else payload * 2)
-        c.decompress_bucket(two, ctx)
+        c.decompress_bucket(common.aggregate(c, [payload, payload]), ctx)
 
 
 def variants(compiled, spec):
     """Rows of the variants compiled since the last call (``compiled``: the
     ``triton_compile.COMPILED`` rows not seen yet), named by the spec that launched them."""
+    import triton_compile
     rows = []
     for r in compiled:
         row = {"kernel": r["kernel"], "spec": spec, "block": r.get("block"),
@@ -73,8 +77,7 @@ def variants(compiled, spec):
         for key in ("registers", "local_bytes", "sass", "div64", "ordered_atomics",
                     "load_bits", "store_bits"):
             row[key] = r.get(key)
-        row["sass_per_entry"] = (round(r["sass"] * 32 * r["num_warps"] / r["block"], 1)
-                                 if r.get("block") and r.get("sass") else None)
+        row["sass_per_entry"] = triton_compile.entry_sass(r)
         rows.append(row)
     return rows
 
@@ -166,9 +169,7 @@ def main():
             "triton": triton.__version__, "torch": torch.__version__, "lengths": LENGTHS,
             "static": "instructions counted in the cubin, not timed"}
     out = Path(args.out) / f"{args.name}_{info['date']}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"info": info, "kernels": best,
-                                                    "variants": rows}, indent=1))
+    common.write_json(out.with_suffix(".json"), {"info": info, "kernels": best, "variants": rows})
     before = label = None
     if args.compare:
         earlier = json.loads(Path(args.compare).read_text())

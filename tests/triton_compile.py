@@ -281,9 +281,16 @@ def sass_per_entry(rows):
     a program, ``BLOCK / (32 * num_warps)`` a thread, the most of those variants' code
     (0.0 for a kernel that takes no ``BLOCK``).  A static figure: a loop or a subroutine
     counts once, an instruction on a path not taken counts too."""
-    rows = [r for r in rows if r.get("block") and "sass" in r]
+    rows = [r for r in rows if entry_sass(r) is not None]
     if not rows:
         return 0.0
     widest = max(r["block"] for r in rows)
-    return max(round(r["sass"] * 32 * r["num_warps"] / r["block"], 1)
-               for r in rows if r["block"] == widest)
+    return max(entry_sass(r) for r in rows if r["block"] == widest)
+
+
+def entry_sass(row):
+    """One compiled variant's machine instructions per entry, ``sass * 32 * num_warps /
+    BLOCK`` (one decimal), or None for a variant without a ``BLOCK`` or a count."""
+    if not row.get("block") or not row.get("sass"):
+        return None
+    return round(row["sass"] * 32 * row["num_warps"] / row["block"], 1)
