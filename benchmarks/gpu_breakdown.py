@@ -21,7 +21,9 @@ tensor.  ``--tiny`` divides every size by 1000.
    be equal.  Layouts where ``segment_abs_topk`` leaves the work to a torch.topk per
    tensor (one tensor) are skipped.
 3. **graph**: laplace_topk ``fused=1``'s passes before its read-back
-   (``laplace.histogram_search``), eager against replayed from a CUDA graph (CUDA only).
+   (``laplace.histogram_search``), and the whole bucket compress of ``twobit`` and
+   ``rangefloat:bits=8`` (no host synchronisation in them), issued eagerly against
+   replayed from a CUDA graph (``GRAPH_CASES``; the CPU dry run runs the calls only).
 4. **search**: laplace_topk ``fused=1``'s whole selection (``laplace.select_histogram``)
    with its passes as now (a coarse first pass of 62 bins counted per block, then three
    of 2046 with an atomic per entry in the bracket) against four passes of 2046 (before
@@ -35,7 +37,9 @@ tensor.  ``--tiny`` divides every size by 1000.
    2026-11-26's fifth stop, chosen from register counts, not timed), layouts ``gpt2`` and
    ``one``; the counts must not change.
 7. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
-   one of our Triton launches (the histogram of 1K values), no synchronisation.
+   one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
+   also the same kernel through Triton's JIT dispatch alone and through its compiled
+   kernel's own launcher (what our launchers would save by calling it directly).
 
 Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
 times on a CPU dry run are no GPU figures.
@@ -149,44 +153,86 @@ def topk_rows(args):
     return rows
 
 
-def graph_rows(args, cuda):
-    """laplace_topk ``fused=1``'s passes before its one read-back
-    (``laplace.histogram_search``), issued eagerly against replayed from a CUDA graph
-    captured once: what capturing them would save the host.  CUDA only; an error in the
-    capture is recorded, not raised."""
-    if not cuda:
-        return []
+#: what the graph step captures: laplace_topk ``fused=1``'s passes before its read-back
+#: (``search``), and the whole bucket compress, error feedback included, of the codecs
+#: whose compress makes no host synchronisation (``compress``; tests/counting.py)
+GRAPH_CASES = [("search", "laplace_topk:density=0.01,fused=1", "gpt2"),
+               ("search", "laplace_topk:density=0.01,fused=1", "resnet"),
+               ("compress", "twobit", "gpt2"), ("compress", "twobit", "one"),
+               ("compress", "rangefloat:bits=8", "gpt2"), ("compress", "rangefloat:bits=8", "one")]
+
+
+def graph_case(what, spec, lay, flat):
+    """``fn()``: the case's launches issued once, returning what they compute (the
+    search's state, or the compress's payload)."""
     import hvd_compress
     from hvd_compress.compressors.laplace import histogram_search
     from hvd_compress.ops import torch_ops
+    c = hvd_compress.from_spec(spec)
+    if what == "search":
+        return lambda: histogram_search(c, flat, lay, torch_ops)[1]
+    if len(lay.numels) == 1:
+        return lambda: c.compress(flat, lay.names[0])[0]
+    return lambda: c.compress_bucket(flat, lay)[0]
+
+
+def captured(fn):
+    """``(graph, output)``: ``fn`` run once on a side stream (kernels compiled, tables
+    cached), then captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def same(a, b):
+    """Whether two outputs (a tensor, or a tuple of tensors) hold the same bits."""
+    def parts(t):
+        return tuple(t) if isinstance(t, (tuple, list)) else (t,)
+    return len(parts(a)) == len(parts(b)) and all(map(torch.equal, parts(a), parts(b)))
+
+
+def graph_rows(args, cuda):
+    """The launches of :data:`GRAPH_CASES` issued eagerly against replayed from a CUDA
+    graph captured once: what capturing them would save the host.  Timed as the
+    library runs them (error feedback on); equality is checked on a second capture
+    with ``ef=0`` (the same input each call, so eager and replayed must give the same
+    bits).  On a CPU dry run, the cases' own calls run eagerly (no graph, no
+    ``graph_ms``; ``resnet`` skipped under ``--tiny``).  An error is recorded, not raised."""
     rows = []
-    for lname in ("gpt2", "resnet"):
+    for what, spec, lname in GRAPH_CASES:
+        if args.tiny and lname == "resnet":
+            continue                         # 72 tensors: slow in the interpreter
         lay = make_layout(lname, args.tiny)
         flat = common.laplace(torch, lay.total, args.device, seed=4)
-        c = hvd_compress.from_spec("laplace_topk:density=0.01,fused=1")
-
-        def passes(c=c, lay=lay, flat=flat):
-            return histogram_search(c, flat, lay, torch_ops)[1]
-        row = {"layout": lname, "tensors": len(lay.numels), "numel": lay.total}
+        row = {"what": what, "spec": spec, "layout": lname, "tensors": len(lay.numels),
+               "numel": lay.total}
         try:
-            row["eager_ms"] = 1e3 * common.timeit(torch, passes, args.repeat, args.device)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                passes()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = passes()
-            row["graph_ms"] = 1e3 * common.timeit(torch, graph.replay, args.repeat, args.device)
-            graph.replay()
-            row["equal"] = bool(torch.equal(captured, passes()))
+            fn = graph_case(what, spec, lay, flat)
+            row["eager_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
+            no_ef = spec + ("," if ":" in spec else ":") + "ef=0"
+            pure = fn if what == "search" else graph_case(what, no_ef, lay, flat)
+            if cuda:
+                graph, _ = captured(fn)
+                row["graph_ms"] = 1e3 * common.timeit(torch, graph.replay, args.repeat,
+                                                      args.device)
+                graph, out = captured(pure)
+                graph.replay()
+            else:
+                out = pure()
+            row["equal"] = bool(same(out, pure()))
         except Exception as e:   # noqa: BLE001 - recorded for the next GPU run to read
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
-        print(f"graph {lname:7s} " + (f"error {row['error']}" if "error" in row else
-              f"eager {row['eager_ms']:8.3f} ms  replayed {row['graph_ms']:8.3f} ms  "
-              f"equal {row['equal']}"), flush=True)
+        replayed = f"  replayed {row['graph_ms']:8.3f} ms" if "graph_ms" in row else ""
+        print(f"graph {what:8s} {spec:36s} {lname:7s} " + (
+            f"error {row['error']}" if "error" in row else
+            f"eager {row['eager_ms']:8.3f} ms{replayed}  equal {row['equal']}"), flush=True)
     return rows
 
 
@@ -308,6 +354,11 @@ def warps_rows(args):
 
 
 def launch_row(args):
+    """Microseconds for the host to issue an ATen op and one of our Triton launches (the
+    histogram of 1K values, through its launcher); on CUDA also that kernel through
+    Triton's JIT dispatch alone (``kernel[grid](...)``: binding, specialisation key,
+    cache lookup) and through the compiled kernel's own launcher (``compiled[grid]``,
+    what a launch cache of our own would call), whose counts must equal the JIT's."""
     from hvd_compress.kernels import histogram_select as H
     x = common.laplace(torch, 1000, args.device)
     blocks = H.block_table([1000], x.device)
@@ -316,9 +367,14 @@ def launch_row(args):
                            x.abs().sum().reshape(1), x.abs().max().reshape(1))
     out = torch.zeros(1, 16, dtype=torch.int64, device=x.device)
     row, n = {}, 20 if args.tiny else 200
-    for name, fn in (("aten_op_us", lambda: x.abs()),
-                     ("triton_launch_us", lambda: H.segment_histogram(x, blocks, state, 14, out,
-                                                                      "triton"))):
+    calls = [("aten_op_us", lambda: x.abs()),
+             ("triton_launch_us", lambda: H.segment_histogram(x, blocks, state, 14, out, "triton"))]
+    if args.device == "cuda":
+        try:
+            calls += direct_launches(H, x, blocks, state, row)
+        except Exception as e:   # noqa: BLE001 - recorded for the next GPU run to read
+            row["direct_error"] = f"{type(e).__name__}: {e}"[:300]
+    for name, fn in calls:
         fn()
         common.sync(torch, args.device)
         t0 = time.perf_counter()
@@ -326,9 +382,31 @@ def launch_row(args):
             fn()
         row[name] = 1e6 * (time.perf_counter() - t0) / n
         common.sync(torch, args.device)
-    print(f"launch: ATen op {row['aten_op_us']:.1f} us, Triton kernel {row['triton_launch_us']:.1f} us",
+    print("launch: " + ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f} us" for k, v in row.items()
+                                 if k.endswith("_us")) + (f"; {row['direct_error']}"
+                                                          if "direct_error" in row else ""),
           flush=True)
     return row
+
+
+def direct_launches(H, x, blocks, state, row):
+    """The histogram kernel issued by Triton's JIT dispatch and by its compiled kernel's
+    launcher (every argument, constexprs included, in the kernel's order), each into its
+    own zeroed counts, compared (``row["direct_equal"]``); the two calls to time."""
+    jit, grid = H._kernels().histogram, (blocks.starts.numel(),)
+    meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align}
+    counts = [torch.zeros(1, 16, dtype=torch.int64, device=x.device) for _ in range(2)]
+
+    def through_jit(out=counts[0]):
+        return jit[grid](x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, **meta,
+                         num_warps=H.HISTOGRAM_WARPS)
+    runner = through_jit()[(grid[0], 1, 1)]
+
+    def direct(out=counts[1]):
+        runner(x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, *meta.values())
+    direct()
+    row["direct_equal"] = bool(torch.equal(*counts))
+    return [("jit_dispatch_us", through_jit), ("compiled_launcher_us", direct)]
 
 
 def plot(rows, title, path):
@@ -370,13 +448,18 @@ def main():
     title = (f"{info.get('device') or 'cpu'}, torch {info['torch']}, triton {info.get('triton')}, "
              f"{info['date']}{' (tiny, CPU: no GPU figures)' if not cuda else ''}")
     print(title, flush=True)
-    result = {"info": info, "args": vars(args), "compress": compress_rows(args, cuda),
-              "topk": topk_rows(args), "graph": graph_rows(args, cuda),
-              "search": search_rows(args), "aligned": aligned_rows(args),
-              "warps": warps_rows(args), "launch": launch_row(args)}
     stamp = datetime.date.today().isoformat()
     out = Path(args.out) / f"gpu_breakdown{'_tiny' if args.tiny else ''}_{stamp}"
-    common.write_json(out.with_suffix(".json"), result)
+    result = {"info": info, "args": vars(args)}
+    steps = [("compress", lambda: compress_rows(args, cuda)), ("topk", lambda: topk_rows(args)),
+             ("graph", lambda: graph_rows(args, cuda)), ("search", lambda: search_rows(args)),
+             ("aligned", lambda: aligned_rows(args)), ("warps", lambda: warps_rows(args)),
+             ("launch", lambda: launch_row(args))]
+    for name, rows in steps:
+        result[name] = rows()
+        # written after every step: what ran is kept if make gpu-test's time limit
+        # stops the rest
+        common.write_json(out.with_suffix(".json"), result)
     plot(result["compress"], title, out.with_suffix(".png"))
     print(f"wrote {out}.json and .png")
     return 0

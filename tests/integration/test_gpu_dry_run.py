@@ -49,7 +49,10 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["run_device"] == "cpu" and len(profile["results"]) >= 9
     breakdown = json.loads(next(tmp_path.glob("gpu_breakdown_tiny_*.json")).read_text())
-    assert len(breakdown["compress"]) == 18 and breakdown["graph"] == []     # graphs: CUDA
+    assert len(breakdown["compress"]) == 18
+    graphs = [(r["what"], r["spec"], r["layout"]) for r in breakdown["graph"]]
+    assert len(graphs) == 5 and ("compress", "twobit", "one") in graphs    # tiny: no resnet
+    assert all(r["equal"] and "graph_ms" not in r for r in breakdown["graph"]), breakdown["graph"]
     assert all(row["wall_ms"] > 0 for row in breakdown["compress"])
     assert [row["layout"] for row in breakdown["topk"]] == ["gpt2", "resnet"]
     assert all(row["equal"] for row in breakdown["topk"])     # the sort = a topk per tensor
