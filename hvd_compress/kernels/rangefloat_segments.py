@@ -11,9 +11,9 @@ end to end (each segment's codes padded to whole groups), with the exponent of
 
 - ``segment_max_exponent(x, counts)``: ``E_s`` per segment.  The float32 exponent field
   ``(bits >> 23) & 0xFF`` does not decrease with ``|x|``, so its maximum over a segment
-  is the field of ``max|x|``: one int32 atomic max per block (exact, deterministic);
-  then ``255`` (NaN/Inf) gives ``E = 128`` and any other field ``f`` gives ``f - 127``
-  (zeros, subnormals and an empty segment: ``-127``).
+  is the field of ``max|x|``: ``E = field - 127`` (``255``, NaN/Inf, gives ``E = 128``;
+  zeros, subnormals and an empty segment ``-127``), one int32 atomic max per block into
+  E's that start at ``-127`` (exact, deterministic).
 - ``encode_segments(x, counts, e, m)``: that pass, then one encode launch; each program
   codes a block of one segment with that segment's ``E`` and writes its groups at the
   segment's group offset.  Returns the bytes and the ``[E, count]`` headers.
@@ -57,15 +57,17 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _exponent_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, field_ptr, BLOCK: tl.constexpr):
+    def _exponent_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, emax_ptr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         start = tl.load(starts_ptr + pid)
         stop = tl.load(stops_ptr + pid)
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
         field = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        tl.atomic_max(field_ptr + tl.load(segs_ptr + pid), tl.max(field, axis=0), mask=start < stop,
-                      sem="relaxed")
+        # E = field - 127 (255, NaN/Inf, gives 128), maxed into E's of -127 (an empty
+        # segment's): a signed int32 atomic max
+        tl.atomic_max(emax_ptr + tl.load(segs_ptr + pid), tl.max(field, axis=0) - 127,
+                      mask=start < stop, sem="relaxed")
 
     @triton.jit
     def _encode_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
@@ -225,10 +227,10 @@ def segment_max_exponent_reference(x, counts):
 
 def _exponents(x, table, segments, block):
     triton, kernel = _kernels()[:2]
-    field = torch.zeros(segments, dtype=torch.int32, device=x.device)
+    emax = torch.full((segments,), -127, dtype=torch.int32, device=x.device)
     count_launch("rangefloat_segment_exponent")
-    kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, field, BLOCK=block)
-    return torch.where(field == 255, 128, field - 127).to(torch.int32)
+    kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, emax, BLOCK=block)
+    return emax
 
 
 def segment_max_exponent(x, counts, backend=None, block=BLOCK):
@@ -307,21 +309,17 @@ def decode_segments_reference(data, emax, counts, e, m):
     return torch.cat(out) if out else torch.zeros(0, device=data.device)
 
 
-def check_headers(data, emax, counts, e, m, extra=None):
-    """``(values, expected bytes, bad, extra)`` from one host synchronisation: ``bad``
+def check_headers(data, emax, counts, e, m, bounds=None):
+    """``(values, expected bytes, bad, bounds)`` from one host synchronisation: ``bad``
     when a header holds an exponent outside [-127, 128] or a negative count; ``values``
-    the total number of values; ``expected`` the bytes the headers describe; ``extra``
-    (an int64 device tensor to read back in the same synchronisation, for example the
-    payload indices' ``(min, max)``) as a list of ints, or None."""
+    the total number of values; ``expected`` the bytes the headers describe; ``bounds``
+    (two 0-d integer device tensors read back in the same synchronisation, for example
+    the payload indices' ``(min, max)``) as a list of two ints, or None.  The numbers
+    come from one launch where the kernels run (:func:`.header_check.header_stats`)."""
+    from .header_check import header_stats
     g, nb = group(1 + e + m)
-    counts = counts.to(torch.int64)
-    bad = ((emax < -127) | (emax > 128) | (counts < 0)).any()
-    stats = torch.stack([counts.clamp(min=0).sum(), ((counts.clamp(min=0) + (g - 1)) // g).sum()
-                         * nb, bad.to(torch.int64)])
-    if extra is not None:
-        stats = torch.cat([stats, extra.reshape(-1).to(torch.int64)])
-    values, expected, bad, *more = stats.tolist()
-    return values, expected, bool(bad), (more if extra is not None else None)
+    values, expected, bad, lo, hi = header_stats(emax, counts, g, nb, bounds=bounds).tolist()
+    return values, expected, bool(bad), ([lo, hi] if bounds is not None else None)
 
 
 def decode_segments(data, emax, counts, e, m, total=None, lengths=None, backend=None,

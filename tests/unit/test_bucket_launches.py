@@ -54,10 +54,12 @@ CODEC_LAUNCHES = {
                "twobit_subtract_segments": 1, "copy_if_flagged": 1},
     "twobit:threshold=0.5": {"twobit_pack_segments": 1, "twobit_decode_segments": 1,
                              "twobit_subtract_segments": 1, "copy_if_flagged": 1},
+    # decompress checks the other ranks' headers in one program (header_stats), where
+    # some 17 framework ops did; a rank's own payload is not checked
     "rangefloat:bits=8": {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
-                          "rangefloat_decode_sum": 2, "copy_if_flagged": 1},
+                          "rangefloat_decode_sum": 2, "copy_if_flagged": 1, "header_stats": 1},
     SPARSE: {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
-             "rangefloat_decode_segments": 2},
+             "rangefloat_decode_segments": 2, "header_stats": 1},
     # the stochastic quantizers: the draws of a whole bucket in one launch (a counter-based
     # hash); TernGrad packs and decodes with twobit's bucket kernels
     "qsgd": {"segment_abs_sum_max": 1, "uniform_segments": 1},
@@ -86,7 +88,7 @@ def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch, 
     # launches for some 23 ops, in the encode and each decode of values=rangefloat*)
     assert l4 == l40 and sum(l4.values()) <= 24, (l4, l40)
     codec = {k: v for k, v in l4.items() if k in CODEC_LAUNCHES[spec] or k.startswith(
-        ("twobit", "rangefloat", "uniform", "onebit"))}
+        ("twobit", "rangefloat", "uniform", "onebit", "header"))}
     assert codec == CODEC_LAUNCHES[spec]
     assert o4 == o40, set(o40.items()) ^ set(o4.items())
 
@@ -261,19 +263,72 @@ def test_decode_sum_is_the_sum_of_the_ranks_decoded_rows(bits, ranks):
     assert got.shape == (sum(lengths),) and same_values(got, want)
 
 
-def test_check_headers_flags_what_the_codec_rejects():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_check_headers_flags_what_the_codec_rejects(backend, monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)    # header_check's kernel or not
     e, m = RF.SPLITS[8]
     data = torch.zeros(10, dtype=torch.uint8, device=DEVICE)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
     assert RS.check_headers(data, i32([3, 3]), i32([4, 6]), e, m) == (10, 10, False, None)
     assert RS.check_headers(data, i32([3, 3]), i32([4, 7]), e, m)[1:3] == (11, False)
     assert RS.check_headers(data, i32([3, 200]), i32([4, 6]), e, m)[2]
+    assert RS.check_headers(data, i32([3, -128]), i32([4, 6]), e, m)[2]
     assert RS.check_headers(data, i32([3, 3]), i32([4, -6]), e, m)[2]
     e6, m6 = RF.SPLITS[6]                                        # 4 codes in 3 bytes
     assert RS.check_headers(data, i32([0, 0]), i32([5, 1]), e6, m6) == (6, 9, False, None)
-    extra = torch.tensor([-1, 2**40], dtype=torch.int64, device=DEVICE)   # read back alongside
-    assert RS.check_headers(data, i32([3, 3]), i32([4, 6]), e, m, extra) == (10, 10, False,
-                                                                            [-1, 2**40])
+    bounds = tuple(torch.tensor(v, device=DEVICE) for v in (-1, 2**40))   # read back alongside
+    assert RS.check_headers(data, i32([3, 3]), i32([4, 6]), e, m, bounds) == (10, 10, False,
+                                                                             [-1, 2**40])
+    assert RS.check_headers(data, i32([]), i32([]), e, m) == (0, 0, False, None)
+
+
+def random_headers(H, seed, sane=False, dtype=torch.int32):
+    """``[H, 2]`` headers: exponents around [-127, 128], counts up to 2^31 - 1 (the
+    largest first), some negative unless ``sane``."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.stack([torch.randint(-130, 131, (H,), generator=gen),
+                     torch.randint(-3, 2**31 - 1, (H,), generator=gen)], 1)
+    if H:
+        h[0, 1] = 2**31 - 1
+    if sane:
+        h[:, 0], h[:, 1] = h[:, 0].clamp(-127, 128), h[:, 1].clamp(min=0)
+    return h.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("H", [0, 1, 1023, 1025, 3000])
+@pytest.mark.parametrize("bits", [4, 6, 8, 12, 16])
+def test_header_stats_kernel_matches_its_reference(H, bits):
+    """The headers' totals and flags in one program, from the strided columns of a
+    payload's header view, with and without the counts every rank must hold (``want``)
+    and the indices' bounds; every group size and across the program's loop steps."""
+    from hvd_compress.kernels import header_check as HC
+    g, nb = RF.group(1 + sum(RF.SPLITS[bits]))
+    bounds = torch.aminmax(torch.tensor([7, -3, 99], dtype=torch.int32, device=DEVICE))
+    for sane in (False, True):
+        h = random_headers(H, seed=H + bits, sane=sane)
+        emax, counts = h[:, 0], h[:, 1]
+        wants = [None] + ([counts[:H // 5].clone(), counts[:1].clone()] if H % 5 == 0 and H
+                          else [])
+        for want in wants:
+            for b in (None, bounds):
+                ref = HC.header_stats_reference(emax, counts, g, nb, want, b)
+                got = HC.header_stats(emax, counts, g, nb, want, b, backend="triton")
+                assert torch.equal(got, ref), (sane, want is not None, b is not None, got, ref)
+    if H:
+        h = random_headers(H, seed=1, sane=True)                  # every rank as wanted
+        stats = HC.header_stats(h[:, 0], h[:, 1], g, nb, want=h[:, 1], backend="triton")
+        assert stats[2] == 0 and stats[0] == h[:, 1].long().sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.float32])
+def test_header_stats_of_headers_of_another_dtype(dtype):
+    """A malformed payload's headers of another dtype: read as int64 (int64 as they are),
+    the reference's figures, no error of the kernel's own."""
+    from hvd_compress.kernels import header_check as HC
+    h = torch.tensor([[3, 10], [200, 5], [-5, 30000]], dtype=dtype, device=DEVICE)
+    ref = HC.header_stats_reference(h[:, 0], h[:, 1], 4, 3)
+    assert torch.equal(HC.header_stats(h[:, 0], h[:, 1], 4, 3, backend="triton"), ref)
+    assert ref.tolist() == [30015, 22515, 1, 0, 0]
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 2048, 1, 1023], [0], [7], [0, 0, 3, 0],

@@ -181,6 +181,34 @@ def test_shared_primitives_agree_between_frameworks(n):
     np.testing.assert_array_equal(got_torch.numpy(), got_tf.numpy())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_subtract_at_is_the_dense_subtraction_bit_for_bit(dtype, index_dtype):
+    """Error feedback's residual of a sparse payload (``ops.subtract_at``, one
+    ``index_add_`` of ``-(0.0 + v)``): the bits of ``a - cast(scatter_sum(...))``, signed
+    zeros, subnormals and Inf on either side included (a NaN stays a NaN; its sign bit is
+    the hardware's); ``a`` untouched unless in place."""
+    from hvd_compress.ops import torch_ops
+    special = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -3.5, 1e-3]
+    a = torch.tensor(special * 7 + [2.0] * 11).to(dtype)
+    n = a.numel()
+    idx = torch.arange(0, n, 2, dtype=index_dtype)
+    v = torch.tensor((special * 7)[:idx.numel()][::-1]).to(dtype)
+    v[::5] = a[idx[::5].long()]                                  # own values: c - c
+    a[0], v[0] = -0.0, -0.0              # -0.0 - (0.0 + -0.0) is -0.0; -0.0 - -0.0 is +0.0
+    dense = a - torch_ops.scatter_sum(n, idx, v).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+
+    def same(x, y):
+        return torch.equal(x.isnan(), y.isnan()) and torch.equal(
+            x.nan_to_num(0.0).view(bits), y.nan_to_num(0.0).view(bits))
+    before = a.clone()
+    got = torch_ops.subtract_at(a, idx, v)
+    assert same(got, dense) and same(a, before)
+    assert not same(got, before)                                 # (it did subtract)
+    assert torch_ops.subtract_at(a, idx, v, inplace=True) is a and same(a, dense)
+
+
 def test_twobit_pack_of_nan_and_inf_across_numpy_chunks():
     """numpy's compares in 64K chunks: NaN gets code 0, +-Inf +-1, as in the reference."""
     from hvd_compress.kernels.compact import NUMPY_CHUNK

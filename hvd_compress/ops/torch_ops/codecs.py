@@ -167,8 +167,8 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
         return rs.decode_segments(data, emax, counts, e, m, lengths=lengths), data.numel(), False
     if total is not None:
         return rs.decode_segments(data, emax, counts, e, m, total=int(total)), data.numel(), False
-    extra = None if check is None else check.stats
-    total, expected, bad, more = rs.check_headers(data, emax, counts, e, m, extra=extra)
+    bounds = None if check is None else check.minmax
+    total, expected, bad, more = rs.check_headers(data, emax, counts, e, m, bounds=bounds)
     if bad or expected != data.numel():
         return None, expected, bad
     if more is not None:
@@ -184,7 +184,7 @@ def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False):
     The headers are checked against ``lengths`` in one host synchronisation (none when
     ``trusted``: this rank's own payload).  None elsewhere, and for a payload of another
     shape: the codec's generic decode runs then, and raises its errors."""
-    from ...kernels import pick_backend, rangefloat_segments as rs
+    from ...kernels import header_check, pick_backend, rangefloat_segments as rs
     segments, words = len(lengths), headers.numel()
     if pick_backend(data) != "triton" or not segments or not words or words % (2 * segments):
         return None
@@ -193,11 +193,11 @@ def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False):
     known = rs.host_table(lengths, g, data.device)
     if data.numel() != ranks * known.groups * nb:
         return None
-    h = headers.reshape(ranks, segments, 2)
-    if not trusted and not bool(((h[:, :, 1] == known.counts) & (h[:, :, 0] >= -127)
-                                 & (h[:, :, 0] <= 128)).all()):
+    h = headers.reshape(-1, 2)
+    if not trusted and header_check.header_stats(h[:, 0], h[:, 1], g, nb,
+                                                 want=known.counts)[2].item():   # one sync
         return None
-    return rs.decode_sum(data, h[:, :, 0], lengths, ranks, e, m)
+    return rs.decode_sum(data, h[:, 0].reshape(ranks, segments), lengths, ranks, e, m)
 
 
 # -- block DCT (dct) ---------------------------------------------------------------------

@@ -145,6 +145,10 @@ def uniform(n, seed, step, like):
 # -- gather, scatter, casts --------------------------------------------------------------
 
 def gather(t, idx):
+    """``t[idx]`` along dimension 0; a 1-D int32 or int64 ``idx`` in one op (no int64 copy
+    of the indices first)."""
+    if idx.dim() == 1 and idx.dtype in (_torch.int32, _torch.int64):
+        return t.index_select(0, idx)
     return t[idx.long()]
 
 
@@ -157,15 +161,15 @@ def scatter_sum(n, idx, values, dtype=float32):
 
 class IndexCheck:
     """The range check of a payload's indices, ``[0, n)``: its ``(min, max)`` computed on
-    the device at once (``stats``, int64 ``[2]``; None when there is no index), read back
-    with another host readback where the decode makes one anyway (``read``), else on its
-    own, one host synchronisation; ``finish`` raises the ValueError, after the decoder's
-    own checks."""
+    the device at once (``minmax``, two 0-d tensors; None when there is no index), read
+    back with another host readback where the decode makes one anyway (``read``), else on
+    its own, one host synchronisation; ``finish`` raises the ValueError, after the
+    decoder's own checks."""
 
     def __init__(self, idx, n, what):
         self.n, self.what, self.bounds = n, what, None
         flat = idx.reshape(-1)
-        self.stats = _torch.stack(_torch.aminmax(flat)).to(_torch.int64) if flat.numel() else None
+        self.minmax = tuple(_torch.aminmax(flat)) if flat.numel() else None
 
     def read(self, lo, hi):
         """The host's ``(min, max)``, read back with something else."""
@@ -173,9 +177,9 @@ class IndexCheck:
 
     def finish(self):
         """Raise the ValueError unless every index is in ``[0, n)``."""
-        if self.stats is None:
+        if self.minmax is None:
             return
-        lo, hi = self.bounds if self.bounds is not None else self.stats.tolist()   # one sync
+        lo, hi = self.bounds if self.bounds is not None else _torch.stack(self.minmax).tolist()
         if lo < 0 or hi >= self.n:
             raise ValueError(
                 f"{self.what}: payload index out of range [0, {self.n}) (min {lo}, max {hi}); "
@@ -246,12 +250,13 @@ def subtract(a, b, inplace=False):
 
 
 def subtract_at(a, idx, values, inplace=False):
-    """``a - cast(scatter_sum(len(a), idx, values))`` for *distinct* ``idx``, touching only
-    those entries (the same bits: ``0.0 + v`` is what the scatter into zeros holds)."""
+    """``a - cast(scatter_sum(len(a), idx, values))`` for *distinct* ``idx`` (int32 or
+    int64), touching only those entries: the same bits, as ``0.0 + v`` is what the
+    scatter into zeros holds and ``x - w`` is ``x + (-w)`` in IEEE arithmetic (signed zeros
+    and rounding included), so it is one ``index_add_`` of ``-(0.0 + v)``."""
     out = a if inplace else a.clone()
     if idx.numel():
-        i = idx.long()
-        out.index_put_((i,), a[i] - (0.0 + values.float()).to(a.dtype))
+        out.index_add_(0, idx.reshape(-1), _torch.neg(0.0 + values.float()).to(a.dtype))
     return out
 
 
