@@ -153,9 +153,12 @@ def gather(t, idx):
 
 
 def scatter_sum(n, idx, values, dtype=float32):
+    """``values`` added into ``n`` zeros at ``idx`` (int32 indices as they are)."""
     out = _torch.zeros(n, dtype=dtype, device=values.device)
     if idx.numel():
-        out.index_add_(0, idx.long(), values.to(dtype))
+        if idx.dtype not in (_torch.int32, _torch.int64):
+            idx = idx.long()
+        out.index_add_(0, idx.reshape(-1), values.reshape(-1).to(dtype))
     return out
 
 
