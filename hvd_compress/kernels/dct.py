@@ -39,6 +39,13 @@ def basis(block, device="cpu"):
 
 
 @functools.lru_cache(maxsize=None)
+def basis_t(block, device="cpu"):
+    """``basis(block, device).T``, contiguous: the forward transform's right factor (made
+    once, not a copy per call)."""
+    return basis(block, device).T.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernel (once, on first launch)."""
     import triton
@@ -127,7 +134,7 @@ def idct_reference(coefs, block):
 def dct(x, block, backend=None):
     """Blocked DCT-II of flat ``x`` (zero-padded to a multiple of ``block``)."""
     check_block(block)
-    return _apply(_pad(x, block), basis(block, x.device).T.contiguous(), backend).reshape(-1)
+    return _apply(_pad(x, block), basis_t(block, x.device), backend).reshape(-1)
 
 
 def idct(coefs, block, backend=None):
@@ -161,8 +168,7 @@ def _segment_apply(x, numels, block, forward, backend):
     numels = tuple(int(n) for n in numels)
     src, stop = _rows(numels, block, str(x.device))
     rows = src.numel()
-    w = basis(block, x.device)
-    w = w.T.contiguous() if forward else w
+    w = basis_t(block, x.device) if forward else basis(block, x.device)
     x = x.reshape(-1).contiguous()
     out = (torch.empty(rows * block, dtype=torch.float32, device=x.device) if forward
            else torch.empty(sum(numels), dtype=torch.float32, device=x.device))

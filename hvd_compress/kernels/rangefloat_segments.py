@@ -113,13 +113,14 @@ def _kernels():
 
     @triton.jit
     def _decode_kernel(in_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
-                       out_ptr, n, rank_bytes, segments, E_BITS: tl.constexpr,
+                       e_stride, out_ptr, n, rank_bytes, segments, E_BITS: tl.constexpr,
                        M_BITS: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                        BLOCK: tl.constexpr, TABLE: tl.constexpr, PER_GROUP: tl.constexpr,
                        RANKS: tl.constexpr):
         # TABLE: as in _encode_kernel; PER_GROUP (without TABLE): an exponent per group;
         # RANKS > 1 (with TABLE): the sum, in rank order from 0.0, of RANKS payloads of the
-        # same segments, rank r's bytes rank_bytes further on and its exponents `segments`
+        # same segments, rank r's bytes rank_bytes further on and its exponents `segments`.
+        # A segment's exponent is e_stride int32 from the last (a header's column: 2)
         pid = tl.program_id(0)
         if TABLE:
             start = tl.load(starts_ptr + pid)
@@ -140,7 +141,7 @@ def _kernels():
         B: tl.constexpr = E_BITS + M_BITS + 1
         acc = tl.zeros([GROUPS, G], dtype=tl.float32)
         in_at = in_ptr + at[:, None] * NB + byte[None, :]        # rank 0's; then one further
-        emax_at = emax_ptr + s
+        emax_at = emax_ptr + s * e_stride
         for _ in range(RANKS):                                  # (pointers: no int32 product)
             raw = tl.load(in_at, mask=ok[:, None] & (byte < NB)[None, :], other=0).to(tl.int64)
             word = tl.sum(raw << (8 * byte[None, :]).to(tl.int64), axis=1)
@@ -157,7 +158,7 @@ def _kernels():
             bits = (sign << 31) | (expf << 23) | (q << (23 - M_BITS))
             acc += tl.where(c == 0, 0.0, bits.to(tl.float32, bitcast=True))   # never -0.0
             in_at += rank_bytes
-            emax_at += segments
+            emax_at += segments * e_stride
         idx = start + grp[:, None] * G + lane[None, :]
         tl.store(out_ptr + idx, acc, mask=idx < stop)
 
@@ -340,12 +341,19 @@ def decode_segments(data, emax, counts, e, m, total=None, lengths=None, backend=
         table, _ = device_table(counts, total, g, block)
     out = torch.empty(total, dtype=torch.float32, device=data.device)
     count_launch("rangefloat_decode_segments")
+    emax = _int32(emax)
     kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
-                                    table.vstart, table.gstart,
-                                    emax.to(torch.int32).reshape(-1).contiguous(), out, 0, 0, 0,
+                                    table.vstart, table.gstart, emax, emax.stride(0), out, 0, 0, 0,
                                     E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
                                     PER_GROUP=False, RANKS=1)
     return out
+
+
+def _int32(emax):
+    """``emax`` as the decode kernel reads it: 1-D int32, any stride (a header's column is
+    read where it lies, no copy)."""
+    emax = emax.reshape(-1)
+    return emax if emax.dtype == torch.int32 else emax.to(torch.int32)
 
 
 def decode_sum_reference(data, emax, lengths, ranks, e, m):
@@ -376,9 +384,9 @@ def decode_sum(data, emax, lengths, ranks, e, m, backend=None, block=BLOCK):
         return out.zero_()
     table = known.table
     count_launch("rangefloat_decode_sum")
+    emax = _int32(emax)
     kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
-                                    table.vstart, table.gstart,
-                                    emax.to(torch.int32).reshape(-1).contiguous(), out, 0,
+                                    table.vstart, table.gstart, emax, emax.stride(0), out, 0,
                                     known.groups * nb, len(known.table.vstart), E_BITS=e,
                                     M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
                                     PER_GROUP=False, RANKS=int(ranks))
@@ -409,7 +417,7 @@ def decode_flat(data, emax, e, m, block, out):
     g, nb = group(1 + e + m)
     n_groups = data.numel() // nb
     count_launch("rangefloat_decode")
-    kernel[(triton.cdiv(n_groups, block),)](data, data, data, data, data, data, emax, out,
+    kernel[(triton.cdiv(n_groups, block),)](data, data, data, data, data, data, emax, 1, out,
                                             n_groups * g, 0, 0, E_BITS=e, M_BITS=m, G=g, NB=nb,
                                             BLOCK=block * g, TABLE=False,
                                             PER_GROUP=emax.numel() != 1, RANKS=1)
