@@ -91,10 +91,11 @@ def header_stats_reference(emax, counts, g, nb, want=None, bounds=None):
 def header_stats(emax, counts, g, nb, want=None, bounds=None, backend=None):
     """int64 ``[values, expected bytes, bad, lo, hi]`` of the headers ``(emax[s],
     counts[s])`` (1-D int32 as a payload holds them, any stride: for example the two
-    columns of an ``[S, 2]`` header view; int64 too, other dtypes are copied to int64) in one launch of one program (kernel on CUDA), no host
-    synchronisation; see the module docstring.  ``want``: int32 counts per tensor (the
-    headers of rank ``r`` are ``r * len(want) ...``); ``bounds``: two 0-d integer
-    tensors to copy into ``lo, hi``."""
+    columns of an ``[S, 2]`` header view; int64 too; other dtypes are copied to int64), in
+    one launch of one program (kernel on CUDA), no host synchronisation; see the module
+    docstring.  ``want``: int32 counts per tensor (rank ``r``'s headers follow ``r``
+    times ``len(want)`` others); ``bounds``: two 0-d integer tensors to copy into
+    ``lo, hi``."""
     if pick_backend(emax, backend) == "torch":
         return header_stats_reference(emax, counts, g, nb, want, bounds)
     if emax.dim() != 1 or counts.dim() != 1 or emax.numel() != counts.numel():
