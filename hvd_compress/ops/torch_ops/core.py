@@ -144,21 +144,25 @@ def uniform(n, seed, step, like):
 
 # -- gather, scatter, casts --------------------------------------------------------------
 
+def _index_vector(idx):
+    """``idx`` as ``index_select`` and ``index_add_`` take it: 1-D, int32 or int64 as it is
+    (no int64 copy), other integer dtypes cast to int64."""
+    idx = idx if idx.dim() == 1 else idx.reshape(-1)
+    return idx if idx.dtype in (_torch.int32, _torch.int64) else idx.long()
+
+
 def gather(t, idx):
-    """``t[idx]`` along dimension 0; a 1-D int32 or int64 ``idx`` in one op (no int64 copy
-    of the indices first)."""
-    if idx.dim() == 1 and idx.dtype in (_torch.int32, _torch.int64):
-        return t.index_select(0, idx)
+    """``t[idx]`` along dimension 0; a 1-D ``idx`` in one op (:func:`_index_vector`)."""
+    if idx.dim() == 1:
+        return t.index_select(0, _index_vector(idx))
     return t[idx.long()]
 
 
 def scatter_sum(n, idx, values, dtype=float32):
-    """``values`` added into ``n`` zeros at ``idx`` (int32 indices as they are)."""
+    """``values`` added into ``n`` zeros at ``idx`` (:func:`_index_vector`)."""
     out = _torch.zeros(n, dtype=dtype, device=values.device)
     if idx.numel():
-        if idx.dtype not in (_torch.int32, _torch.int64):
-            idx = idx.long()
-        out.index_add_(0, idx.reshape(-1), values.reshape(-1).to(dtype))
+        out.index_add_(0, _index_vector(idx), values.reshape(-1).to(dtype))
     return out
 
 
@@ -262,7 +266,7 @@ def subtract_at(a, idx, values, inplace=False):
     float32 residual below 1.2e-38 in magnitude becomes 0."""
     out = a if inplace else a.clone()
     if idx.numel():
-        out.index_add_(0, idx.reshape(-1), _torch.neg(0.0 + values.float()).to(a.dtype))
+        out.index_add_(0, _index_vector(idx), _torch.neg(0.0 + values.float()).to(a.dtype))
     return out
 
 

@@ -12,7 +12,7 @@ import numpy as _np
 import torch as _torch
 
 from .. import _cpu_topk
-from .core import _cached, _constant, _host_list
+from .core import _cached, _constant, _host_list, _index_vector
 
 
 def concat(ts):
@@ -63,15 +63,10 @@ def segment_compact_above(flat, thresholds, seg, layout):
     return compact_above_reference(flat, _torch.repeat_interleave(thresholds.float(), lengths))
 
 
-def _index(seg):
-    """``seg`` as ``index_add_`` takes it: 1-D int32 or int64 as it is (no copy)."""
-    return seg.reshape(-1) if seg.dtype in (_torch.int32, _torch.int64) else seg.long().reshape(-1)
-
-
 def segment_sum_int(values, seg, segments):
     """int64 per-segment sums of the integers (or booleans) ``values``."""
     out = _torch.zeros(segments, dtype=_torch.int64, device=values.device)
-    return out.index_add_(0, _index(seg), values.reshape(-1).to(_torch.int64))
+    return out.index_add_(0, _index_vector(seg), values.reshape(-1).to(_torch.int64))
 
 
 def rows_max(t):
@@ -93,7 +88,7 @@ def segment_counts(seg, segments):
     1 expanded (a view), so it is two framework ops: the zeros and the add."""
     out = _torch.zeros(segments, dtype=_torch.int64, device=seg.device)
     if seg.numel():
-        out.index_add_(0, _index(seg), _constant((1,), seg.device).expand(seg.numel()))
+        out.index_add_(0, _index_vector(seg), _constant((1,), seg.device).expand(seg.numel()))
     return out
 
 
