@@ -75,8 +75,13 @@ def device_info(torch):
 
 def timeit(torch, fn, repeat, device="cuda", warmup=2):
     """Median seconds of ``fn()``: between CUDA events on a GPU (host-side gaps included),
-    by ``time.perf_counter`` on the CPU (a dry run of a GPU benchmark, not a GPU figure)."""
+    by ``time.perf_counter`` on the CPU (a dry run of a GPU benchmark, not a GPU figure).
+    ``warmup`` calls come first; on the CPU one at most, which still runs the warm path
+    (cached state, error feedback's residual) once: a dry run's times are no figures, and
+    each call of a kernel in Triton's interpreter takes seconds."""
     import time
+    if device != "cuda":
+        warmup = min(warmup, 1)
     for _ in range(warmup):
         fn()
     sync(torch, device)
