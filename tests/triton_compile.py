@@ -28,6 +28,7 @@ Imports: the standard library and triton (private parts: the driver seam, the JI
 function and the interpreter, as of Triton 3.6-3.9).
 """
 import collections
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -55,6 +56,11 @@ DEFINED = set()
 
 _INTERPRETED = {}
 _SEEN = {}
+
+#: where each variant's machine instructions are counted (``cuobjdump -sass`` takes some
+#: 0.3 s a cubin): one thread beside the interpreter, read by :func:`report`; None when
+#: :func:`enable` was told that nothing reads them
+_COUNTING = None
 
 
 def _name(fn):
@@ -101,14 +107,15 @@ class CompiledThenInterpreted(JITFunction):
             return self._interpret(compiled, args, grid, warmup, kwargs)
         _SEEN[id(compiled)] = compiled
         shared = compiled.metadata.shared
-        COMPILED.append({"kernel": _name(self.fn), "arch": self.arch, "shared": shared,
-                         "num_warps": compiled.metadata.num_warps,
-                         "block": kwargs.get("BLOCK"),
-                         "seconds": round(time.perf_counter() - start, 3),
-                         **resource_usage(compiled.asm.get("cubin")),
-                         **access_widths(compiled.asm.get("ptx", "")),
-                         **instruction_counts(compiled.asm.get("cubin"),
-                                              compiled.asm.get("ptx", ""))})
+        row = {"kernel": _name(self.fn), "arch": self.arch, "shared": shared,
+               "num_warps": compiled.metadata.num_warps, "block": kwargs.get("BLOCK"),
+               "seconds": round(time.perf_counter() - start, 3),
+               **resource_usage(compiled.asm.get("cubin")),
+               **access_widths(compiled.asm.get("ptx", ""))}
+        if _COUNTING is not None:
+            row["counts"] = _COUNTING.submit(instruction_counts, compiled.asm.get("cubin"),
+                                             compiled.asm.get("ptx", ""))
+        COMPILED.append(row)
         limit = SHARED_LIMIT.get(self.arch)
         if limit is not None and shared > limit:
             raise RuntimeError(f"Triton kernel {self.fn.__name__} needs {shared} bytes of shared "
@@ -229,14 +236,18 @@ def _jit(fn=None, **kwargs):
     return CompiledThenInterpreted(fn, **kwargs)
 
 
-def enable(arch=90):
+def enable(arch=90, counts=True):
     """From now on, ``triton.jit`` kernels compile for ``sm_<arch>`` at every launch, then
     run in the interpreter.  Call before any kernel is defined (the package defines its
-    kernels on first launch), with ``TRITON_INTERPRET`` unset."""
+    kernels on first launch), with ``TRITON_INTERPRET`` unset.  ``counts=False``: no
+    :func:`instruction_counts` (for a run that never calls :func:`report`)."""
+    global _COUNTING
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("triton_compile.enable needs TRITON_INTERPRET unset: the "
                            "interpreter's triton.jit builds functions that cannot compile")
     CompiledThenInterpreted.arch = int(arch)
+    if counts and _COUNTING is None:
+        _COUNTING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuobjdump")
     knobs.runtime.interpret = False     # whatever TRITON_INTERPRET says later (a benchmark
     driver.set_active(_TargetOnly(int(arch)))   # sets it on the CPU)
     JITFunction.__call__ = _call
@@ -252,6 +263,9 @@ def report():
     specialisations and zeros)."""
     rows = collections.defaultdict(list)
     for row in COMPILED:
+        pending = row.pop("counts", None)
+        if pending is not None:
+            row.update(pending.result())
         rows[row["kernel"]].append(row)
     names = {n for n in DEFINED if not n.startswith(("standard.", "core.", "math."))} | set(rows)
     out = {}
