@@ -33,9 +33,9 @@ tensor.  ``--tiny`` divides every size by 1000.
    values (16-byte loads) against told nothing, for ``segment_abs_sum_max``, the twobit
    bucket compress and the fused selection (layouts ``gpt2`` and ``one``).
 6. **warps**: the fused selection with its histogram and band-write programs at 4 or 8
-   warps (``histogram_select.HISTOGRAM_WARPS``, ``BAND_WRITE_WARPS``: 4 and 8 since
-   2026-11-26's fifth stop, chosen from register counts, not timed), layouts ``gpt2`` and
-   ``one``; the counts must not change.
+   warps (``histogram_select.HISTOGRAM_WARPS``, ``band_compact.BAND_WRITE_WARPS``: 4 and
+   8 since 2026-11-26's fifth stop, chosen from register counts, not timed), layouts
+   ``gpt2`` and ``one``; the counts must not change.
 7. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
@@ -325,9 +325,10 @@ def warps_rows(args):
     """The fused selection at each (histogram, band-write) warps pair."""
     import hvd_compress
     from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.kernels import band_compact as B
     from hvd_compress.kernels import histogram_select as H
     from hvd_compress.ops import torch_ops
-    now = (H.HISTOGRAM_WARPS, H.BAND_WRITE_WARPS)
+    now = (H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS)
     rows = []
     for lname in ("gpt2", "one"):
         lay = make_layout(lname, args.tiny)
@@ -336,7 +337,7 @@ def warps_rows(args):
         row = {"layout": lname, "numel": lay.total, "default": list(now)}
         counts = set()
         for pair in ((4, 4), (4, 8), (8, 4), (8, 8)):
-            H.HISTOGRAM_WARPS, H.BAND_WRITE_WARPS = pair
+            H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS = pair
             try:
                 fn = lambda: select_histogram(search, flat, lay, torch_ops,  # noqa: E731
                                               HISTOGRAM_PASSES)[0]
@@ -344,7 +345,7 @@ def warps_rows(args):
                                                                           args.device)
                 counts.add(int(fn().numel()))
             finally:
-                H.HISTOGRAM_WARPS, H.BAND_WRITE_WARPS = now
+                H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS = now
         row["same_count"] = len(counts) == 1
         rows.append(row)
         times = [f"{k[7:-3]} {v:8.3f} ms" for k, v in row.items() if k.startswith("select_")]

@@ -316,7 +316,7 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES):
        launch each and no reads;
     3. the count: the closer end of the bracket within ``tol * k`` of ``k``, else exactly
        ``k`` (``exact=1`` always): everything above ``hi`` plus the first entries (in index
-       order) of the band ``(lo, hi]`` (kernel ``histogram_select.band_select``: a count
+       order) of the band ``(lo, hi]`` (kernel ``band_compact.band_select``: a count
        pass, one program for the offsets, the read-back, a write pass).
 
     ``exact=1`` gives the same indices as the grid search (the k largest, ties by lowest

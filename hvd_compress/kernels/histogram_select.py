@@ -30,18 +30,14 @@ pointer (no host-side row views per launch).  The kernels:
     one program per tensor: the suffix sums, the last edge whose count reaches ``k``,
     the new bracket and counts, ``ACTIVE`` and ``QUOTA`` -- the search's decision made
     on the device, no host round trip; it zeroes ``hist`` for the next pass.
-``band_select(x, blocks, state)``
-    int32 bucket indices, in index order, of every entry with ``b > hi[s]`` plus the
-    first ``quota[s]`` entries (in index order) of the band ``lo[s] < b <= hi[s]``.  As in
-    :mod:`.compact`: a per-block count of both sets, one program for the offsets (their
-    cumulative sums; the band's ranks restart at each tensor) and the output length,
-    then the write.  The output length and ``FINITE`` are read back together: the one
-    host synchronisation.
+``band_select(x, blocks, state)`` (in :mod:`.band_compact`)
+    the selection the state decided, written out: every tensor's entries above its
+    bracket and the first ``QUOTA`` of its band, with the one host synchronisation.
 
-All walk ``blocks`` (:func:`.segmented.block_table`): blocks that never straddle two tensors, so a
-program reads one tensor's bracket once and the number of launches does not depend on
-``T``.  Bit patterns are compared as integers, so a NaN (bits above +Inf) counts as
-above any finite bracket: ``lo = hi = -1`` selects every entry.
+All walk ``blocks`` (:func:`.segmented.block_table`): blocks that never straddle two
+tensors, so a program reads one tensor's bracket once and the number of launches does
+not depend on ``T``.  Bit patterns are compared as integers, so a NaN (bits above +Inf)
+counts as above any finite bracket: ``lo = hi = -1`` selects every entry.
 
 Imports: the standard library, torch; on first use, Triton; and modules of its own
 package.
@@ -143,46 +139,6 @@ def _kernels():
             tl.store(state_ptr + 6 * T + t, zero + finite, mask=m)
 
     @triton.jit
-    def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T,
-                     above_ptr, band_ptr, out_offset_ptr, idx_ptr,
-                     WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-        # WRITE=False: count the block's entries above hi and in the band (lo, hi];
-        # WRITE=True: write the taken entries' indices (band_ptr: band entries before it).
-        # Per entry only int32 (a block's counts and ranks are below BLOCK); the state's
-        # rows read here: LO = 0, HI = 1, QUOTA = 5
-        pid = tl.program_id(0)
-        start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
-        local = tl.arange(0, BLOCK)
-        valid = local < (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
-        s = tl.load(segs_ptr + pid)
-        x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
-        b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
-        lo = tl.load(state_ptr + s).to(tl.int32)                 # -1 <= lo, hi < 2^31
-        hi = tl.load(state_ptr + T + s).to(tl.int32)
-        above = valid & (b > hi)
-        band = (valid & (b > lo) & (b <= hi)).to(tl.int32)
-        if WRITE:
-            # the band entries this block may still take: QUOTA less those before it,
-            # clamped to [0, BLOCK] so that the compare stays in int32
-            room = tl.minimum(tl.maximum(tl.load(state_ptr + 5 * T + s) - tl.load(band_ptr + pid),
-                                         0), BLOCK).to(tl.int32)
-            # one scan for both counts before each entry: band entries in the low 16 bits,
-            # entries above hi in the high ones (a block's counts are below 2^15).  The
-            # band entries taken are its first `room`, so the taken entries before an
-            # entry are those above hi plus min(band entries before it, room)
-            tl.static_assert(BLOCK <= 16384)
-            code = band + (above.to(tl.int32) << 16)
-            before = tl.cumsum(code, axis=0) - code
-            band_before = before & 0xFFFF
-            take = above | ((band > 0) & (band_before < room))
-            pos = (before >> 16) + tl.minimum(band_before, room)
-            out = idx_ptr + tl.load(out_offset_ptr + pid)
-            tl.store(out + pos, (start + local).to(tl.int32), mask=take)
-        else:
-            tl.store(above_ptr + pid, tl.sum(above.to(tl.int32), axis=0).to(tl.int64))
-            tl.store(band_ptr + pid, tl.sum(band, axis=0).to(tl.int64))
-
-    @triton.jit
     def _pick_kernel(hist_ptr, state_ptr, k_ptr, slack_ptr, T, BINS: tl.constexpr,
                      ROW: tl.constexpr):
         s = tl.program_id(0)
@@ -218,40 +174,8 @@ def _kernels():
         off = (hi - lo > 1) & ((c_lo - k) > slack) & hi_off
         tl.store(state_ptr + 4 * T + s, off.to(tl.int64))
         tl.store(state_ptr + 5 * T + s, target - c_hi)
-
-    @triton.jit
-    def _offsets_kernel(above_ptr, band_ptr, segs_ptr, first_ptr, state_ptr, T, P,
-                        ex_ptr, band_before_ptr, out_start_ptr, result_ptr, CB: tl.constexpr,
-                        CHUNKS: tl.constexpr):
-        # one program, after the count pass: for every block, the band entries before it
-        # within its tensor and where its taken entries go; then [total, FINITE]
-        carry = tl.sum(tl.zeros([CB], dtype=tl.int64), axis=0)     # an int64 scalar, 0
-        for c in range(CHUNKS):                  # the band's exclusive sums, bucket-wide
-            p = c * CB + tl.arange(0, CB)
-            m = p < P
-            band = tl.load(band_ptr + p, mask=m, other=0)
-            tl.store(ex_ptr + p, carry + tl.cumsum(band, axis=0) - band, mask=m)
-            carry += tl.sum(band, axis=0)
-        tl.debug_barrier()                       # ex written before any program reads it
-        carry = tl.sum(tl.zeros([CB], dtype=tl.int64), axis=0)
-        for c in range(CHUNKS):
-            p = c * CB + tl.arange(0, CB)
-            m = p < P
-            seg = tl.load(segs_ptr + p, mask=m, other=0)
-            band = tl.load(band_ptr + p, mask=m, other=0)
-            before = tl.load(ex_ptr + p, mask=m, other=0) - tl.load(
-                ex_ptr + tl.load(first_ptr + seg, mask=m, other=0), mask=m, other=0)
-            quota = tl.load(state_ptr + 5 * T + seg, mask=m, other=0)
-            taken = tl.load(above_ptr + p, mask=m, other=0) + tl.maximum(
-                tl.minimum(quota - before, band), 0)
-            tl.store(band_before_ptr + p, before, mask=m)
-            tl.store(out_start_ptr + p, carry + tl.cumsum(taken, axis=0) - taken, mask=m)
-            carry += tl.sum(taken, axis=0)
-        two = tl.arange(0, 2)
-        tl.store(result_ptr + two, tl.where(two == 0, carry, tl.load(state_ptr + 6 * T)))
-
-    return types.SimpleNamespace(histogram=_histogram_kernel, band=_band_kernel, pick=_pick_kernel,
-                                 start=_start_kernel, offsets=_offsets_kernel)
+    return types.SimpleNamespace(histogram=_histogram_kernel, pick=_pick_kernel,
+                                 start=_start_kernel)
 
 
 def _magnitude_bits(x):
@@ -333,6 +257,12 @@ def segment_histogram_reference(x, blocks, state, bins):
     return hist.reshape(T, bins + 2)
 
 
+#: warps of a histogram program (blocks of 4096 entries: 32 a thread): chosen from the
+#: compiled register counts (sm_90, Triton 3.6), not timed yet;
+#: ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8
+HISTOGRAM_WARPS = 4
+
+
 def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None, local=False):
     """int64 ``[T, bins + 2]`` (see the module docstring) of the tensors active in
     ``state`` (the others' rows stay zero and their entries are not read); ``bins + 2``
@@ -406,66 +336,3 @@ def histogram_pick(hist, state, k, slack, bins, backend=None):
     count_launch("histogram_pick")
     _kernels().pick[(T,)](hist, _whole(state), k, slack, T, BINS=bins, ROW=bins + 2)
     return state
-
-
-# -- selection by band --------------------------------------------------------------------
-
-def band_select_reference(x, blocks, state):
-    """``(indices, finite)`` of :func:`band_select`, in torch."""
-    b = _magnitude_bits(x)
-    T = blocks.first.numel()
-    seg = _entry_segments(blocks, b.numel())
-    lo_e, hi_e = state[LO][seg], state[HI][seg]
-    band = (b > lo_e) & (b <= hi_e)
-    per = torch.zeros(T, dtype=torch.int64, device=x.device).index_add_(0, seg, band.long())
-    before = torch.cumsum(per, 0) - per
-    rank = torch.cumsum(band.long(), 0) - band.long() - before[seg]        # 0-based
-    take = (b > hi_e) | (band & (rank < state[QUOTA][seg]))
-    return torch.nonzero(take).reshape(-1).to(torch.int32), bool(state[FINITE, 0])
-
-
-#: warps of a histogram program and of a band-write program (blocks of 4096 entries: 32
-#: and 16 a thread): chosen from the compiled register counts (sm_90, Triton 3.6), not
-#: timed yet; ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8 of each
-HISTOGRAM_WARPS = 4
-BAND_WRITE_WARPS = 8
-
-#: blocks the offsets program takes at once (its loop count, ``cdiv(blocks,
-#: OFFSETS_BLOCK)``, is a compile-time constant: one compile per such count, 1 up to 8M
-#: values in blocks of 4096, 4 for 25M)
-OFFSETS_BLOCK = 2048
-
-
-def band_select(x, blocks, state, backend=None):
-    """``(int32 indices, finite)``: per tensor, the entries with ``b > HI`` and the first
-    ``QUOTA`` of ``LO < b <= HI``; ``finite`` is the state's ``FINITE`` as a Python bool,
-    read back with the output's length (one host synchronisation for both)."""
-    if pick_backend(x, backend) == "torch":
-        return band_select_reference(x, blocks, state)
-    x = x.reshape(-1)
-    programs = blocks.starts.numel()
-    above = torch.empty(programs, dtype=torch.int64, device=x.device)
-    band = torch.empty(programs, dtype=torch.int64, device=x.device)
-    T = blocks.first.numel()
-    count_launch("band_count")
-    kernels = _kernels()
-    kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, _whole(state), T, above,
-                              band, above, above, WRITE=False, BLOCK=blocks.block,
-                              ALIGN=blocks.align)
-    band_before, out_start, scratch, result = (
-        torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
-    count_launch("band_offsets")
-    kernels.offsets[(1,)](above, band, blocks.segs, blocks.first, state, T, programs, scratch,
-                          band_before, out_start, result, CB=OFFSETS_BLOCK,
-                          CHUNKS=-(-programs // OFFSETS_BLOCK))
-    # the one host synchronisation: the size of the output allocation (and the flag)
-    total, finite = result.tolist()
-    idx = torch.empty(total, dtype=torch.int32, device=x.device)
-    if total:
-        count_launch("band_write")
-        # 8 warps: the one scan of both counts holds 194 registers a thread with 4
-        # (sm_90, Triton 3.6), 85 with 8, so that as many warps fit on an SM as before it
-        kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, state, T, above,
-                                  band_before, out_start, idx, WRITE=True, BLOCK=blocks.block,
-                                  ALIGN=blocks.align, num_warps=BAND_WRITE_WARPS)
-    return idx, bool(finite)

@@ -13,6 +13,7 @@ from hvd_compress import kernels as K
 from hvd_compress.buckets import layout
 from hvd_compress.compressors.laplace import (COARSE_BINS, HISTOGRAM_BINS, HISTOGRAM_PASSES,
                                               select_histogram)
+from hvd_compress.kernels import band_compact as B
 from hvd_compress.kernels import histogram_select as H
 from hvd_compress.ops import torch_ops
 from hvd_compress.spec import from_spec
@@ -161,8 +162,8 @@ def test_band_select_matches_reference(dtype, block):
     state = state_for(LENGTHS, [bits(1.0), -1, 0, bits(2.0), 0, bits(1.0)],
                       [bits(2.0), -1, bits(3.0), bits(2.0), bits(3.0), bits(2.0)])
     state[H.QUOTA] = torch.tensor([3, 0, 1000, 50, 2, 0], device=DEVICE)
-    got, finite = H.band_select(x, blocks, state, backend="triton")
-    want, want_finite = H.band_select_reference(x, blocks, state)
+    got, finite = B.band_select(x, blocks, state, backend="triton")
+    want, want_finite = B.band_select_reference(x, blocks, state)
     assert got.dtype == torch.int32 and torch.equal(got, want) and finite and want_finite
     assert torch.equal(got.sort().values, got)                    # index order
 
@@ -175,7 +176,7 @@ def test_a_non_finite_bucket_selects_everything():
     state = H.search_start(torch.zeros(len(LENGTHS), dtype=torch.int64, device=DEVICE),
                            torch.ones(len(LENGTHS), dtype=torch.int64, device=DEVICE), sums, peaks)
     for backend in ("torch", "triton"):
-        idx, finite = H.band_select(x, blocks, state, backend=backend)
+        idx, finite = B.band_select(x, blocks, state, backend=backend)
         assert not finite and idx.numel() == x.numel()
 
 

@@ -180,6 +180,7 @@ def _sorted_segment_topk(flat, numels, ks, drop_zeros=False):
 
 
 # -- laplace_topk's fused search (laplace_topk:fused=1): hvd_compress.kernels.histogram_select
+#    and band_compact
 
 def histogram_search_supported():
     """Can this framework run the fused histogram search?"""
@@ -225,5 +226,5 @@ def histogram_pick(hist, state, k, slack, bins):
 def band_select(flat, blocks, state):
     """``(int32 indices, finite)``: above ``HI`` and the first ``QUOTA`` of the band,
     per tensor; ``finite`` a Python bool (one host synchronisation for both)."""
-    from ...kernels import histogram_select
-    return histogram_select.band_select(flat, blocks, state)
+    from ...kernels import band_compact
+    return band_compact.band_select(flat, blocks, state)
