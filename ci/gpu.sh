@@ -4,7 +4,8 @@
 #   1. preflight  versions, device; hvd_compress and its kernels import with no Horovod/TF
 #   2. tests      tests/gpu (every kernel and compressor on CUDA, sync counts) and
 #                 tests/unit/test_kernels.py, test_buckets.py, test_histogram_select.py,
-#                 test_bucket_launches.py (on CUDA tensors when there is a GPU)
+#                 test_bucket_launches.py, test_rangefloat_segments.py (on CUDA tensors
+#                 when there is a GPU)
 #   3. benchmarks select.py on CUDA (1M-100M, laplace_topk vs torch.topk), codecs and DCT,
 #                 compress+decompress per step of examples/models.py; where each
 #                 compressor's time and host synchronisations go (profile); one exchange
@@ -181,7 +182,8 @@ TESTS=()
 if [ "${#TESTS[@]}" = 0 ]; then      # (blank: the default, never pytest's whole suite)
   TESTS=(tests/gpu)
   [ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py \
-    tests/unit/test_histogram_select.py tests/unit/test_bucket_launches.py)
+    tests/unit/test_histogram_select.py tests/unit/test_bucket_launches.py \
+    tests/unit/test_rangefloat_segments.py)
 fi
 run_step tests "$TESTS_LIMIT" "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
   --junitxml="$RESULTS/tests.xml" "${TESTS[@]}"
