@@ -35,7 +35,10 @@ tensor.  ``--tiny`` divides every size by 1000.
 6. **warps**: the fused selection with its histogram and band-write programs at 4 or 8
    warps (``histogram_select.HISTOGRAM_WARPS``, ``band_compact.BAND_WRITE_WARPS``: 4 and
    8 since 2026-11-26's fifth stop, chosen from register counts, not timed), layouts
-   ``gpt2`` and ``one``; the counts must not change.
+   ``gpt2`` and ``one``; the counts must not change.  ``fold_4``, ``fold_8``: each pass's
+   step made in the histogram's launch (``histogram_select.FOLD_PICK``, off by default:
+   4 launches fewer, more registers), histogram warps 4 or 8; ``fold_equal``: the same
+   indices as the default.
 7. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
@@ -60,9 +63,19 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-_spec = importlib.util.spec_from_file_location("gpu_common", Path(__file__).with_name("gpu_common.py"))
-common = sys.modules.setdefault("gpu_common", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(common)
+
+
+def _load(name):
+    """A module of benchmarks/ (its folder is off sys.path: benchmarks/select.py would
+    shadow the standard library's select)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load("gpu_common")
+variants = _load("gpu_variants")      # the aligned and warps rows
 
 GPT2_BLOCK = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072,
               3072 * 768, 768]
@@ -278,82 +291,6 @@ def search_rows(args):
     return rows
 
 
-def aligned_rows(args):
-    """The bucket kernels told that every offset is a multiple of 16 values (as now: the
-    layout's ``segmented.alignment``, which lets the compiler load 16 bytes at a time)
-    against told nothing (``alignment`` forced to 1: one value a load, as before
-    2026-11-26's fourth stop): ``segment_abs_sum_max``, the twobit bucket compress, the
-    fused selection."""
-    import hvd_compress
-    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
-    from hvd_compress.kernels import segmented
-    from hvd_compress.ops import torch_ops
-    real = segmented.alignment
-
-    def use(alignment):          # the tables are cached with the alignment: built anew
-        segmented.alignment = alignment
-        segmented._DEVICE_BLOCKS.clear()
-        segmented._WORD_TABLES.clear()
-
-    rows = []
-    for lname in ("gpt2", "one"):
-        lay = make_layout(lname, args.tiny)
-        flat = common.laplace(torch, lay.total, args.device, seed=6)
-        row = {"layout": lname, "numel": lay.total, "align": real(lay.numels, 4096)}
-        twobit = hvd_compress.from_spec("twobit:ef=0")
-        search = hvd_compress.from_spec(f"laplace_topk:density={DENSITY},fused=1")
-        calls = {"abs_sum_max": lambda: segmented.segment_abs_sum_max(flat, lay.numels),
-                 "twobit_compress": lambda: twobit.compress_bucket(flat, lay),
-                 "select": lambda: select_histogram(search, flat, lay, torch_ops,
-                                                    HISTOGRAM_PASSES)[0]}
-        for told, alignment in (("aligned", real), ("unaligned", lambda *a, **k: 1)):
-            use(alignment)
-            try:
-                for name, fn in calls.items():
-                    row[f"{name}_{told}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat,
-                                                                   args.device)
-            finally:
-                use(real)
-        rows.append(row)
-        print(f"aligned {lname:7s} (align {row['align']:2d})  "
-              + "  ".join(f"{name} {row[f'{name}_aligned_ms']:8.3f} vs {row[f'{name}_unaligned_ms']:8.3f} ms"
-                          for name in calls), flush=True)
-    return rows
-
-
-def warps_rows(args):
-    """The fused selection at each (histogram, band-write) warps pair."""
-    import hvd_compress
-    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
-    from hvd_compress.kernels import band_compact as B
-    from hvd_compress.kernels import histogram_select as H
-    from hvd_compress.ops import torch_ops
-    now = (H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS)
-    rows = []
-    for lname in ("gpt2", "one"):
-        lay = make_layout(lname, args.tiny)
-        flat = common.laplace(torch, lay.total, args.device, seed=7)
-        search = hvd_compress.from_spec(f"laplace_topk:density={DENSITY},fused=1")
-        row = {"layout": lname, "numel": lay.total, "default": list(now)}
-        counts = set()
-        for pair in ((4, 4), (4, 8), (8, 4), (8, 8)):
-            H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS = pair
-            try:
-                fn = lambda: select_histogram(search, flat, lay, torch_ops,  # noqa: E731
-                                              HISTOGRAM_PASSES)[0]
-                row[f"select_{pair[0]}_{pair[1]}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat,
-                                                                          args.device)
-                counts.add(int(fn().numel()))
-            finally:
-                H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS = now
-        row["same_count"] = len(counts) == 1
-        rows.append(row)
-        times = [f"{k[7:-3]} {v:8.3f} ms" for k, v in row.items() if k.startswith("select_")]
-        print(f"warps {lname:7s} (histogram, band write) " + "  ".join(times)
-              + f"  same count {row['same_count']}", flush=True)
-    return rows
-
-
 def launch_row(args):
     """Microseconds for the host to issue an ATen op and one of our Triton launches (the
     histogram of 1K values, through its launcher); on CUDA also that kernel through
@@ -454,7 +391,8 @@ def main():
     result = {"info": info, "args": vars(args)}
     steps = [("compress", lambda: compress_rows(args, cuda)), ("topk", lambda: topk_rows(args)),
              ("graph", lambda: graph_rows(args, cuda)), ("search", lambda: search_rows(args)),
-             ("aligned", lambda: aligned_rows(args)), ("warps", lambda: warps_rows(args)),
+             ("aligned", lambda: variants.aligned_rows(args, make_layout, DENSITY)),
+             ("warps", lambda: variants.warps_rows(args, make_layout, DENSITY)),
              ("launch", lambda: launch_row(args))]
     for name, rows in steps:
         result[name] = rows()

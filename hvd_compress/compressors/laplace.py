@@ -336,9 +336,8 @@ def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES):
     blocks = ops.bucket_blocks(lay, flat)
     abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
     state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density))
-    hists = {}
+    buffers = {}
     for bins in passes:
-        hists[bins] = ops.segment_histogram(flat, blocks, state, bins, hists.get(bins),
-                                            local=bins <= COARSE_BINS)
-        state = ops.histogram_pick(hists[bins], state, k_t, slack, bins)
+        state = ops.histogram_step(flat, blocks, state, bins, k_t, slack, buffers,
+                                   local=bins <= COARSE_BINS)
     return blocks, state

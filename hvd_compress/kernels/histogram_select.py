@@ -30,6 +30,10 @@ pointer (no host-side row views per launch).  The kernels:
     one program per tensor: the suffix sums, the last edge whose count reaches ``k``,
     the new bracket and counts, ``ACTIVE`` and ``QUOTA`` -- the search's decision made
     on the device, no host round trip; it zeroes ``hist`` for the next pass.
+``histogram_step(x, blocks, state, bins, k, slack)``
+    one pass: the histogram, then the pick; with ``FOLD_PICK`` in one launch, where each
+    tensor's last block to finish counting (a counter per tensor: after a barrier, a
+    release/acquire atomic per block) makes the pick, reading its row from L2.
 ``band_select(x, blocks, state)`` (in :mod:`.band_compact`)
     the selection the state decided, written out: every tensor's entries above its
     bracket and the first ``QUOTA`` of its band, with the one host synchronisation.
@@ -54,13 +58,53 @@ from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
+    global _pick        # a helper of two kernels: Triton's interpreter looks it up there
     import triton
     import triton.language as tl
 
     @triton.jit
+    def _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS: tl.constexpr,
+              ROW: tl.constexpr):
+        # tensor s's step of the search from its histogram row (.cg: read from L2, where
+        # the histogram's atomics were made, also by a block of the same launch)
+        cols = tl.arange(0, ROW)
+        active = tl.load(state_ptr + 4 * T + s) != 0
+        live = cols < tl.where(active, ROW, 0)          # an inactive tensor's row is zero
+        h = tl.load(hist_ptr + s * ROW + cols, mask=live, other=0, cache_modifier=".cg")
+        tl.store(hist_ptr + s * ROW + cols, tl.zeros_like(h), mask=live)   # for the next pass
+        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h      # count(> E_j): suffix sums
+        k = tl.load(k_ptr + s)
+        slack = tl.load(slack_ptr + s)
+        lo = tl.load(state_ptr + s)
+        hi = tl.load(state_ptr + T + s)
+        c_lo = tl.load(state_ptr + 2 * T + s)
+        c_hi = tl.load(state_ptr + 3 * T + s)
+        j = tl.minimum(tl.maximum(tl.sum((above >= k).to(tl.int64), axis=0) - 1, 0), BINS)
+        width = tl.maximum(hi - lo, 1)
+        new_lo = tl.where(j == 0, 0, lo + ((j - 1) * width + BINS - 1) // BINS)
+        new_hi = lo + (j * width + BINS - 1) // BINS
+        lo = tl.where(active, new_lo, lo)
+        hi = tl.where(active, new_hi, hi)
+        c_lo = tl.where(active, tl.sum(tl.where(cols == j, above, 0), axis=0), c_lo)
+        c_hi = tl.where(active, tl.sum(tl.where(cols == j + 1, above, 0), axis=0), c_hi)
+        lo_ok = (c_lo - k) <= slack
+        hi_ok = (k - c_hi) <= slack
+        hi_off = (k - c_hi) > slack
+        target = tl.where(lo_ok & (hi_off | ((c_lo - k) <= (k - c_hi))), c_lo,
+                          tl.where(hi_ok, c_hi, k))
+        tl.store(state_ptr + s, lo)
+        tl.store(state_ptr + T + s, hi)
+        tl.store(state_ptr + 2 * T + s, c_lo)
+        tl.store(state_ptr + 3 * T + s, c_hi)
+        off = (hi - lo > 1) & ((c_lo - k) > slack) & hi_off
+        tl.store(state_ptr + 4 * T + s, off.to(tl.int64))
+        tl.store(state_ptr + 5 * T + s, target - c_hi)
+
+    @triton.jit
     def _histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T, hist_ptr,
+                          counts_ptr, done_ptr, k_ptr, slack_ptr,
                           BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr,
-                          ALIGN: tl.constexpr):
+                          ALIGN: tl.constexpr, PICK: tl.constexpr):
         # per entry only int32 and one float64 multiply (bits of |x| are below 2^31), no
         # 64-bit integer division (sm_90 has no divider: ~85 instructions each); the
         # state's rows read here: LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every start
@@ -105,6 +149,15 @@ def _kernels():
             above = tl.sum((valid & (b > hi)).to(tl.int32), axis=0).to(tl.int64)
             tl.atomic_add(row, below, mask=below > 0, sem="relaxed")
             tl.atomic_add(row + BINS + 1, above, mask=above > 0, sem="relaxed")
+        if PICK:
+            # the tensor's last block to finish counting makes its step: every thread's
+            # atomics before the block's count (the barrier, then a release), the row read
+            # after it (acquire); the count is left zero for the next pass
+            tl.debug_barrier()
+            finished = tl.atomic_add(done_ptr + s, 1, sem="acq_rel")
+            if finished == tl.load(counts_ptr + s) - 1:
+                tl.store(done_ptr + s, 0)
+                _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS, BINS + 2)
 
     @triton.jit
     def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, TB: tl.constexpr,
@@ -141,39 +194,8 @@ def _kernels():
     @triton.jit
     def _pick_kernel(hist_ptr, state_ptr, k_ptr, slack_ptr, T, BINS: tl.constexpr,
                      ROW: tl.constexpr):
-        s = tl.program_id(0)
-        cols = tl.arange(0, ROW)
-        active = tl.load(state_ptr + 4 * T + s) != 0
-        live = cols < tl.where(active, ROW, 0)          # an inactive tensor's row is zero
-        h = tl.load(hist_ptr + s * ROW + cols, mask=live, other=0)
-        tl.store(hist_ptr + s * ROW + cols, tl.zeros_like(h), mask=live)   # for the next pass
-        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h      # count(> E_j): suffix sums
-        k = tl.load(k_ptr + s)
-        slack = tl.load(slack_ptr + s)
-        lo = tl.load(state_ptr + s)
-        hi = tl.load(state_ptr + T + s)
-        c_lo = tl.load(state_ptr + 2 * T + s)
-        c_hi = tl.load(state_ptr + 3 * T + s)
-        j = tl.minimum(tl.maximum(tl.sum((above >= k).to(tl.int64), axis=0) - 1, 0), BINS)
-        width = tl.maximum(hi - lo, 1)
-        new_lo = tl.where(j == 0, 0, lo + ((j - 1) * width + BINS - 1) // BINS)
-        new_hi = lo + (j * width + BINS - 1) // BINS
-        lo = tl.where(active, new_lo, lo)
-        hi = tl.where(active, new_hi, hi)
-        c_lo = tl.where(active, tl.sum(tl.where(cols == j, above, 0), axis=0), c_lo)
-        c_hi = tl.where(active, tl.sum(tl.where(cols == j + 1, above, 0), axis=0), c_hi)
-        lo_ok = (c_lo - k) <= slack
-        hi_ok = (k - c_hi) <= slack
-        hi_off = (k - c_hi) > slack
-        target = tl.where(lo_ok & (hi_off | ((c_lo - k) <= (k - c_hi))), c_lo,
-                          tl.where(hi_ok, c_hi, k))
-        tl.store(state_ptr + s, lo)
-        tl.store(state_ptr + T + s, hi)
-        tl.store(state_ptr + 2 * T + s, c_lo)
-        tl.store(state_ptr + 3 * T + s, c_hi)
-        off = (hi - lo > 1) & ((c_lo - k) > slack) & hi_off
-        tl.store(state_ptr + 4 * T + s, off.to(tl.int64))
-        tl.store(state_ptr + 5 * T + s, target - c_hi)
+        _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, tl.program_id(0), BINS, ROW)
+
     return types.SimpleNamespace(histogram=_histogram_kernel, pick=_pick_kernel,
                                  start=_start_kernel)
 
@@ -277,11 +299,18 @@ def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None, local
     T = blocks.first.numel()
     hist = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device) if out is None else out
     count_launch("segment_histogram")
-    _kernels().histogram[(blocks.starts.numel(),)](
-        x.reshape(-1), blocks.starts, blocks.stops, blocks.segs, _whole(state), T, hist,
-        BINS=bins, BLOCK=blocks.block, LOCAL=bool(local), ALIGN=blocks.align,
-        num_warps=HISTOGRAM_WARPS)
+    _launch_histogram(x, blocks, state, bins, hist, local)
     return hist
+
+
+def _launch_histogram(x, blocks, state, bins, hist, local, pick=None):
+    """The histogram kernel; ``pick = (k, slack, done)``: with the search's step."""
+    k, slack, done = pick or (hist, hist, hist)       # not read without a pick
+    _kernels().histogram[(blocks.starts.numel(),)](
+        x.reshape(-1), blocks.starts, blocks.stops, blocks.segs, _whole(state),
+        blocks.first.numel(), hist, blocks.counts, done, k, slack, BINS=bins,
+        BLOCK=blocks.block, LOCAL=bool(local), ALIGN=blocks.align, PICK=pick is not None,
+        num_warps=HISTOGRAM_WARPS)
 
 
 def _whole(state):
@@ -335,4 +364,35 @@ def histogram_pick(hist, state, k, slack, bins, backend=None):
     T = state.shape[1]
     count_launch("histogram_pick")
     _kernels().pick[(T,)](hist, _whole(state), k, slack, T, BINS=bins, ROW=bins + 2)
+    return state
+
+
+# -- one pass: the histogram and the step ------------------------------------------------
+
+#: make each pass's step in the histogram's launch: each tensor's last block to finish
+#: counting picks (a counter per tensor, a release/acquire atomic per block), 4 launches
+#: fewer per compress; off until a GPU has timed it and found the same selection
+#: (``benchmarks/gpu_breakdown.py``'s ``warps`` rows, ``fold``)
+FOLD_PICK = False
+
+
+def histogram_step(x, blocks, state, bins, k, slack, buffers=None, local=False, backend=None):
+    """One pass of the search: :func:`segment_histogram`, then :func:`histogram_pick`
+    (``state`` updated in place and returned), in one launch where the kernels run and
+    ``FOLD_PICK`` is set.  ``buffers``: a dict that keeps the zeroed histograms (by
+    ``bins``) and the per-tensor counters (``"done"``, int32, left zero) for the next
+    passes."""
+    buffers = {} if buffers is None else buffers
+    if not FOLD_PICK or pick_backend(x, backend) == "torch" or x.numel() == 0:
+        buffers[bins] = segment_histogram(x, blocks, state, bins, buffers.get(bins),
+                                          backend, local)
+        return histogram_pick(buffers[bins], state, k, slack, bins, backend)
+    T = blocks.first.numel()
+    if bins not in buffers:
+        buffers[bins] = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device)
+    if "done" not in buffers:
+        buffers["done"] = torch.zeros(T, dtype=torch.int32, device=x.device)
+    count_launch("segment_histogram_pick")
+    _launch_histogram(x, blocks, state, bins, buffers[bins], local,
+                      (k, slack, buffers["done"]))
     return state

@@ -62,6 +62,7 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert all(row["select_aligned_ms"] > 0 for row in breakdown["aligned"])
     assert [row["layout"] for row in breakdown["warps"]] == ["gpt2", "one"]
     assert all(row["same_count"] and row["select_8_8_ms"] > 0 for row in breakdown["warps"])
+    assert all(row["fold_equal"] and row["select_fold_8_ms"] > 0 for row in breakdown["warps"])
     ops = json.loads(next(tmp_path.glob("bucket_ops_*.json")).read_text())
     counted = [r for r in ops["rows"] if "tensors" in r]
     assert {(r["spec"], r["tensors"]) for r in counted} == {

@@ -29,12 +29,20 @@ TESTS = ["test_kernels.py", "test_bucket_syncs.py", "test_hylo.py", "test_dct.py
 
 
 def defined_kernels():
-    """``module.function`` of every ``@triton.jit`` function in hvd_compress/kernels."""
+    """``module.function`` of every ``@triton.jit`` kernel in hvd_compress/kernels (named
+    ``*_kernel``; a helper that kernels call, such as ``histogram_select._pick``, is
+    compiled inside them)."""
     names = set()
     for path in (ROOT / "hvd_compress" / "kernels").glob("*.py"):
-        for fn in re.findall(r"@triton\.jit[^\n]*\n\s*def (\w+)", path.read_text()):
+        for fn in re.findall(r"@triton\.jit[^\n]*\n\s*def (\w+_kernel)\b", path.read_text()):
             names.add(f"{path.stem}.{fn}")
     return names
+
+
+#: kernels allowed an atomic that orders memory, and how many: the histogram's per-block
+#: counter when it also makes the search's step (``FOLD_PICK``: the block's counts must
+#: be visible to the tensor's last block), one per block, not per entry
+ORDERED_ATOMICS = {"histogram_select._histogram_kernel": 1}
 
 
 def compile_env(**extra):
@@ -71,7 +79,8 @@ def test_every_kernel_compiles_for_sm90_and_still_passes_its_tests(tmp_path):
     # (Triton's default acq_rel puts a MEMBAR.ALL.GPU before each: every kernel's atomics
     # are counters or maxima, read after the launch)
     assert not [k for k in want if kernels[k]["max_div64"]], kernels
-    assert not [k for k in want if kernels[k]["max_ordered_atomics"]], kernels
+    assert not [k for k in want
+                if kernels[k]["max_ordered_atomics"] > ORDERED_ATOMICS.get(k, 0)], kernels
 
 
 BROKEN = r'''

@@ -182,3 +182,31 @@ def test_bucket_search_sums_with_unchecked_segment_reduce(monkeypatch):
     for step in range(2):
         c.compress_bucket(torch.randn(lay.total, device=DEVICE), lay)
     assert calls and all(calls), f"segment_reduce called with unsafe={calls}"
+
+@pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
+                                  "laplace_topk:density=0.3,fused=1,exact=1"])
+def test_pick_folded_into_the_histogram_launch_searches_the_same(monkeypatch, spec):
+    """``FOLD_PICK``: each tensor's last block to finish counting makes the step; the
+    state after every pass and the selection are those of a separate pick launch, for
+    tensors of several blocks (block 4096) and of a single value, a bucket with an Inf,
+    and the edge cases above (the counters are left zero for the next compress)."""
+    from hvd_compress.compressors.laplace import histogram_search
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    rng = np.random.default_rng(3)
+    parts = [rng.laplace(size=9000), [2.0], rng.laplace(size=4097) * 1e-3]
+    lay = layout([f"m{i}" for i in range(3)], [(len(p),) for p in parts])
+    x = torch.tensor(np.concatenate(parts).astype(np.float32), device=DEVICE)
+    inf = x.clone()
+    inf[9001 + 5] = float("inf")
+    cases = [(lay, x), (lay, inf), *EDGES.values()]
+    c = from_spec(spec)
+    for fold in (False, True, True):          # twice: the counters were left zero
+        monkeypatch.setattr(H, "FOLD_PICK", fold)
+        got = [(histogram_search(c, flat.clone(), lay_, torch_ops)[1],
+                select_histogram(c, flat.clone(), lay_, torch_ops)) for lay_, flat in cases]
+        if not fold:
+            want = got
+            continue
+        for (state, (idx, finite)), (w_state, (w_idx, w_finite)) in zip(got, want):
+            assert torch.equal(state, w_state) and finite == w_finite
+            assert torch.equal(idx, w_idx)

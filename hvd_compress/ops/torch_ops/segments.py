@@ -209,18 +209,15 @@ def search_start(abs_sum, abs_max, n, factor):
     return histogram_select.search_from_fit(abs_sum, abs_max, n, factor)
 
 
-def segment_histogram(flat, blocks, state, bins, out, local=False):
-    """int64 ``[T, bins + 2]`` magnitude histogram of the tensors active in ``state``
-    (Triton on CUDA), counted into the zeroed ``out`` when given; ``local``: a
-    histogram per block, then an atomic per non-empty column (for a few columns)."""
+def histogram_step(flat, blocks, state, bins, k, slack, buffers, local=False):
+    """One pass of the fused search on the device (Triton on CUDA): the int64
+    ``[T, bins + 2]`` magnitude histogram of the tensors active in ``state``, then its
+    step (``state`` updated and returned); ``buffers``: a dict of zeroed buffers that the
+    passes reuse; ``local``: a histogram per block, then an atomic per non-empty column
+    (for a few columns)."""
     from ...kernels import histogram_select
-    return histogram_select.segment_histogram(flat, blocks, state, bins, out, local=local)
-
-
-def histogram_pick(hist, state, k, slack, bins):
-    """One step of the fused search on the device: ``state`` updated, ``hist`` zeroed."""
-    from ...kernels import histogram_select
-    return histogram_select.histogram_pick(hist, state, k, slack, bins)
+    return histogram_select.histogram_step(flat, blocks, state, bins, k, slack, buffers,
+                                           local=local)
 
 
 def band_select(flat, blocks, state):
