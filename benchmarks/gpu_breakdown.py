@@ -63,19 +63,10 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-
-def _load(name):
-    """A module of benchmarks/ (its folder is off sys.path: benchmarks/select.py would
-    shadow the standard library's select)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
-
-
-common = _load("gpu_common")
-variants = _load("gpu_variants")      # the aligned and warps rows
+_spec = importlib.util.spec_from_file_location("gpu_common", Path(__file__).with_name("gpu_common.py"))
+common = sys.modules.setdefault("gpu_common", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(common)
+variants = common.sibling("gpu_variants")      # the aligned and warps rows
 
 GPT2_BLOCK = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072,
               3072 * 768, 768]

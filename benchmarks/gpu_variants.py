@@ -3,19 +3,13 @@
 kernels told the layout's alignment or not (``aligned`` rows), and the fused selection's
 histogram and band-write warps and its pick folded into the histogram's launch
 (``warps`` rows).  Each function takes the script's arguments, its ``make_layout`` and
-its density, and returns the rows.
+its density, and returns the rows.  Loaded by gpu_breakdown.py, which loads gpu_common
+first.
 """
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 
-if "gpu_common" not in sys.modules:          # gpu_breakdown.py has loaded it, as a rule
-    _spec = importlib.util.spec_from_file_location("gpu_common",
-                                                   Path(__file__).with_name("gpu_common.py"))
-    sys.modules["gpu_common"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["gpu_common"])
 common = sys.modules["gpu_common"]
 
 

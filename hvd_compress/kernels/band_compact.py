@@ -14,9 +14,9 @@ bracket and quota in the search state, is :mod:`.histogram_select`).
     synchronisation of the fused search.
 
 Every program walks one block of ``blocks`` (:func:`.segmented.block_table`): blocks never
-straddle two tensors, so the number of launches does not depend on the tensors'.  Bit
-patterns are compared as integers, so a NaN counts as above any finite bracket (a bucket
-with one has ``lo = hi = -1``: every entry is taken).
+straddle two tensors, so the number of launches does not depend on the number of
+tensors.  Bit patterns are compared as integers, so a NaN counts as above any finite
+bracket (a bucket with one has ``lo = hi = -1``: every entry is taken).
 
 Imports: the standard library, torch; on first use, Triton; and modules of its own
 package.
@@ -106,7 +106,6 @@ def _kernels():
             carry += tl.sum(taken, axis=0)
         two = tl.arange(0, 2)
         tl.store(result_ptr + two, tl.where(two == 0, carry, tl.load(state_ptr + 6 * T)))
-
 
     return types.SimpleNamespace(band=_band_kernel, offsets=_offsets_kernel)
 
