@@ -386,6 +386,22 @@ def test_a_compressing_choice_must_be_measured_faster_than_none_in_the_trial():
         assert auto.expected == pytest.approx((0.20, measured_topk)[expected])
 
 
+def test_dense_predicted_twice_as_slow_is_still_tried_as_the_reference():
+    """On plain loopback one noisy collective in calibration predicted ``none`` at 1.9x
+    the model's choice (CI, 2026-11-27); past the 1.5x window it was not tried, and the
+    compressing choice was kept without a measured win over dense.  The reference is
+    tried within 3x, and a tie in the trial keeps it."""
+    auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=3, verbose=False)
+    times = {"b": [(0.0, 0.030, 0.0, 1e6), (0.005, 0.010, 0.001, 1e4)]}   # none 1.9x
+    comm = FakeComm()
+    for _ in range(2):
+        drive(auto, comm, times)
+    assert auto.phase == "trial" and auto.trials == [{"b": 1}, {"b": 0}]
+    auto.trial_times = [[0.5, 0.020, 0.020], [0.5, 0.0205, 0.0205]]     # measured: a tie
+    auto._finish_trials(comm)
+    assert auto.choice == {"b": 0}
+
+
 def test_far_worse_predictions_are_not_tried():
     auto = Auto(candidates=["none", "topk:density=0.01"], calibrate=2, trial=3, verbose=False)
     times = {"b": [(0.0, 4.0, 0.0, 1e8), (0.01, 0.01, 0.01, 1e6)]}   # none 100x slower
