@@ -224,7 +224,9 @@ def exchange_buckets(spec, names, grads, sync, bucket_mb, warmup):
     colls = [None] * len(lays)
     for step, ranks in enumerate(grads):
         world = SyncedWorld(2, sync)
-        for b, lay in enumerate(lays):
+        checks = [[], []]                         # each rank's deferred index checks, as
+        for b, lay in enumerate(lays):            # the glue's driver defers them
+            last = b == len(lays) - 1
             exs = []
             for r, g in enumerate(ranks):         # the bucket's compressor, as the glue
                 c = Synced(comps[r].for_tensor(lay.names[0], g[lay.names[0]]), sync)
@@ -232,16 +234,22 @@ def exchange_buckets(spec, names, grads, sync, bucket_mb, warmup):
                     t = g[lay.names[0]].clone()
                     sync()
                     exs.append(Exchange(c, world.transport(r), lay.names[0], tensor=t,
-                                        inplace=True, average=True))
+                                        inplace=True, average=True, checks=checks[r]))
                 else:                             # the glue's flat buffer
                     flat = torch.cat([g[n].reshape(-1) for n in lay.names])
                     sync()
                     exs.append(Exchange(c, world.transport(r), lay.key, flat=flat,
-                                        layout=lay, average=True))
+                                        layout=lay, average=True, checks=checks[r]))
             finish_all(exs)
+            settle = 0.0
+            if last:                              # the step's one readback of them (the
+                start = time.perf_counter()       # driver's settle), with the last bucket
+                torch_ops.settle_checks(checks[0])
+                settle = time.perf_counter() - start
+                torch_ops.settle_checks(checks[1])
             if step >= warmup:
                 times[b][0].append(exs[0].compress_s)
-                times[b][1].append(exs[0].decompress_s)
+                times[b][1].append(exs[0].decompress_s + settle)
             colls[b] = collectives(exs[0].compressor, exs[0])
             del exs
     return [(lay, statistics.median(c), statistics.median(d), k)

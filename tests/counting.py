@@ -82,36 +82,38 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-#: spec: (compress, decompress) host synchronisations of one bucket exchange on the CUDA
-#: code path (decompress: two ranks' payloads), whatever its number of tensors
+#: spec: (compress, decompress, settle) host synchronisations of one bucket exchange on
+#: the CUDA code path, whatever its number of tensors: decompress of two ranks' payloads
+#: as the exchange driver runs it (index checks deferred, ``ops.deferred_checks``), and
+#: the driver's one readback of the step's deferred checks (``ops.settle_checks``)
 BUCKET_SYNCS = {
-    # the payload length with the NaN/Inf flag; the indices' range
-    "laplace_topk:density=0.01,fused=1": (1, 1),
-    # ... and the values' headers, read back with the indices' range
-    "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 1),
-    "laplace_topk:density=0.01,fused=1,exact=1": (1, 1),
+    # the payload length with the NaN/Inf flag; the indices' range, deferred
+    "laplace_topk:density=0.01,fused=1": (1, 0, 1),
+    # ... the values' headers, read back with the indices' range (nothing deferred)
+    "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 1, 0),
+    "laplace_topk:density=0.01,fused=1,exact=1": (1, 0, 1),
     # one sort of the bucket (ops.segment_abs_topk): its finiteness, read back with the
     # number of non-zeros among the picks (laplace_topk drops zeros)
-    "laplace_topk:density=0.01": (1, 1),
-    "topk:density=0.01": (1, 1),
-    "topk:density=0.01,values=rangefloat8": (1, 1),
+    "laplace_topk:density=0.01": (1, 0, 1),
+    "topk:density=0.01": (1, 0, 1),
+    "topk:density=0.01,values=rangefloat8": (1, 1, 0),
     # dense codes: NaN/Inf flagged by their kernels, obeyed on the device (memory.NonFinite);
-    # rangefloat's decompress reads the ranks' headers back, to check them
-    "twobit": (0, 0),
-    "rangefloat:bits=8": (0, 1),
+    # rangefloat's decompress checks the ranks' headers on the device, deferred
+    "twobit": (0, 0, 0),
+    "rangefloat:bits=8": (0, 0, 1),
     # the band count; the indices' range with the headers (its own payload: no check)
-    "dct:density=0.01": (1, 1),
+    "dct:density=0.01": (1, 1, 0),
     # the NaN/Inf check; whether the draws held k distinct indices for every tensor
-    "randomk:density=0.01": (2, 1),
-    "randomk:density=0.6": (1, 1),            # k > n / 2: the smallest keys, no check
+    "randomk:density=0.01": (2, 0, 1),
+    "randomk:density=0.6": (1, 0, 1),            # k > n / 2: the smallest keys, no check
     # the NaN/Inf check, then nonzero's size
-    "threshold:threshold=2.5": (2, 1),
+    "threshold:threshold=2.5": (2, 0, 1),
     # NaN/Inf flagged per tensor on the device by a segmented pass (sum|x| NaN, max|x|
     # Inf), obeyed there; dense payloads: nothing to check in decompress
-    "qsgd": (0, 0),
-    "terngrad": (0, 0),
-    "onebit": (0, 0),
-    "signsgd": (0, 0),
+    "qsgd": (0, 0, 0),
+    "terngrad": (0, 0, 0),
+    "onebit": (0, 0, 0),
+    "signsgd": (0, 0, 0),
 }
 
 
@@ -123,26 +125,37 @@ def host_state(c):
 
 
 def exchange_syncs(T, spec, data, size=1000, counter=None, sizes=None):
-    """``(compress, decompress)`` host synchronisations of a bucket of ``T`` tensors of
-    ``size + 37 i`` values (or of ``sizes``; decompress: two ranks' payloads), after a
-    warm-up: with :class:`CountSyncs` (two Counters), or ``counter(fn) -> (count,
-    result)`` (two ints; on a GPU, its sync-debug count)."""
+    """``(compress, decompress, settle)`` host synchronisations of a bucket of ``T``
+    tensors of ``size + 37 i`` values (or of ``sizes``; decompress: two ranks' payloads,
+    as the exchange driver runs it: inside ``ops.deferred_checks``; settle: the
+    driver's one readback of the deferred index checks, per step), after a warm-up:
+    with :class:`CountSyncs` (three Counters), or ``counter(fn) -> (count, result)``
+    (three ints; on a GPU, its sync-debug count)."""
+    from hvd_compress.ops import torch_ops
     sizes = sizes or [size + 37 * i for i in range(T)]
     lay = layout([f"t{i}" for i in range(len(sizes))], [(n,) for n in sizes])
     c = hvd_compress.from_spec(spec)
+    sink = []
+
+    def decompress(payload, ctx):
+        with torch_ops.deferred_checks(sink):
+            return c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
+
     for step in range(2):
         flat = data(lay.total, step)
         if counter is not None:
             comp, (payload, ctx) = counter(lambda: c.compress_bucket(flat, lay))
-            dec, _ = counter(lambda: c.decompress_bucket(tuple(torch.cat([p, p])
-                                                               for p in payload), ctx))
+            dec, _ = counter(lambda: decompress(payload, ctx))
+            settle, _ = counter(lambda: torch_ops.settle_checks(sink))
             continue
         with CountSyncs(host_state(c)) as comp:
             payload, ctx = c.compress_bucket(flat, lay)
         with CountSyncs(host_state(c)) as dec:
-            c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
-        comp, dec = comp.syncs, dec.syncs
-    return comp, dec
+            decompress(payload, ctx)
+        with CountSyncs(host_state(c)) as settle:
+            torch_ops.settle_checks(sink)
+        comp, dec, settle = comp.syncs, dec.syncs, settle.syncs
+    return comp, dec, settle
 
 
 def one_exchange(T, spec, data, size=1000):

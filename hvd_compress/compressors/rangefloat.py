@@ -184,12 +184,12 @@ class RangeFloat(Compressor):
     def decode(self, payload, ctx, ops):
         if len(payload) != 2:
             raise ValueError("rangefloat: a payload is (bytes, header)")
-        fast = self._decode_sum(payload, ctx, ops)
+        fast = self._decode_sum(payload, ctx, ops, what=f"rangefloat ({ctx.name or 'tensor'})")
         if fast is not None:
             return fast
         return ops.sum_rows(self.codec.decode(payload[0], payload[1], ops), ctx.numel)
 
-    def _decode_sum(self, payload, ctx, ops, trusted=False):
+    def _decode_sum(self, payload, ctx, ops, trusted=False, what="rangefloat"):
         # where the kernels run: every rank's tensors decoded and summed in one launch
         return ops.rangefloat_decode_sum(payload[0], payload[1], ctx.numels, self.codec.e,
-                                         self.codec.m, trusted)
+                                         self.codec.m, trusted, what)

@@ -115,7 +115,7 @@ class Sparsifier(Compressor):
         nv, ni = ops.length(values), ops.length(idx)
         if isinstance(nv, int) and isinstance(ni, int) and nv != ni:
             raise ValueError(f"{self.name}: payload has {nv} values but {ni} indices")
-        check.finish()
+        idx = check.finish()           # clamped where deferred (ops.deferred_checks)
         return ops.scatter_sum(ctx.numel, idx, values, ops.float32)
 
 

@@ -12,6 +12,11 @@ only these hooks::
 
 What the driver does besides the protocol (:mod:`.protocol`):
 
+- **Index checks**: a sparse payload's indices are checked on the device as it is
+  decompressed (clamped into range meanwhile), and ``finish`` and ``end_step`` read every
+  check of the step back in one host synchronisation (:meth:`Driver.settle`), raising the
+  first failure's ValueError before the sums are used: on CUDA, no decompress waits
+  for the GPU on its own.
 - **Stats**: each exchange, once done, is counted in ``stats`` (``add``: bytes sent,
   dense, received, ...; ``add_time``: seconds), and ``end_step`` closes the step.
 - **auto** (:class:`hvd_compress.strategies.auto.Auto`, alone or inside a Policy):
@@ -64,6 +69,9 @@ class Driver:
         self.hierarchy = hierarchy
         self.hosts = None              #: (H, L) once check_hosts has run
         self.in_flight = []            #: exchanges launched this step, not yet finished
+        #: the index checks their decompresses deferred (``ops.deferred_checks``): read
+        #: back once per ``finish`` and ``end_step``, not once per bucket
+        self.checks = []
 
     def check_hosts(self, compressor):
         """Check the hosts once (:func:`~.hierarchical.check_hosts`, a blocking global
@@ -125,10 +133,11 @@ class Driver:
         elif tensor is not None:
             name = layout.names[0]
             ex = Exchange(compressor.for_tensor(name, tensor), self.transport, name,
-                          tensor=tensor, inplace=inplace, average=self.average)
+                          tensor=tensor, inplace=inplace, average=self.average,
+                          checks=self.checks)
         else:
             ex = Exchange(compressor, self.transport, layout.key, flat=flat, layout=layout,
-                          average=self.average)
+                          average=self.average, checks=self.checks)
         if index is not None:
             ex.auto = (auto, index, key)
         ex.counted = False
@@ -151,7 +160,14 @@ class Driver:
             self._count_if_done(e)
         done = {id(e) for e in exchanges}
         self.in_flight = [e for e in self.in_flight if id(e) not in done]
+        self.settle()
         return [e.result for e in exchanges]
+
+    def settle(self):
+        """Read back the index checks that the finished exchanges' decompresses deferred
+        (one host synchronisation on CUDA, none when there is none) and raise the first
+        failure's ValueError, before their sums are used."""
+        self.transport.ops.settle_checks(self.checks)
 
     def _count_if_done(self, ex):
         if not ex.done or ex.counted:
@@ -178,6 +194,7 @@ class Driver:
         decides where its schedule says so (collectives through the transport)."""
         if self.in_flight:
             self.finish(list(self.in_flight))
+        self.settle()                  # exchanges finished elsewhere (the DDP hook's)
         if self.auto is not None:
             self.auto.end_step(AutoComm(self.transport))
             self.stats.choices = self.auto.choices()
@@ -201,6 +218,7 @@ class Driver:
         """Forget the step's exchanges (they will not finish: Elastic Horovod shut down
         under them, or the step failed); auto's timeline of the step is void."""
         self.in_flight = []
+        self.checks.clear()
         if self.auto is not None:
             self.auto.abort_step()
 

@@ -183,7 +183,7 @@ class Exchange:
     hierarchical = False       #: :class:`.hierarchical.HierarchicalExchange` says True
 
     def __init__(self, compressor, transport, name, tensor=None, flat=None, layout=None,
-                 inplace=False, average=False, start=True):
+                 inplace=False, average=False, start=True, checks=None):
         if getattr(compressor, "hierarchical", False) and not self.hierarchical:
             raise ValueError(f"compression {compressor.spec!r}: 'hier:' compressors need the "
                              "hosts' local and cross transports (hvd_compress.exchange.Driver("
@@ -191,6 +191,9 @@ class Exchange:
         self.compressor, self.transport, self.name = compressor, transport, name
         self.tensor, self.flat, self.layout = tensor, flat, layout
         self.inplace, self.average = inplace, average
+        #: where the decompress's index checks wait to be read back together
+        #: (``ops.deferred_checks``; the driver's, settled once per step); None: at once
+        self.checks = checks
         ops = transport.ops
         self.dense = 4 * (layout.total if layout is not None else ops.numel(tensor))
         self.sent = self.received = self.received_local = self.union = self.k = 0
@@ -272,7 +275,8 @@ class Exchange:
                 agg, self.sent, self.received = yield from _collective(
                     t.allgather(tuple(payload), wire))
             self.received_local = self.received
-            out = c.decompress_bucket(agg, ctx) if bucket else c.decompress(agg, ctx)
+            with t.ops.deferred_checks(self.checks):
+                out = c.decompress_bucket(agg, ctx) if bucket else c.decompress(agg, ctx)
         if self.average:
             out = t.divide(out, t.size)
         return out

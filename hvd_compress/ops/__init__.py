@@ -23,8 +23,12 @@ The primitives (both modules define all of them, with the same meaning):
 ``gather(t, idx)``      ``t[idx]``
 ``scatter_sum(n, idx, v, dtype)``  zeros(n) with ``v`` summed in at ``idx``
 ``check_indices(idx, n, what)``    raise ValueError when an index is outside [0, n)
-``index_check(idx, n, what)``     the same check, ``finish()``-ed later (PyTorch: read back
-                                  with a decode's own readback where there is one)
+``index_check(idx, n, what)``     the same check, ``finish()``-ed later, which returns
+                                  the indices to scatter (PyTorch: read back with a
+                                  decode's own readback where there is one)
+``deferred_checks(sink)``         context: index checks finished inside wait in the list
+                                  ``sink`` (PyTorch; their indices clamped meanwhile)
+``settle_checks(sink)``           read them back at once, raise the first failure
 ``cast(t, dtype)``; ``float32``, ``float16``, ``bfloat16``, ``int16``, ``int32``
 ``bitcast(t, dtype)``   reinterpret bits (same element size)
 ``cond(pred, f, g)``    ``f()`` if ``pred`` else ``g()`` (graph-safe in TF)

@@ -7,7 +7,7 @@ Asserted where a docstring promises a number:
 - ``kernels.rangefloat.max_exponent``: "no host sync" -> 0;
 - ``kernels.compact_above`` (threshold already on the device): "the only host
   synchronisation: the size of an allocation" -> 1;
-- a bucket's compress and decompress: the table ``counting.BUCKET_SYNCS``, which
+- a bucket's compress, decompress and settle: the table ``counting.BUCKET_SYNCS``, which
   tests/unit/test_bucket_syncs.py checks on the CPU by counting the calls that wait for a
   GPU (here the GPU says whether that count is the real one).
 
@@ -168,14 +168,15 @@ def test_bucket_synchronisations_do_not_grow_with_tensors(spec, record):
 
 @pytest.mark.parametrize("spec", list(counting.BUCKET_SYNCS))
 def test_bucket_exchange_synchronisations_are_the_cpu_count(spec, record):
-    """compress_bucket and decompress_bucket (two ranks' payloads) of 4 and of 40
+    """compress_bucket, decompress_bucket (two ranks' payloads, index checks deferred as
+    the driver defers them) and the settle of the deferred checks, of 4 and of 40
     tensors: the real host synchronisations are those counted on the CPU."""
     for tensors in (4, 40):
-        comp, dec = counting.exchange_syncs(tensors, spec, lambda n, step: laplace(n, seed=step)
-                                            .cuda(), counter=count_syncs)
+        counts = counting.exchange_syncs(tensors, spec, lambda n, step: laplace(n, seed=step)
+                                         .cuda(), counter=count_syncs)
         record("sync_counts", f"bucket exchange {spec} ({tensors} tensors: compress, "
-               "decompress)", [comp, dec])
-        assert (comp, dec) == counting.BUCKET_SYNCS[spec], (tensors, comp, dec)
+               "decompress, settle)", list(counts))
+        assert tuple(counts) == counting.BUCKET_SYNCS[spec], (tensors, counts)
 
 
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",

@@ -1,8 +1,9 @@
 """Host synchronisations of a bucket exchange on the CUDA code path, counted on the CPU
 (HVD_COMPRESS_BACKEND=triton: the kernels in Triton's interpreter; the calls that wait
-for a GPU counted by tests/counting.py's CountSyncs).  Compress and decompress (two
-ranks' payloads) of a bucket of 4 and of 40 tensors make the same number, the number
-stated in counting.BUCKET_SYNCS; tests/gpu/test_gpu_sync.py counts the real ones on a
+for a GPU counted by tests/counting.py's CountSyncs).  Compress, decompress (two
+ranks' payloads, index checks deferred as the exchange driver defers them) and the
+settle of the deferred checks, of a bucket of 4 and of 40 tensors, make the same
+numbers, those stated in counting.BUCKET_SYNCS; tests/gpu/test_gpu_sync.py counts the real ones on a
 GPU against the same table."""
 import numpy as np
 import pytest
@@ -22,9 +23,9 @@ def laplace(n, step):
 def test_bucket_syncs_do_not_grow_with_its_tensors(spec, monkeypatch):
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     got = {T: counting.exchange_syncs(T, spec, laplace) for T in (4, 40)}
-    for T, (comp, dec) in got.items():
+    for T, counts in got.items():
         want = counting.BUCKET_SYNCS[spec]
-        assert (sum(comp.values()), sum(dec.values())) == want, (T, comp, dec)
+        assert tuple(sum(c.values()) for c in counts) == want, (T, counts)
     assert got[4] == got[40]
 
 
@@ -37,14 +38,14 @@ ALIGNED = [768, 4 * 768, 768, 3 * 768, 64 * 48]
 @pytest.mark.parametrize("spec", list(counting.BUCKET_SYNCS))
 def test_bucket_syncs_of_aligned_tensors(spec, monkeypatch):
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
-    comp, dec = counting.exchange_syncs(0, spec, laplace, sizes=ALIGNED)
-    assert (sum(comp.values()), sum(dec.values())) == counting.BUCKET_SYNCS[spec], (comp, dec)
+    counts = counting.exchange_syncs(0, spec, laplace, sizes=ALIGNED)
+    assert tuple(sum(c.values()) for c in counts) == counting.BUCKET_SYNCS[spec], counts
 
 
 @pytest.mark.parametrize("spec, want, kernel", [
-    ("twobit", (0, 0), "twobit_pack_segments"),
-    ("twobit:threshold=0.5", (0, 0), "twobit_pack_segments"),
-    ("rangefloat:bits=8", (0, 1), "rangefloat_encode_segments")])
+    ("twobit", (0, 0, 0), "twobit_pack_segments"),
+    ("twobit:threshold=0.5", (0, 0, 0), "twobit_pack_segments"),
+    ("rangefloat:bits=8", (0, 0, 1), "rangefloat_encode_segments")])
 def test_a_lone_tensor_of_the_dense_codecs_takes_the_bucket_paths(spec, want, kernel,
                                                                   monkeypatch):
     """A one-tensor bucket (and ``compress``) of twobit and rangefloat: the bucket kernels,
@@ -52,8 +53,8 @@ def test_a_lone_tensor_of_the_dense_codecs_takes_the_bucket_paths(spec, want, ke
     its header's count from the host, which the CPU run cannot count: hence the kernel)."""
     from hvd_compress.kernels import counting_launches
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
-    comp, dec = counting.exchange_syncs(1, spec, laplace, size=5000)
-    assert (sum(comp.values()), sum(dec.values())) == want, (comp, dec)
+    counts = counting.exchange_syncs(1, spec, laplace, size=5000)
+    assert tuple(sum(c.values()) for c in counts) == want, counts
     with counting.CountSyncs() as syncs, counting_launches() as launched:
         from_spec(spec).compress(laplace(5000, 0), "w")
     assert not syncs.syncs and launched[kernel] == 1, launched
@@ -82,6 +83,41 @@ def test_rangefloat_values_check_indices_in_the_header_readback(monkeypatch):
     broken[0] = 500                                  # an exponent out of range wins
     with pytest.raises(ValueError, match="malformed"):
         c.decompress_bucket((data, broken, idx), ctx)
+
+
+@pytest.mark.parametrize("spec, backend", [("topk:density=0.01", "triton"),
+                                           ("topk:density=0.01", "torch"),
+                                           ("rangefloat:bits=8", "triton")])
+def test_deferred_checks_raise_the_clear_error_at_settle(spec, backend, monkeypatch):
+    """Inside ``deferred_checks`` (as the exchange driver decompresses) a malformed peer
+    payload (an index out of range; a range-float exponent out of range) decodes without
+    a readback and without reading out of bounds, and ``settle_checks`` raises the
+    ValueError; a good payload's sum is the one checked at once."""
+    from hvd_compress.ops import torch_ops
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    lay = layout(["a", "b"], [(300,), (5000,)])
+    c = from_spec(spec)
+    payload, ctx = c.compress_bucket(laplace(lay.total, 0), lay)
+    two = tuple(torch.cat([p, p]) for p in payload)
+    sink = []
+    with torch_ops.deferred_checks(sink):
+        got = c.decompress_bucket(two, ctx)
+    torch_ops.settle_checks(sink)
+    assert not sink
+    torch.testing.assert_close(got, c.decompress_bucket(two, ctx), rtol=0, atol=0)
+    wrong = [p.clone() for p in two]
+    if spec.startswith("topk"):
+        wrong[-1][3] = lay.total + 10 ** 6               # an index out of range
+        match = f"index out of range \\[0, {lay.total}\\)"
+    else:
+        wrong[1][0] = 500                                # an exponent out of range
+        match = "rangefloat \\(.*malformed"
+    with counting.CountSyncs() as seen, torch_ops.deferred_checks(sink):
+        assert c.decompress_bucket(tuple(wrong), ctx).shape == (lay.total,)
+    assert not seen.syncs and len(sink) == 1, (seen.syncs, sink)
+    with pytest.raises(ValueError, match=match):
+        torch_ops.settle_checks(sink)
+    assert not sink
 
 
 def test_randomk_draws_do_not_depend_on_the_prefix_read(monkeypatch):

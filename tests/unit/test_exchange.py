@@ -165,3 +165,57 @@ def test_run_in_lockstep_gives_every_rank_the_same_sum():
     for e in exchanges[1:]:
         assert torch.equal(e.result, exchanges[0].result)
     assert e.sent > 0 and e.received > 0
+
+
+def _corrupt(comp):
+    """``comp``'s payloads with every index moved 10**6 out of range (a malformed peer)."""
+    compress, compress_bucket = comp.compress, comp.compress_bucket
+
+    def bad(payload):
+        return payload[:-1] + (payload[-1] + 10 ** 6,)
+
+    comp.compress = lambda *a, **k: (lambda p, ctx: (bad(p), ctx))(*compress(*a, **k))
+    comp.compress_bucket = lambda *a, **k: (lambda p, ctx: (bad(p), ctx))(
+        *compress_bucket(*a, **k))
+    return comp
+
+
+def test_the_driver_reads_every_index_check_of_a_step_back_at_once():
+    """A step of three sparse buckets: their decompresses defer the indices' range checks,
+    and ``finish`` reads them back in one host synchronisation (there were three), with
+    the sums those of checks made at once."""
+    from counting import CountSyncs              # tests/counting.py
+    world = World(1, torch_ops)
+    comp, grads = hvd_compress.from_spec("topk:density=0.1"), _grads(0)
+    driver = Driver(world.transport(0), Stats(), average=False)
+    plan = [["a.weight", "b.weight"], ["a.bias"], ["b.bias"]]
+    exchanges = [driver.launch(comp, buckets.layout(names, [SHAPES[n] for n in names]),
+                               flat=torch.cat([grads[n].reshape(-1) for n in names]))
+                 for names in plan]
+    with CountSyncs() as seen:
+        outs = driver.finish(exchanges)
+    assert dict(seen.syncs) == {"Tensor.tolist": 1}, seen.syncs
+    assert not driver.checks
+    for ex, out in zip(exchanges, outs):
+        np.testing.assert_array_equal(out.numpy(), comp.decompress_bucket(
+            ex.payload, ex.state).numpy())       # checked at once: the same sum
+
+
+def test_a_malformed_peer_payload_fails_the_step_at_finish_on_every_rank():
+    """Rank 1 sends indices out of range: both ranks' ``finish`` raise the clear
+    ValueError (from the deferred checks' one readback), and no result is returned."""
+    size = 2
+    world = World(size, torch_ops, timeout=20)
+    comps = [hvd_compress.from_spec("topk:density=0.1"),
+             _corrupt(hvd_compress.from_spec("topk:density=0.1"))]
+    errors = []
+
+    def step(r):
+        try:
+            _step(world, r, comps, Stats(), _grads(r))
+        except ValueError as e:
+            errors.append(str(e))
+
+    _threads(size, step)
+    assert len(errors) == 2, errors
+    assert all("payload index out of range" in e and "malformed" in e for e in errors), errors

@@ -43,7 +43,7 @@ def twobit_subtract_own(c, thresholds, numels, inplace):
     return None
 
 
-def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False):
+def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False, what="rangefloat"):
     """No bucket kernels in TensorFlow: the codec's generic decode runs."""
     return None
 

@@ -5,6 +5,8 @@ and small tensor helpers.
 May import: tensorflow; lazily, :mod:`hvd_compress.memory` (``new_store``).  Not the
 other families of this package (they import this one).
 """
+import contextlib as _contextlib
+
 import tensorflow as _tf
 
 
@@ -110,7 +112,8 @@ def check_indices(idx, n, what):
 
 
 class IndexCheck:
-    """:func:`check_indices` when ``finish`` is called (no readback to share here)."""
+    """:func:`check_indices` when ``finish`` is called (no readback to share here); it
+    returns the indices to scatter."""
     stats = None
 
     def __init__(self, idx, n, what):
@@ -118,10 +121,20 @@ class IndexCheck:
 
     def finish(self):
         check_indices(*self._args)
+        return self._args[0]
 
 
 def index_check(idx, n, what):
     return IndexCheck(idx, n, what)
+
+
+def deferred_checks(sink):
+    """Nothing is deferred here (eager checks read at once, graph checks are asserts)."""
+    return _contextlib.nullcontext()
+
+
+def settle_checks(sink):
+    """Nothing to read back (:func:`deferred_checks`)."""
 
 
 def cast(t, dtype):

@@ -6,7 +6,7 @@ May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
-from .core import _mix, _word_pairs, subtract as _subtract
+from .core import _defer_flag, _mix, _word_pairs, subtract as _subtract
 
 
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
@@ -176,14 +176,16 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
     return rs.decode_segments(data, emax, counts, e, m, total=total), expected, False
 
 
-def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False):
+def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False, what="rangefloat"):
     """Optional fast path of a dense range-float payload's aggregate where
     :func:`bucket_codec_kernels`: every rank's payload holds the tensors of host
     ``lengths`` (``headers``: ``[E, count]`` per rank and tensor), decoded and summed over
     the ranks in one launch (:func:`hvd_compress.kernels.rangefloat_segments.decode_sum`).
     The headers are checked against ``lengths`` in one host synchronisation (none when
-    ``trusted``: this rank's own payload).  None elsewhere, and for a payload of another
-    shape: the codec's generic decode runs then, and raises its errors."""
+    ``trusted``: this rank's own payload; none inside :func:`deferred_checks`, whose
+    settle raises the ValueError naming ``what``: the decode reads only where ``lengths``
+    say, so a bad header's sum stays in bounds).  None elsewhere, and for a payload of
+    another shape: the codec's generic decode runs then, and raises its errors."""
     from ...kernels import header_check, pick_backend, rangefloat_segments as rs
     segments, words = len(lengths), headers.numel()
     if pick_backend(data) != "triton" or not segments or not words or words % (2 * segments):
@@ -194,9 +196,12 @@ def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False):
     if data.numel() != ranks * known.groups * nb:
         return None
     h = headers.reshape(-1, 2)
-    if not trusted and header_check.header_stats(h[:, 0], h[:, 1], g, nb,
-                                                 want=known.counts)[2].item():   # one sync
-        return None
+    if not trusted:
+        bad = header_check.header_stats(h[:, 0], h[:, 1], g, nb, want=known.counts)[2]
+        if not _defer_flag(bad, f"{what}: a payload header holds an exponent outside "
+                                f"[-127, 128] or a count other than its tensor's size; "
+                                "the payload is malformed") and bad.item():   # one sync
+            return None
     return rs.decode_sum(data, h[:, 0].reshape(ranks, segments), lengths, ranks, e, m)
 
 
