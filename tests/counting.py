@@ -89,20 +89,20 @@ class CountSyncs(TorchDispatchMode):
 BUCKET_SYNCS = {
     # the payload length with the NaN/Inf flag; the indices' range, deferred
     "laplace_topk:density=0.01,fused=1": (1, 0, 1),
-    # ... the values' headers, read back with the indices' range (nothing deferred)
-    "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 1, 0),
+    # ... the values' headers checked against the indices' number, deferred too
+    "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 0, 1),
     "laplace_topk:density=0.01,fused=1,exact=1": (1, 0, 1),
     # one sort of the bucket (ops.segment_abs_topk): its finiteness, read back with the
     # number of non-zeros among the picks (laplace_topk drops zeros)
     "laplace_topk:density=0.01": (1, 0, 1),
     "topk:density=0.01": (1, 0, 1),
-    "topk:density=0.01,values=rangefloat8": (1, 1, 0),
+    "topk:density=0.01,values=rangefloat8": (1, 0, 1),
     # dense codes: NaN/Inf flagged by their kernels, obeyed on the device (memory.NonFinite);
     # rangefloat's decompress checks the ranks' headers on the device, deferred
     "twobit": (0, 0, 0),
     "rangefloat:bits=8": (0, 0, 1),
-    # the band count; the indices' range with the headers (its own payload: no check)
-    "dct:density=0.01": (1, 1, 0),
+    # the band count; the indices' range and the headers, deferred
+    "dct:density=0.01": (1, 0, 1),
     # the NaN/Inf check; whether the draws held k distinct indices for every tensor
     "randomk:density=0.01": (2, 0, 1),
     "randomk:density=0.6": (1, 0, 1),            # k > n / 2: the smallest keys, no check

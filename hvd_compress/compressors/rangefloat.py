@@ -96,7 +96,8 @@ class RangeFloatCodec:
         number of indices), so not checked either (no host synchronisation).
         ``check``: a sparsifier's ``ops.index_check`` of its indices, whose bounds are
         read back in the headers' host synchronisation where the kernels run (its
-        ``finish`` raises, if need be)."""
+        ``finish`` raises, if need be); inside ``ops.deferred_checks`` the headers are
+        checked against the indices' number there and read back later, with it."""
         n_words = ops.length(headers)
         if isinstance(n_words, int) and n_words % 2:
             raise ValueError(f"rangefloat: a header of {n_words} int32 values is not a whole "

@@ -10,7 +10,8 @@ int64 device tensor ``[values, expected bytes, bad, lo, hi]``:
 - ``expected = nb * sum_s ceil(max(count_s, 0) / g)``, the bytes they describe;
 - ``bad = 1`` when a header holds an exponent outside ``[-127, 128]``, a negative count,
   or (given ``want``, the counts every rank's payload must hold, per tensor) a count
-  other than ``want[s mod T]``;
+  other than ``want[s mod T]``, or (given ``sizes``, the host's ``(values, bytes)``)
+  other totals;
 - ``lo, hi``: the payload indices' ``(min, max)`` (``bounds``, two 0-d tensors, for
   example of ``torch.aminmax``), copied so that one read-back gets them too; 0 without.
 
@@ -39,7 +40,8 @@ def _kernels():
 
     @triton.jit
     def _header_stats_kernel(emax_ptr, counts_ptr, H, e_stride, c_stride, want_ptr, T,
-                             lo_ptr, hi_ptr, out_ptr, G: tl.constexpr, NB: tl.constexpr,
+                             lo_ptr, hi_ptr, out_ptr, want_values, want_bytes,
+                             G: tl.constexpr, NB: tl.constexpr,
                              HB: tl.constexpr, CHUNKS: tl.constexpr, WANT: tl.constexpr,
                              BOUNDS: tl.constexpr):
         # one program; CHUNKS = cdiv(H, HB) is a constexpr (Triton 3.6's interpreter
@@ -60,6 +62,9 @@ def _kernels():
             n = tl.maximum(n, 0)
             values += tl.sum(n.to(tl.int64), axis=0)
             groups += tl.sum((n // G + (n % G != 0).to(tl.int32)).to(tl.int64), axis=0)
+        # the sizes the caller knows (-1: none): other ones are bad too
+        bad = tl.maximum(bad, ((want_values >= 0) & (values != want_values)).to(tl.int64))
+        bad = tl.maximum(bad, ((want_bytes >= 0) & (groups * NB != want_bytes)).to(tl.int64))
         lo, hi = zero, zero
         if BOUNDS:
             lo = tl.load(lo_ptr).to(tl.int64)
@@ -73,7 +78,7 @@ def _kernels():
     return triton, _header_stats_kernel
 
 
-def header_stats_reference(emax, counts, g, nb, want=None, bounds=None):
+def header_stats_reference(emax, counts, g, nb, want=None, bounds=None, sizes=None):
     """:func:`header_stats` in torch."""
     counts = counts.reshape(-1).to(torch.int64)
     emax = emax.reshape(-1)
@@ -84,20 +89,24 @@ def header_stats_reference(emax, counts, g, nb, want=None, bounds=None):
     n = counts.clamp(min=0)
     lo_hi = (torch.stack([b.reshape(()) for b in bounds]).to(torch.int64) if bounds is not None
              else torch.zeros(2, dtype=torch.int64, device=counts.device))
-    return torch.cat([torch.stack([n.sum(), ((n + (g - 1)) // g).sum() * nb,
-                                   odd.any().to(torch.int64)]), lo_hi])
+    values, expected = n.sum(), ((n + (g - 1)) // g).sum() * nb
+    bad = odd.any()
+    if sizes is not None:
+        bad = bad | (values != sizes[0]) | (expected != sizes[1])
+    return torch.cat([torch.stack([values, expected, bad.to(torch.int64)]), lo_hi])
 
 
-def header_stats(emax, counts, g, nb, want=None, bounds=None, backend=None):
+def header_stats(emax, counts, g, nb, want=None, bounds=None, sizes=None, backend=None):
     """int64 ``[values, expected bytes, bad, lo, hi]`` of the headers ``(emax[s],
     counts[s])`` (1-D int32 as a payload holds them, any stride: for example the two
     columns of an ``[S, 2]`` header view; int64 too; other dtypes are copied to int64), in
     one launch of one program (kernel on CUDA), no host synchronisation; see the module
     docstring.  ``want``: int32 counts per tensor (rank ``r``'s headers follow ``r``
     times ``len(want)`` others); ``bounds``: two 0-d integer tensors to copy into
-    ``lo, hi``."""
+    ``lo, hi``; ``sizes``: host ``(values, bytes)`` the headers must describe (``bad``
+    otherwise: a payload whose number of values the host knows from its indices)."""
     if pick_backend(emax, backend) == "torch":
-        return header_stats_reference(emax, counts, g, nb, want, bounds)
+        return header_stats_reference(emax, counts, g, nb, want, bounds, sizes)
     if emax.dim() != 1 or counts.dim() != 1 or emax.numel() != counts.numel():
         raise ValueError(f"header_stats: emax {tuple(emax.shape)} and counts "
                          f"{tuple(counts.shape)} must be 1-D of one length")
@@ -110,7 +119,7 @@ def header_stats(emax, counts, g, nb, want=None, bounds=None, backend=None):
     lo, hi = (out, out) if bounds is None else bounds
     count_launch("header_stats")
     kernel[(1,)](emax, counts, H, emax.stride(0), counts.stride(0), want_t,
-                 max(1, want_t.numel()), lo, hi, out, G=g, NB=nb, HB=HB,
+                 max(1, want_t.numel()), lo, hi, out, *(sizes or (-1, -1)), G=g, NB=nb, HB=HB,
                  CHUNKS=max(1, triton.cdiv(H, HB)), WANT=want is not None,
                  BOUNDS=bounds is not None)
     return out

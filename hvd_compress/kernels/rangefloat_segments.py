@@ -20,7 +20,9 @@ end to end (each segment's codes padded to whole groups), with the exponent of
 - ``decode_segments(data, emax, counts, e, m)``: one launch; each program decodes the
   groups of one block of one segment with its ``E`` and writes the values unpadded,
   segments end to end.  The headers are checked on the device and read back in one
-  host synchronisation with the sizes (none where the counts are known on the host).
+  host synchronisation with the sizes (none where the counts are known on the host, or
+  the total and the check is deferred: reads and writes stay in bounds whatever the
+  headers say).
 - ``decode_sum(data, emax, lengths, ranks, e, m)``: a dense payload's aggregate, every
   rank holding the same segments of host ``lengths``: the same launch, each program
   decoding its block in every rank's payload and summing in rank order, one write.
@@ -120,7 +122,10 @@ def _kernels():
         # TABLE: as in _encode_kernel; PER_GROUP (without TABLE): an exponent per group;
         # RANKS > 1 (with TABLE): the sum, in rank order from 0.0, of RANKS payloads of the
         # same segments, rank r's bytes rank_bytes further on and its exponents `segments`.
-        # A segment's exponent is e_stride int32 from the last (a header's column: 2)
+        # A segment's exponent is e_stride int32 from the last (a header's column: 2).
+        # Reads stay in a rank's rank_bytes and writes in out's n values whatever the
+        # table says: a malformed payload's headers, checked on the device and read
+        # back later (ops.deferred_checks), decode garbage but never out of bounds
         pid = tl.program_id(0)
         if TABLE:
             start = tl.load(starts_ptr + pid)
@@ -135,8 +140,8 @@ def _kernels():
         GROUPS: tl.constexpr = BLOCK // G
         grp = tl.arange(0, GROUPS)
         byte = tl.arange(0, 4)
-        ok = (start + grp * G) < stop
         at = first + grp                                                   # in group
+        ok = ((start + grp * G) < stop) & (at >= 0) & (at < rank_bytes // NB)
         lane = tl.arange(0, G)
         B: tl.constexpr = E_BITS + M_BITS + 1
         acc = tl.zeros([GROUPS, G], dtype=tl.float32)
@@ -160,7 +165,7 @@ def _kernels():
             in_at += rank_bytes
             emax_at += segments * e_stride
         idx = start + grp[:, None] * G + lane[None, :]
-        tl.store(out_ptr + idx, acc, mask=idx < stop)
+        tl.store(out_ptr + idx, acc, mask=(idx < stop) & (idx >= 0) & (idx < n))
 
     return triton, _exponent_kernel, _encode_kernel, _decode_kernel
 
@@ -343,9 +348,9 @@ def decode_segments(data, emax, counts, e, m, total=None, lengths=None, backend=
     count_launch("rangefloat_decode_segments")
     emax = _int32(emax)
     kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
-                                    table.vstart, table.gstart, emax, emax.stride(0), out, 0, 0, 0,
-                                    E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
-                                    PER_GROUP=False, RANKS=1)
+                                    table.vstart, table.gstart, emax, emax.stride(0), out, total,
+                                    data.numel(), 0, E_BITS=e, M_BITS=m, G=g, NB=nb,
+                                    BLOCK=block, TABLE=True, PER_GROUP=False, RANKS=1)
     return out
 
 
@@ -386,8 +391,9 @@ def decode_sum(data, emax, lengths, ranks, e, m, backend=None, block=BLOCK):
     count_launch("rangefloat_decode_sum")
     emax = _int32(emax)
     kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
-                                    table.vstart, table.gstart, emax, emax.stride(0), out, 0,
-                                    known.groups * nb, len(known.table.vstart), E_BITS=e,
+                                    table.vstart, table.gstart, emax, emax.stride(0), out,
+                                    known.values, known.groups * nb, len(known.table.vstart),
+                                    E_BITS=e,
                                     M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
                                     PER_GROUP=False, RANKS=int(ranks))
     return out
@@ -418,7 +424,7 @@ def decode_flat(data, emax, e, m, block, out):
     n_groups = data.numel() // nb
     count_launch("rangefloat_decode")
     kernel[(triton.cdiv(n_groups, block),)](data, data, data, data, data, data, emax, 1, out,
-                                            n_groups * g, 0, 0, E_BITS=e, M_BITS=m, G=g, NB=nb,
-                                            BLOCK=block * g, TABLE=False,
+                                            n_groups * g, n_groups * nb, 0, E_BITS=e, M_BITS=m,
+                                            G=g, NB=nb, BLOCK=block * g, TABLE=False,
                                             PER_GROUP=emax.numel() != 1, RANKS=1)
     return out

@@ -85,14 +85,49 @@ def test_rangefloat_values_check_indices_in_the_header_readback(monkeypatch):
         c.decompress_bucket((data, broken, idx), ctx)
 
 
+def _malformed(spec, two, n):
+    """(payload, the error's pattern) for each way in which ``spec``'s payload ``two`` (a
+    bucket of ``n`` values, two ranks) is made malformed: an index out of range on
+    either side; range-float headers with an exponent out of range, a count too large,
+    negative or zero; the bytes cut in half."""
+    out = []
+
+    def mutated(i, how, match):
+        p = [t.clone() for t in two]
+        p[i] = how(p[i])
+        out.append((tuple(p), match))
+
+    def at(j, v):
+        def how(t):
+            t[j] = v
+            return t
+        return how
+
+    if spec.startswith("rangefloat"):
+        mutated(1, at(0, 500), "rangefloat \\(.*malformed")            # an exponent
+        mutated(1, at(1, 7), "rangefloat \\(.*malformed")              # a count
+        return out
+    where = "index out of range \\[0, \\d+\\)"           # (dct: of the padded blocks)
+    mutated(-1, at(3, n + 10 ** 6), where)
+    mutated(-1, at(0, -1), where)
+    if len(two) == 3:                                    # range-float values' headers
+        for j, v in ((0, 500), (1, 10 ** 6), (1, -5), (3, 0)):
+            mutated(1, at(j, v), "headers do not describe")
+        mutated(0, lambda t: t[:t.numel() // 2], "headers do not describe")   # bytes cut
+    return out
+
+
 @pytest.mark.parametrize("spec, backend", [("topk:density=0.01", "triton"),
                                            ("topk:density=0.01", "torch"),
+                                           ("topk:density=0.01,values=rangefloat8", "triton"),
+                                           ("dct:density=0.01", "triton"),
                                            ("rangefloat:bits=8", "triton")])
 def test_deferred_checks_raise_the_clear_error_at_settle(spec, backend, monkeypatch):
     """Inside ``deferred_checks`` (as the exchange driver decompresses) a malformed peer
-    payload (an index out of range; a range-float exponent out of range) decodes without
-    a readback and without reading out of bounds, and ``settle_checks`` raises the
-    ValueError; a good payload's sum is the one checked at once."""
+    payload (an index out of range; a range-float header or byte count that does not
+    describe the payload) decodes without a readback and without reading or writing out
+    of bounds, and ``settle_checks`` raises the ValueError; a good payload's sum is the
+    one checked at once."""
     from hvd_compress.ops import torch_ops
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
     lay = layout(["a", "b"], [(300,), (5000,)])
@@ -105,19 +140,13 @@ def test_deferred_checks_raise_the_clear_error_at_settle(spec, backend, monkeypa
     torch_ops.settle_checks(sink)
     assert not sink
     torch.testing.assert_close(got, c.decompress_bucket(two, ctx), rtol=0, atol=0)
-    wrong = [p.clone() for p in two]
-    if spec.startswith("topk"):
-        wrong[-1][3] = lay.total + 10 ** 6               # an index out of range
-        match = f"index out of range \\[0, {lay.total}\\)"
-    else:
-        wrong[1][0] = 500                                # an exponent out of range
-        match = "rangefloat \\(.*malformed"
-    with counting.CountSyncs() as seen, torch_ops.deferred_checks(sink):
-        assert c.decompress_bucket(tuple(wrong), ctx).shape == (lay.total,)
-    assert not seen.syncs and len(sink) == 1, (seen.syncs, sink)
-    with pytest.raises(ValueError, match=match):
-        torch_ops.settle_checks(sink)
-    assert not sink
+    for wrong, match in _malformed(spec, two, lay.total):
+        with counting.CountSyncs() as seen, torch_ops.deferred_checks(sink):
+            assert c.decompress_bucket(wrong, ctx).shape == (lay.total,)
+        assert not seen.syncs and sink, (seen.syncs, sink)
+        with pytest.raises(ValueError, match=match):
+            torch_ops.settle_checks(sink)
+        assert not sink
 
 
 def test_randomk_draws_do_not_depend_on_the_prefix_read(monkeypatch):

@@ -6,7 +6,7 @@ May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
-from .core import _defer_flag, _mix, _word_pairs, subtract as _subtract
+from .core import _defer_flag, _deferring, _mix, _word_pairs, subtract as _subtract
 
 
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
@@ -158,15 +158,26 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
     values unpadded in one launch, or None where the headers do not describe ``data``;
     the headers checked in one host synchronisation, none for host ``lengths`` or a
     host ``total`` (this rank's own payload).  ``check``: an :class:`IndexCheck` whose
-    bounds are read back in that same synchronisation (its ``finish`` then needs none).  None
+    bounds are read back in that same synchronisation (its ``finish`` then needs none).
+    Inside :func:`deferred_checks` with a ``check``, none either: the values are as many
+    as the indices (a host number), the headers are checked against it and the bytes on
+    the device, deferred, and the decode stays in bounds whatever they say.  None
     elsewhere (the codec's own decode runs)."""
-    from ...kernels import pick_backend, rangefloat_segments as rs
+    from ...kernels import header_check, pick_backend, rangefloat_segments as rs
     if pick_backend(data) != "triton":
         return None
     if lengths is not None:
         return rs.decode_segments(data, emax, counts, e, m, lengths=lengths), data.numel(), False
     if total is not None:
         return rs.decode_segments(data, emax, counts, e, m, total=int(total)), data.numel(), False
+    if check is not None and _deferring():
+        total = check.idx.numel()
+        g, nb = rs.group(1 + e + m)
+        bad = header_check.header_stats(emax, counts, g, nb, sizes=(total, data.numel()))[2]
+        _defer_flag(bad, f"{check.what}: the values' headers do not describe {total} values in "
+                         f"{data.numel()} bytes (or hold an exponent outside [-127, 128] or a "
+                         "negative count); the payload is malformed")
+        return rs.decode_segments(data, emax, counts, e, m, total=total), data.numel(), False
     bounds = None if check is None else check.minmax
     total, expected, bad, more = rs.check_headers(data, emax, counts, e, m, bounds=bounds)
     if bad or expected != data.numel():

@@ -246,6 +246,11 @@ class _FlagCheck:
             raise ValueError(self.message)
 
 
+def _deferring():
+    """Inside :func:`deferred_checks` with a sink?"""
+    return getattr(_DEFERRED, "sink", None) is not None
+
+
 def _defer_flag(flag, message):
     """Inside :func:`deferred_checks`: the flag joins the sink (True); else False, and the
     caller reads it itself."""
