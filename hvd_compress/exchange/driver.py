@@ -12,11 +12,11 @@ only these hooks::
 
 What the driver does besides the protocol (:mod:`.protocol`):
 
-- **Index checks**: a sparse payload's indices are checked on the device as it is
-  decompressed (clamped into range meanwhile), and ``finish`` and ``end_step`` read every
-  check of the step back in one host synchronisation (:meth:`Driver.settle`), raising the
-  first failure's ValueError before the sums are used: on CUDA, no decompress waits
-  for the GPU on its own.
+- **Payload checks**: a sparse payload's index range (and range-float headers) are
+  checked on the device as it is decompressed (the indices clamped into range
+  meanwhile), and ``finish`` and ``end_step`` read every check of the step back in one
+  host synchronisation (:meth:`Driver.settle`), raising the first failure's ValueError
+  before the sums are used: on CUDA, no decompress waits for the GPU on its own.
 - **Stats**: each exchange, once done, is counted in ``stats`` (``add``: bytes sent,
   dense, received, ...; ``add_time``: seconds), and ``end_step`` closes the step.
 - **auto** (:class:`hvd_compress.strategies.auto.Auto`, alone or inside a Policy):
@@ -69,7 +69,7 @@ class Driver:
         self.hierarchy = hierarchy
         self.hosts = None              #: (H, L) once check_hosts has run
         self.in_flight = []            #: exchanges launched this step, not yet finished
-        #: the index checks their decompresses deferred (``ops.deferred_checks``): read
+        #: the payload checks their decompresses deferred (``ops.deferred_checks``): read
         #: back once per ``finish`` and ``end_step``, not once per bucket
         self.checks = []
 
@@ -164,7 +164,7 @@ class Driver:
         return [e.result for e in exchanges]
 
     def settle(self):
-        """Read back the index checks that the finished exchanges' decompresses deferred
+        """Read back the payload checks that the finished exchanges' decompresses deferred
         (one host synchronisation on CUDA, none when there is none) and raise the first
         failure's ValueError, before their sums are used."""
         self.transport.ops.settle_checks(self.checks)

@@ -191,7 +191,7 @@ class Exchange:
         self.compressor, self.transport, self.name = compressor, transport, name
         self.tensor, self.flat, self.layout = tensor, flat, layout
         self.inplace, self.average = inplace, average
-        #: where the decompress's index checks wait to be read back together
+        #: where the decompress's payload checks wait to be read back together
         #: (``ops.deferred_checks``; the driver's, settled once per step); None: at once
         self.checks = checks
         ops = transport.ops

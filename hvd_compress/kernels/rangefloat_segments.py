@@ -393,8 +393,7 @@ def decode_sum(data, emax, lengths, ranks, e, m, backend=None, block=BLOCK):
     kernel[(table.starts.numel(),)](data.contiguous(), table.starts, table.stops, table.segs,
                                     table.vstart, table.gstart, emax, emax.stride(0), out,
                                     known.values, known.groups * nb, len(known.table.vstart),
-                                    E_BITS=e,
-                                    M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
+                                    E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
                                     PER_GROUP=False, RANKS=int(ranks))
     return out
 

@@ -26,8 +26,9 @@ The primitives (both modules define all of them, with the same meaning):
 ``index_check(idx, n, what)``     the same check, ``finish()``-ed later, which returns
                                   the indices to scatter (PyTorch: read back with a
                                   decode's own readback where there is one)
-``deferred_checks(sink)``         context: index checks finished inside wait in the list
-                                  ``sink`` (PyTorch; their indices clamped meanwhile)
+``deferred_checks(sink)``         context: index checks finished inside (and range-float
+                                  header checks) wait in the list ``sink`` (PyTorch;
+                                  the indices clamped meanwhile)
 ``settle_checks(sink)``           read them back at once, raise the first failure
 ``cast(t, dtype)``; ``float32``, ``float16``, ``bfloat16``, ``int16``, ``int32``
 ``bitcast(t, dtype)``   reinterpret bits (same element size)
