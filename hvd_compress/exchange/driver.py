@@ -16,7 +16,8 @@ What the driver does besides the protocol (:mod:`.protocol`):
   checked on the device as it is decompressed (the indices clamped into range
   meanwhile), and ``finish`` and ``end_step`` read every check of the step back in one
   host synchronisation (:meth:`Driver.settle`), raising the first failure's ValueError
-  before the sums are used: on CUDA, no decompress waits for the GPU on its own.
+  before the sums are used: on CUDA, no such decompress waits for the GPU on its own
+  (``hier:`` exchanges, ``agg=`` and ``kernel_select`` still check at once).
 - **Stats**: each exchange, once done, is counted in ``stats`` (``add``: bytes sent,
   dense, received, ...; ``add_time``: seconds), and ``end_step`` closes the step.
 - **auto** (:class:`hvd_compress.strategies.auto.Auto`, alone or inside a Policy):
@@ -155,7 +156,11 @@ class Driver:
     def finish(self, exchanges):
         """Finish ``exchanges`` (round-robin in the given order, the same on every rank:
         :func:`~.protocol.finish_all`); returns their results."""
-        finish_all(exchanges)
+        try:
+            finish_all(exchanges)
+        except BaseException:
+            self.checks.clear()        # a failed step's checks are not the next step's
+            raise
         for e in exchanges:
             self._count_if_done(e)
         done = {id(e) for e in exchanges}

@@ -147,6 +147,10 @@ def test_deferred_checks_raise_the_clear_error_at_settle(spec, backend, monkeypa
         with pytest.raises(ValueError, match=match):
             torch_ops.settle_checks(sink)
         assert not sink
+    if len(two) == 3:                   # no header at all (but indices): raised at once
+        with torch_ops.deferred_checks(sink), pytest.raises(ValueError, match="malformed"):
+            c.decompress_bucket((two[0], two[1][:0], two[2]), ctx)
+        assert not sink
 
 
 def test_randomk_draws_do_not_depend_on_the_prefix_read(monkeypatch):

@@ -219,3 +219,25 @@ def test_a_malformed_peer_payload_fails_the_step_at_finish_on_every_rank():
     _threads(size, step)
     assert len(errors) == 2, errors
     assert all("payload index out of range" in e and "malformed" in e for e in errors), errors
+
+
+def test_a_step_that_fails_at_once_leaves_no_check_for_the_next():
+    """A bucket whose decompress raises at once (one index more than values) after one
+    whose check was deferred: ``finish`` raises that error and drops the deferred check,
+    so the next step does not raise an old step's error."""
+    world = World(1, torch_ops)
+    good = hvd_compress.from_spec("topk:density=0.1")
+    bad = hvd_compress.from_spec("topk:density=0.1")
+    compress_bucket = bad.compress_bucket
+    bad.compress_bucket = lambda *a, **k: (lambda p, ctx: (
+        (p[0], torch.cat([p[1], p[1][:1]])), ctx))(*compress_bucket(*a, **k))
+    driver = Driver(world.transport(0), Stats(), average=False)
+    grads = _grads(0)
+    names = ["a.weight", "b.weight"]
+    lay = buckets.layout(names, [SHAPES[n] for n in names])
+    flat = torch.cat([grads[n].reshape(-1) for n in names])
+    exchanges = [driver.launch(good, lay, flat=flat.clone()),
+                 driver.launch(bad, lay, flat=flat.clone(), key="bad")]
+    with pytest.raises(ValueError, match="values but .* indices"):
+        driver.finish(exchanges)
+    assert not driver.checks

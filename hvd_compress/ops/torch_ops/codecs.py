@@ -159,9 +159,10 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
     the headers checked in one host synchronisation, none for host ``lengths`` or a
     host ``total`` (this rank's own payload).  ``check``: an :class:`IndexCheck` whose
     bounds are read back in that same synchronisation (its ``finish`` then needs none).
-    Inside :func:`deferred_checks` with a ``check``, none either: the values are as many
-    as the indices (a host number), the headers are checked against it and the bytes on
-    the device, deferred, and the decode stays in bounds whatever they say.  None
+    Inside :func:`deferred_checks` with a ``check`` and a header, none either: the values
+    are as many as the indices (a host number), the headers are checked against it and
+    the bytes on the device, deferred, and the decode stays in bounds whatever they say
+    (no header at all: checked at once, as outside).  None
     elsewhere (the codec's own decode runs)."""
     from ...kernels import header_check, pick_backend, rangefloat_segments as rs
     if pick_backend(data) != "triton":
@@ -170,8 +171,8 @@ def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=Non
         return rs.decode_segments(data, emax, counts, e, m, lengths=lengths), data.numel(), False
     if total is not None:
         return rs.decode_segments(data, emax, counts, e, m, total=int(total)), data.numel(), False
-    if check is not None and _deferring():
-        total = check.idx.numel()
+    if check is not None and _deferring() and emax.numel():   # (no header: at once)
+        total = check.count
         g, nb = rs.group(1 + e + m)
         bad = header_check.header_stats(emax, counts, g, nb, sizes=(total, data.numel()))[2]
         _defer_flag(bad, f"{check.what}: the values' headers do not describe {total} values in "

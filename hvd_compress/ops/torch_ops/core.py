@@ -184,7 +184,8 @@ class IndexCheck:
     def __init__(self, idx, n, what):
         self.idx, self.n, self.what, self.bounds = idx, n, what, None
         flat = idx.reshape(-1)
-        self.minmax = tuple(_torch.aminmax(flat)) if flat.numel() else None
+        self.count = flat.numel()          #: the number of indices (a host int)
+        self.minmax = tuple(_torch.aminmax(flat)) if self.count else None
 
     @property
     def pending(self):
@@ -202,8 +203,9 @@ class IndexCheck:
             return self.idx
         sink = getattr(_DEFERRED, "sink", None)
         if self.bounds is None and sink is not None and self.n > 0:
+            idx, self.idx = self.idx, None     # (the sink keeps no payload alive)
             sink.append(self)
-            return self.idx.clamp(0, self.n - 1)
+            return idx.clamp(0, min(self.n - 1, _torch.iinfo(idx.dtype).max))
         self.raise_unless(*(self.bounds if self.bounds is not None
                             else _torch.stack(self.minmax).tolist()))
         return self.idx
@@ -262,15 +264,21 @@ def _defer_flag(flag, message):
 
 
 def settle_checks(sink):
-    """Read every check of ``sink`` back in one host synchronisation (none for an empty
-    sink), empty it, and raise the first failed check's ValueError."""
+    """Read every check of ``sink`` back in one host synchronisation per device (none
+    for an empty sink), empty it, and raise the first failed check's ValueError."""
     if not sink:
         return
     pending = list(sink)
     sink.clear()
-    got = iter(_torch.stack([v.reshape(()) for c in pending for v in c.pending]).tolist())
+    devices = {}
     for c in pending:
-        c.raise_unless(*(next(got) for _ in c.pending))
+        devices.setdefault(c.pending[0].device, []).append(c)
+    got = {}
+    for checks in devices.values():
+        values = iter(_torch.stack([v.reshape(()) for c in checks for v in c.pending]).tolist())
+        got.update({id(c): [next(values) for _ in c.pending] for c in checks})
+    for c in pending:
+        c.raise_unless(*got[id(c)])
 
 
 def check_indices(idx, n, what):
