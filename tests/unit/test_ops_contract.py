@@ -12,7 +12,7 @@ import pytest
 import hvd_compress.ops as ops
 from hvd_compress.ops import torch_ops
 
-FAMILIES = ("core", "selection", "segments", "codecs")
+FAMILIES = ("core", "checks", "selection", "segments", "codecs")
 
 
 def public(module):

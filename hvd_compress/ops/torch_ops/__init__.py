@@ -9,6 +9,8 @@ One module per family, the same families (and the same names) as
 ============  ==========================================================================
 ``core``      dtypes, shapes, index ranges and seeded draws, gather / scatter, casts,
               control flow, error feedback's buffers, small tensor helpers
+``checks``    a payload's checks (index range, range-float headers), at once or
+              deferred to one readback per step (``deferred_checks``; PyTorch only)
 ``selection`` top-k, threshold selection and its search, samples and moments,
               convolution kernels as rows, distinct indices
 ``segments``  buckets: concat / split and per-tensor (segment) statistics and selection
@@ -21,6 +23,7 @@ the algorithms use them.  May import: its families only; they import torch, ``co
 and, lazily, :mod:`hvd_compress.kernels` and :mod:`hvd_compress.memory`.
 """
 from .core import *  # noqa: F401,F403
+from .checks import *  # noqa: F401,F403
 from .selection import *  # noqa: F401,F403
 from .segments import *  # noqa: F401,F403
 from .codecs import *  # noqa: F401,F403

@@ -2,11 +2,12 @@
 (twobit), range-based floats (rangefloat), the block DCT (dct), fixed point and modular
 int32 (coded SGD), 1-bit codes (signsgd, onebit) and low-rank products (powersgd).
 
-May import: torch, :mod:`.core`; lazily, :mod:`hvd_compress.kernels`.
+May import: torch, :mod:`.core`, :mod:`.checks`; lazily, :mod:`hvd_compress.kernels`.
 """
 import torch as _torch
 
-from .core import _defer_flag, _deferring, _mix, _word_pairs, subtract as _subtract
+from .checks import _defer_flag, _deferring
+from .core import _mix, _word_pairs, subtract as _subtract
 
 
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
