@@ -49,10 +49,9 @@ class IndexCheck:
         scatter (clamped, when deferred)."""
         if self.minmax is None:
             return self.idx
-        sink = getattr(_DEFERRED, "sink", None)
-        if self.bounds is None and sink is not None and self.n > 0:
+        if self.bounds is None and _DEFERRED.sink is not None and self.n > 0:
             idx, self.idx = self.idx, None     # (the sink keeps no payload alive)
-            sink.append(self)
+            _DEFERRED.sink.append(self)
             return idx.clamp(0, min(self.n - 1, _torch.iinfo(idx.dtype).max))
         self.raise_unless(*(self.bounds if self.bounds is not None
                             else _torch.stack(self.minmax).tolist()))
@@ -69,7 +68,11 @@ def index_check(idx, n, what):
     return IndexCheck(idx, n, what)
 
 
-_DEFERRED = _threading.local()
+class _Deferred(_threading.local):
+    sink = None                        #: the list checks go to (:func:`deferred_checks`)
+
+
+_DEFERRED = _Deferred()
 
 
 @_contextlib.contextmanager
@@ -77,8 +80,7 @@ def deferred_checks(sink):
     """Index checks finished inside go to the list ``sink`` (None: checked at once), for
     :func:`settle_checks`: the exchange driver's decompresses run inside, so that a
     sparse decompress needs no host synchronisation of its own on CUDA."""
-    before = getattr(_DEFERRED, "sink", None)
-    _DEFERRED.sink = sink
+    before, _DEFERRED.sink = _DEFERRED.sink, sink
     try:
         yield
     finally:
@@ -98,16 +100,15 @@ class _FlagCheck:
 
 def _deferring():
     """Inside :func:`deferred_checks` with a sink?"""
-    return getattr(_DEFERRED, "sink", None) is not None
+    return _DEFERRED.sink is not None
 
 
 def _defer_flag(flag, message):
     """Inside :func:`deferred_checks`: the flag joins the sink (True); else False, and the
     caller reads it itself."""
-    sink = getattr(_DEFERRED, "sink", None)
-    if sink is None:
+    if _DEFERRED.sink is None:
         return False
-    sink.append(_FlagCheck(flag, message))
+    _DEFERRED.sink.append(_FlagCheck(flag, message))
     return True
 
 

@@ -35,7 +35,7 @@ overlapped as in training, for ``trial`` steps (default 5; 0: trust the model); 
 model's choice is kept unless another was measured ``trial_margin`` (5%) faster (median
 step of the slowest rank, the first step of each left out), and a choice that compresses
 must also be measured ``trial_margin`` faster than the first candidate everywhere where
-that was tried (a tie keeps ``none``). The table shows predicted and measured step
+that was tried (a tie keeps ``none``).  The table shows predicted and measured step
 times.
 
 **Watch**: every 10 steps the measured step (median, slowest rank) is compared with the
