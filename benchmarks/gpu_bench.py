@@ -61,7 +61,8 @@ def preflight(args):
         import hvd_compress
         for mod in ("hvd_compress.kernels", "hvd_compress.kernels.abs_stats",
                     "hvd_compress.kernels.threshold_count", "hvd_compress.kernels.compact",
-                    "hvd_compress.kernels.twobit", "hvd_compress.kernels.rangefloat",
+                    "hvd_compress.kernels.twobit", "hvd_compress.kernels.twobit_segments",
+                    "hvd_compress.kernels.rangefloat",
                     "hvd_compress.kernels.dct", "hvd_compress.ops.torch_ops",
                     "hvd_compress.compressors", "hvd_compress.strategies.policy"):
             importlib.import_module(mod)

@@ -81,6 +81,19 @@ class Ctx(NamedTuple):
         return self.segments.numels if self.segments is not None else (self.numel,)
 
 
+class OwnPayload(tuple):
+    """A payload (the tensors sent, a tuple) with what its encode already computed of
+    the sender's own error feedback, never sent: ``sent``, the values every rank will
+    decode (a sparsifier's, whose indices are the payload's), or ``residual``, ``c -
+    D(payload)`` written over encode's input ``c`` (its buffer).  Either way
+    :meth:`Compressor.subtract_sent` decodes nothing."""
+
+    def __new__(cls, tensors, sent=None, residual=None):
+        self = super().__new__(cls, tensors)
+        self.sent, self.residual = sent, residual
+        return self
+
+
 class Compressor:
     """Base class; see the module docstring for the contract."""
 
@@ -182,9 +195,11 @@ class Compressor:
         else:
             finite = ops.all_finite(compensated)          # one pass, shared with encode
             payload = self.encode(compensated, ctx._replace(finite=finite), ops, step)
-        memory.update_parts(parts, compensated,
-                            lambda c, inplace: self.subtract_sent(c, payload, ctx, ops, inplace),
-                            finite)
+        written = getattr(payload, "residual", None) is compensated   # by encode's launch
+
+        def subtract(c, inplace):
+            return c if written else self.subtract_sent(c, payload, ctx, ops, inplace)
+        memory.update_parts(parts, compensated, subtract, finite)
         return payload
 
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):

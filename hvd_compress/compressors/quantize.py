@@ -10,7 +10,7 @@ bytes plus the 4-byte threshold: 16x fewer bytes than float32.
 
 A bucket where the kernels run (CUDA): the thresholds of all tensors from one segmented
 pass (``sum|r|`` per tensor), one pack launch and one decode launch for every tensor
-and rank (kernels ``twobit.pack_segments`` / ``decode_segments``); the same payload as
+and rank (kernels ``twobit_segments.pack_segments`` / ``decode_segments``); the same payload as
 tensor by tensor.  Elsewhere (CPU, TensorFlow) tensor by tensor.
 
 Threshold: fixed when ``threshold`` is given; otherwise adaptive per layer and step,
@@ -21,7 +21,7 @@ layer's own magnitude, so layers of very different scales each send a useful fra
 Imports: ``hvd_compress.memory``; and modules of its own package.
 """
 from ..memory import NonFinite
-from .base import Compressor, register
+from .base import Compressor, OwnPayload, register
 
 
 class CodesAndScales(Compressor):
@@ -52,11 +52,14 @@ class CodesAndScales(Compressor):
         """Flat float32 sum over ranks: ``codes`` (ranks, words), ``scales`` (ranks, s)."""
         raise NotImplementedError
 
-    def encode_bucket(self, flat, lay, ops, step):
+    def encode_bucket(self, flat, lay, ops, step, residual=False):
         """``(codes, scales, bad)`` of a whole bucket (or of one tensor: a one-tensor
         ``lay``) in a fixed number of kernel launches, the same payload as tensor by
         tensor, NaN scales included; ``bad`` device flags of the tensors holding NaN/Inf,
-        found by those kernels.  None (the default) where there is no such path."""
+        found by those kernels.  None (the default) where there is no such path.
+        ``residual`` (error feedback on, residuals updated in place): a codec that can
+        write the residual ``flat - D(payload)`` over ``flat`` in its launches does, and
+        returns a fourth element, ``flat`` (or None where it did not)."""
         return None
 
     def decode_bucket(self, codes, scales, numels, ops):
@@ -77,9 +80,11 @@ class CodesAndScales(Compressor):
     def encode_checked(self, flat, ctx, ops, step):
         # where the bucket kernels run, their own NaN/Inf flags, left on the device (error
         # feedback obeys them there: memory.NonFinite); elsewhere one check on the host
-        fast = self.encode_bucket(flat, ctx.layout, ops, step)
+        fast = self.encode_bucket(flat, ctx.layout, ops, step, residual=self.payload_is_copy)
         if fast is not None:
-            codes, scales, bad = fast
+            codes, scales, bad, *written = fast
+            if written and written[0] is not None:
+                return OwnPayload((codes, scales), residual=written[0]), NonFinite(bad)
             return (codes, scales), NonFinite(bad)
         finite = ops.all_finite(flat)
         return self.encode(flat, ctx._replace(finite=finite), ops, step), finite
@@ -172,19 +177,20 @@ class TwoBit(CodesAndScales):
             return super().subtract_sent(compensated, payload, ctx, ops, inplace)
         return fast
 
-    def encode_bucket(self, flat, lay, ops, step):
+    def encode_bucket(self, flat, lay, ops, step, residual=False):
         # where the kernels run: every tensor's threshold from one segmented pass, one
         # pack launch for the bucket, which flags NaN/Inf (the thresholds' formula as in
-        # encode_one; the sums' order of additions is the segmented pass's)
+        # encode_one; the sums' order of additions is the segmented pass's) and may write
+        # error feedback's residual (subtract_sent's bits)
         if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
             return None
         if self.threshold is None:               # t and the scales in the pack kernel
             abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
-            return ops.twobit_pack_fit(flat, lay, abs_sum, abs_max, self.scale)
+            return ops.twobit_pack_fit(flat, lay, abs_sum, abs_max, self.scale, residual)
         t = ops.layout_constant(f"twobit.t={self.threshold!r}", lay,
                                 lambda: [self.threshold] * len(lay.numels), ops.float32, flat)
-        words, bad = ops.twobit_pack_segments(flat, lay, t)
-        return words, ops.where(bad > 0, t * float("nan"), t), bad   # NaN: not finite
+        words, bad, *written = ops.twobit_pack_segments(flat, lay, t, residual)
+        return (words, ops.where(bad > 0, t * float("nan"), t), bad, *written)  # NaN: not finite
 
     def decode_bucket(self, codes, scales, numels, ops):
         return ops.twobit_decode_segments(codes, scales, numels)

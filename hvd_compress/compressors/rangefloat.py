@@ -26,7 +26,7 @@ Imports: the standard library, ``hvd_compress.memory``; and modules of its own p
 import math
 
 from ..memory import NonFinite
-from .base import Compressor, register
+from .base import Compressor, OwnPayload, register
 
 SPLITS = {4: (2, 1), 6: (3, 2), 8: (4, 3), 12: (5, 6), 16: (5, 10)}
 NONFINITE_E = 128   #: the header's E of a tensor holding NaN/Inf (exponent field 255)
@@ -78,16 +78,24 @@ class RangeFloatCodec:
         :meth:`decode` reads it unchanged.  Where the kernels run (CUDA): two launches
         for the bucket (``ops.rangefloat_encode_segments``); elsewhere tensor by tensor,
         after one host synchronisation (the counts per tensor) when ``lengths`` is None."""
+        return self.encode_segments_own(values, seg, segments, ops, lengths, None)[0]
+
+    def encode_segments_own(self, values, seg, segments, ops, lengths=None, write="decoded"):
+        """``(payload, written)``: :meth:`encode_segments`' payload and what the sender's
+        error feedback needs of it, written by the encode's launch over ``values`` where
+        the kernels run and ``values`` are float32 (``values`` returned), else None:
+        what every rank will decode of it (``write="decoded"``), or ``values`` minus that
+        (``"residual"``).  Either way its error feedback decodes nothing."""
         counts = ops.segment_counts(seg, segments) if lengths is None else None
-        fast = ops.rangefloat_encode_segments(values, counts, lengths, self.e, self.m)
+        fast = ops.rangefloat_encode_segments(values, counts, lengths, self.e, self.m, write)
         if fast is not None:
-            return fast
+            return (fast[:2], fast[2]) if write else (fast, None)
         if lengths is not None:
             pieces = ops.split(values, lengths)
         else:
             pieces = ops.split_sizes(values, counts, segments)
         parts = [self.encode(v, ops) for v in pieces]
-        return ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])
+        return (ops.concat([p[0] for p in parts]), ops.concat([p[1] for p in parts])), None
 
     def decode(self, data, headers, ops, lengths=None, total=None, check=None):
         """Every header's values, unpadded, end to end.  ``lengths``: the counts the
@@ -155,17 +163,24 @@ class RangeFloat(Compressor):
         self.bits, self.exp_bits = self.codec.bits, exp_bits
 
     def encode(self, flat, ctx, ops, step):
+        return self._encode(flat, ctx, ops, None)
+
+    def _encode(self, flat, ctx, ops, write):
         lay = ctx.bucket
         if lay is None and ctx.numel and ops.bucket_codec_kernels(flat):
             lay = ctx.layout           # a lone tensor too: its header's count on the device
-        if lay is not None:
-            # each tensor its own range; decoding reads (rank, tensor) segments in order,
-            # which for a dense payload is each rank's bucket in order: the sum of rows
-            return self.codec.encode_segments(flat, None, len(lay.numels), ops, lengths=lay.numels)
-        return self.codec.encode(flat, ops)
+        if lay is None:
+            return self.codec.encode(flat, ops)
+        # each tensor its own range; decoding reads (rank, tensor) segments in order,
+        # which for a dense payload is each rank's bucket in order: the sum of rows
+        payload, residual = self.codec.encode_segments_own(flat, None, len(lay.numels), ops,
+                                                           lay.numels, write)
+        return payload if residual is None else OwnPayload(payload, residual=residual)
 
     def encode_checked(self, flat, ctx, ops, step):
-        payload = self.encode(flat, ctx, ops, step)
+        # (called with error feedback on, whose residuals are updated in place: the
+        # encode's launch may write the residual over the compensated gradient flat)
+        payload = self._encode(flat, ctx, ops, "residual" if self.payload_is_copy else None)
         if ops.bucket_codec_kernels(flat):
             # where the kernels run, the exponents found NaN/Inf: a tensor's E is 128 (the
             # float32 exponent field 255) exactly when it holds one; left on the device

@@ -16,7 +16,7 @@ import math
 
 from ..ops import ops_for
 from . import aggregation, dgc_recipe
-from .base import Compressor, Ctx, register
+from .base import Compressor, Ctx, OwnPayload, register
 
 
 def check_density(density):
@@ -75,7 +75,10 @@ class Sparsifier(Compressor):
         lay = ctx.bucket
         if lay is not None:                                  # an exponent range per tensor
             seg = ops.gather(ops.segment_ids(lay, flat), idx)
-            return (*self.codec.encode_segments(values, seg, len(lay.names), ops), idx)
+            if not self.ef:
+                return (*self.codec.encode_segments(values, seg, len(lay.names), ops), idx)
+            payload, sent = self.codec.encode_segments_own(values, seg, len(lay.names), ops)
+            return (*payload, idx) if sent is None else OwnPayload((*payload, idx), sent=sent)
         return (*self.codec.encode(values, ops), idx)
 
     sparse_residual = True   #: payload indices are element indices of the input
@@ -94,6 +97,9 @@ class Sparsifier(Compressor):
         if self.codec is None:
             return payload
         idx = payload[2]
+        sent = getattr(payload, "sent", None)            # decoded by the encode's launch
+        if sent is not None:
+            return sent, idx
         return self.codec.decode(payload[0], payload[1], ops, total=ops.length(idx)), idx
 
     def decode(self, payload, ctx, ops):

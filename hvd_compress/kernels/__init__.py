@@ -15,6 +15,7 @@ from .abs_stats import abs_sum_max, abs_sum_max_reference  # noqa: F401
 from .compact import compact_above, compact_above_reference  # noqa: F401
 from .threshold_count import count_above, count_above_reference  # noqa: F401
 from . import twobit  # noqa: F401,E402
+from . import twobit_segments  # noqa: F401,E402
 from . import rangefloat  # noqa: F401,E402
 from . import dct  # noqa: F401,E402
 from . import segmented  # noqa: F401,E402

@@ -73,9 +73,13 @@ def _kernels():
 
     @triton.jit
     def _encode_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, vstart_ptr, gstart_ptr, emax_ptr,
-                       out_ptr, n, E_BITS: tl.constexpr, M_BITS: tl.constexpr, G: tl.constexpr,
-                       NB: tl.constexpr, BLOCK: tl.constexpr, TABLE: tl.constexpr):
-        # TABLE: the block of a segment from the table; else one segment of n values
+                       out_ptr, dec_ptr, n, E_BITS: tl.constexpr, M_BITS: tl.constexpr,
+                       G: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                       TABLE: tl.constexpr, DECODED: tl.constexpr, MINUS: tl.constexpr):
+        # TABLE: the block of a segment from the table; else one segment of n values.
+        # DECODED: also write each value as _decode_kernel decodes its code into dec_ptr
+        # (which may be x_ptr: every entry is read before the same program writes it);
+        # MINUS: write x minus that instead (error feedback's residual)
         pid = tl.program_id(0)
         if TABLE:
             start = tl.load(starts_ptr + pid)
@@ -106,6 +110,13 @@ def _kernels():
         c = tl.where(c < 1, 1, c)
         zero = (expf == 0) | (c > (1 << E_BITS) - 1)
         code = tl.where(zero, 0, (sign << (E_BITS + M_BITS)) | (c << M_BITS) | q).to(tl.int64)
+        if DECODED:                                  # _decode_kernel's arithmetic on the code
+            back = (sign << 31) | ((tl.load(emax_ptr + s) - c + 1 + 127) << 23) \
+                | (q << (23 - M_BITS))
+            back = tl.where(zero, 0.0, back.to(tl.float32, bitcast=True))
+            if MINUS:
+                back = x - back
+            tl.store(dec_ptr + idx, back, mask=idx < stop)
         word = tl.sum(code << ((E_BITS + M_BITS + 1) * lane[None, :]).to(tl.int64), axis=1)
         byte = tl.arange(0, 4)
         out = ((word[:, None] >> (8 * byte[None, :]).to(tl.int64)) & 0xFF).to(tl.uint8)
@@ -269,15 +280,29 @@ def encode_segments_reference(x, counts, e, m):
     return data, header.reshape(-1)
 
 
-def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK):
+def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, decoded=None,
+                    minus=False):
     """:func:`encode_segments_reference` in two launches (kernels on CUDA): the exponent
     pass and the encode.  ``counts``: int64 device tensor of the segments' lengths, or
     None with ``lengths`` (host ints; then no op builds the table).  The byte count needs
     the groups on the host: no synchronisation where ``lengths`` are given or a group is
-    one code (8 and 16 bits), else one."""
+    one code (8 and 16 bits), else one.  ``decoded``: a float32 tensor of ``x``'s size
+    (``x`` itself, if it is contiguous float32) that the encode also fills with what
+    :func:`decode_segments` makes of the bytes, bit for bit (the sender's error feedback
+    needs no decode: no table, no launch); with ``minus``, ``x`` minus that, in float32
+    (error feedback's residual, in the same pass)."""
     g, nb = group(1 + e + m)
+    if decoded is not None and (decoded.dtype != torch.float32 or decoded.numel() != x.numel()
+                                or not decoded.is_contiguous()):
+        raise ValueError(f"decoded must be a contiguous float32 tensor of {x.numel()} values, "
+                         f"got {decoded.dtype} of {decoded.numel()}")
     if pick_backend(x, backend) == "torch":
-        return encode_segments_reference(x, counts.tolist() if lengths is None else lengths, e, m)
+        lengths = counts.tolist() if lengths is None else lengths
+        out = encode_segments_reference(x, lengths, e, m)
+        if decoded is not None:
+            back = decode_segments_reference(out[0], out[1][0::2], out[1][1::2], e, m)
+            decoded.reshape(-1).copy_(x.reshape(-1).float() - back if minus else back)
+        return out
     triton, _, kernel, _ = _kernels()
     x = x.reshape(-1).contiguous()
     if lengths is None and counts.numel() == 0:
@@ -294,8 +319,9 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK):
     out = torch.empty(total * nb, dtype=torch.uint8, device=x.device)
     count_launch("rangefloat_encode_segments")
     kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, table.vstart,
-                                    table.gstart, emax, out, 0, E_BITS=e, M_BITS=m, G=g, NB=nb,
-                                    BLOCK=block, TABLE=True)
+                                    table.gstart, emax, out, x if decoded is None else decoded,
+                                    0, E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
+                                    DECODED=decoded is not None, MINUS=bool(minus))
     return out, torch.stack([emax, counts.to(torch.int32)], 1).reshape(-1)
 
 
@@ -409,8 +435,9 @@ def encode_flat(x, emax, e, m, block):
     n_groups = -(-x.numel() // g)
     out = torch.empty(n_groups * nb, dtype=torch.uint8, device=x.device)
     count_launch("rangefloat_encode")
-    kernel[(triton.cdiv(n_groups, block),)](x, x, x, x, x, x, emax, out, x.numel(), E_BITS=e,
-                                            M_BITS=m, G=g, NB=nb, BLOCK=block * g, TABLE=False)
+    kernel[(triton.cdiv(n_groups, block),)](x, x, x, x, x, x, emax, out, x, x.numel(), E_BITS=e,
+                                            M_BITS=m, G=g, NB=nb, BLOCK=block * g, TABLE=False,
+                                            DECODED=False, MINUS=False)
     return out
 
 

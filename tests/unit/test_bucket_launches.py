@@ -13,6 +13,7 @@ from hvd_compress.buckets import layout
 from hvd_compress.kernels import rangefloat as RF
 from hvd_compress.kernels import rangefloat_segments as RS
 from hvd_compress.kernels import twobit as TB
+from hvd_compress.kernels import twobit_segments as TS
 from hvd_compress.spec import from_spec
 
 import counting  # tests/counting.py
@@ -26,19 +27,23 @@ def one_exchange(T, spec):
     return counting.one_exchange(T, spec, lambda n, step: laplace(n, seed=step))
 
 
-#: error feedback: twobit subtracts its own codes without decoding them; both keep the old
-#: residuals where the kernels flagged NaN/Inf, in a copy that needs no host sync
+#: error feedback: twobit's pack writes the residual over the compensated gradient (was a
+#: second pass, subtract_segments); both keep the old residuals where the kernels flagged
+#: NaN/Inf, in a copy that needs no host sync
 CODEC_LAUNCHES = {
     "twobit": {"segment_abs_sum_max": 1, "twobit_pack_segments": 1, "twobit_decode_segments": 1,
-               "twobit_subtract_segments": 1, "copy_if_flagged": 1},
+               "copy_if_flagged": 1},
     "twobit:threshold=0.5": {"twobit_pack_segments": 1, "twobit_decode_segments": 1,
-                             "twobit_subtract_segments": 1, "copy_if_flagged": 1},
+                             "copy_if_flagged": 1},
     # decompress checks the other ranks' headers in one program (header_stats), where
-    # some 17 framework ops did; a rank's own payload is not checked
+    # some 17 framework ops did; the encode writes error feedback's residual (was a decode
+    # of the own payload and a subtraction)
     "rangefloat:bits=8": {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
-                          "rangefloat_decode_sum": 2, "copy_if_flagged": 1, "header_stats": 1},
+                          "rangefloat_decode_sum": 1, "copy_if_flagged": 1, "header_stats": 1},
+    # the encode also writes what the ranks will decode of its own values: error feedback
+    # decodes nothing (was a decode and a table of segments, three launches)
     SPARSE: {"rangefloat_segment_exponent": 1, "rangefloat_encode_segments": 1,
-             "rangefloat_decode_segments": 2, "header_stats": 1},
+             "rangefloat_decode_segments": 1, "header_stats": 1},
     # the stochastic quantizers: the draws of a whole bucket in one launch (a counter-based
     # hash); TernGrad packs and decodes with twobit's bucket kernels
     "qsgd": {"segment_abs_sum_max": 1, "uniform_segments": 1},
@@ -95,8 +100,8 @@ def test_python_calls_per_tensor_of_a_bucket_are_few(monkeypatch, spec):
 def test_twobit_pack_segments_matches_reference_and_per_tensor_packing(dtype):
     x = with_specials(laplace(sum(LENGTHS))).to(dtype)
     t = torch.rand(len(LENGTHS), device=DEVICE) + 0.1
-    words, bad = TB.pack_segments(x, LENGTHS, t, backend="triton")
-    want_words, want_bad = TB.pack_segments_reference(x, LENGTHS, t)
+    words, bad = TS.pack_segments(x, LENGTHS, t, backend="triton")
+    want_words, want_bad = TS.pack_segments_reference(x, LENGTHS, t)
     assert words.dtype == torch.int32 and torch.equal(words, want_words)
     assert torch.equal(bad, want_bad) and bad.tolist() == [1, 0, 0, 0, 1, 0, 0]
     alone = [TB.pack(p, t[s], backend="triton") for s, p in enumerate(torch.split(x, LENGTHS))]
@@ -113,11 +118,11 @@ def test_twobit_subtract_segments_is_c_minus_its_decoded_codes(dtype):
     c = with_specials(laplace(sum(lengths))).to(dtype)
     t = torch.rand(len(lengths), device=DEVICE) + 0.1
     t[3] = float("nan")
-    want = TB.subtract_segments_reference(c, lengths, t)
-    words, _ = TB.pack_segments(c, lengths, t, backend="torch")
-    decoded = TB.decode_segments_reference(words, t.reshape(1, -1), lengths)
+    want = TS.subtract_segments_reference(c, lengths, t)
+    words, _ = TS.pack_segments(c, lengths, t, backend="torch")
+    decoded = TS.decode_segments_reference(words, t.reshape(1, -1), lengths)
     got = c.clone()
-    assert TB.subtract_segments(got, lengths, t, backend="triton") is got
+    assert TS.subtract_segments(got, lengths, t, backend="triton") is got
     assert got.dtype == dtype and same_values(got, want)
     nan_at = slice(sum(lengths[:3]), sum(lengths[:4]))
     assert same_values(got[nan_at], c[nan_at])
@@ -126,7 +131,36 @@ def test_twobit_subtract_segments_is_c_minus_its_decoded_codes(dtype):
     two_pass[nan_at] = c[nan_at]
     assert same_values(got, two_pass)
     with pytest.raises(TypeError, match="bfloat16"):
-        TB.subtract_segments(c.to(torch.bfloat16), lengths, t, backend="triton")
+        TS.subtract_segments(c.to(torch.bfloat16), lengths, t, backend="triton")
+
+
+@pytest.mark.parametrize("fit", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_twobit_pack_writes_the_residual_subtract_segments_computes(fit, backend):
+    """``residual=True``: the pack's launch also writes error feedback's residual over
+    ``x``, the bits of :func:`subtract_segments` against the thresholds it packed with
+    (for :func:`pack_fit`, the fitted ones; a tensor holding NaN/Inf, whose scale is
+    NaN, gets ``x - q`` too: error feedback keeps its old residual anyway), and the same
+    words, scales and flags as without."""
+    lengths = tuple(n for n in LENGTHS if n)
+    x = with_specials(laplace(sum(lengths)) * 3)
+    kept = x.clone()
+    t = torch.rand(len(lengths), device=DEVICE) + 0.1
+    if fit:
+        abs_sum = torch.stack([p.abs().sum() for p in torch.split(kept, lengths)])
+        abs_max = torch.stack([p.abs().max() for p in torch.split(kept, lengths)])
+        want = TS.pack_fit(kept, lengths, abs_sum, abs_max, 1.5, backend=backend)
+        got = TS.pack_fit(x, lengths, abs_sum, abs_max, 1.5, backend=backend, residual=True)
+        n = torch.tensor(lengths, dtype=torch.float32, device=DEVICE)
+        t = 1.5 * abs_sum / n                       # the thresholds the pack used
+    else:
+        want = TS.pack_segments(kept, lengths, t, backend=backend)
+        got = TS.pack_segments(x, lengths, t, backend=backend, residual=True)
+    assert all(same_values(a, b) for a, b in zip(got, want))
+    residual = TS.subtract_segments_reference(kept, lengths, t)
+    assert same_bits(x.nan_to_num(), residual.nan_to_num()) and same_values(x, residual)
+    with pytest.raises(ValueError, match="contiguous 1-D float32"):
+        TS.pack_segments(kept.half(), lengths, t, backend=backend, residual=True)
 
 
 @pytest.mark.parametrize("flags", [[0, 0, 0], [0, 1, 0], [True], [7]])
@@ -147,12 +181,12 @@ def test_copy_if_flagged_copies_only_when_a_flag_is_set(flags, dtype):
 def test_twobit_decode_segments_matches_reference(ranks):
     lengths = tuple(n for n in LENGTHS if n)                    # as a bucket's (no empty)
     t = torch.rand(len(lengths), device=DEVICE) + 0.1
-    words = torch.cat([TB.pack_segments(laplace(sum(lengths), seed=r), lengths, t,
+    words = torch.cat([TS.pack_segments(laplace(sum(lengths), seed=r), lengths, t,
                                         backend="torch")[0] for r in range(ranks)])
     scales = torch.rand(ranks, len(lengths), device=DEVICE) + 0.1
     scales[0, 2] = float("nan")                                 # a non-finite rank's tensor
-    got = TB.decode_segments(words, scales, lengths, backend="triton")
-    want = TB.decode_segments_reference(words, scales, lengths)
+    got = TS.decode_segments(words, scales, lengths, backend="triton")
+    want = TS.decode_segments_reference(words, scales, lengths)
     assert got.shape == (sum(lengths),)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())

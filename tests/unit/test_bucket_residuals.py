@@ -115,3 +115,42 @@ def test_a_new_bucketing_of_the_same_tensors_forgets_the_old_one(backend):
     assert len(c._store.buckets) == 1
     ref = fresh(c.state_dict())
     assert_same(exchange(c, 2), exchange(ref, 2))
+
+
+@pytest.mark.parametrize("spec", ["rangefloat:bits=8", "rangefloat:bits=12", "rangefloat:bits=4",
+                                  "topk:density=0.1,values=rangefloat8",
+                                  "topk:density=0.1,values=rangefloat12",
+                                  "twobit:threshold=0.5", "twobit:threshold=1.5,ef=1"])
+def test_residuals_the_encode_writes_are_the_decoded_payload_subtracted(spec, monkeypatch):
+    """On the kernel path the range-float encode and twobit's pack write error feedback's
+    residual (or a sparsifier's decoded values) in their own launch; the residuals,
+    payloads and the aggregate are those of the torch path, which decodes its own
+    payload and subtracts it, bit for bit, over three steps (the last with NaN in one
+    tensor: that tensor's residual is kept, or the bucket's, for a sparsifier, which
+    then sends it whole).  (twobit's adaptive threshold sums in another order on each
+    path: test_bucket_launches.py checks its pack against the subtraction.)"""
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+        c, got = hvd_compress.from_spec(spec), []
+        for step in range(3):
+            g = grad(step)
+            if step == 2:
+                g[45] = float("nan")
+            payload, ctx = c.compress_bucket(g, LAY)
+            summed = c.decompress_bucket(tuple(torch.cat([p, p]) for p in payload), ctx)
+            got.append(([p.clone() for p in payload], summed.clone(),
+                        [c.residual(n).clone() for n in LAY.names]))
+        runs[backend] = got
+    for (pa, sa, ra), (pb, sb, rb) in zip(runs["torch"], runs["triton"]):
+        assert all(_same(a, b) for a, b in zip(pa, pb))                # (NaN scales)
+        assert _same(sa, sb) and all(_same(a, b) for a, b in zip(ra, rb))
+
+
+def _same(a, b):
+    """Same dtype and bits, NaN where the other is NaN (of any payload)."""
+    if a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    a, b = a.nan_to_num(), b.nan_to_num()
+    return torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 \
+        else torch.equal(a, b)

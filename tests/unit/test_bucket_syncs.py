@@ -42,6 +42,24 @@ def test_bucket_syncs_of_aligned_tensors(spec, monkeypatch):
     assert tuple(sum(c.values()) for c in counts) == counting.BUCKET_SYNCS[spec], counts
 
 
+def test_a_float16_twobit_bucket_subtracts_in_a_pass_of_its_own(monkeypatch):
+    """twobit's pack writes a float32 bucket's residual in its own launch; a float16
+    bucket's is one in-place pass of its own (``subtract_segments``), with no host
+    synchronisation either."""
+    from hvd_compress.kernels import counting_launches
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    half = lambda n, step: laplace(n, step).half()                  # noqa: E731
+    counts = counting.exchange_syncs(4, "twobit", half, sizes=ALIGNED)
+    assert tuple(sum(c.values()) for c in counts) == (0, 0, 0), counts
+    lay = layout(list("abcde"), [(n,) for n in ALIGNED])
+    for dtype, subtracts in ((torch.float16, 1), (torch.float32, 0)):
+        c = from_spec("twobit")
+        with counting_launches() as launched:
+            c.compress_bucket(laplace(lay.total, 1).to(dtype), lay)
+        assert launched["twobit_subtract_segments"] == subtracts, launched
+        assert launched["twobit_pack_segments"] == 1
+
+
 @pytest.mark.parametrize("spec, want, kernel", [
     ("twobit", (0, 0, 0), "twobit_pack_segments"),
     ("twobit:threshold=0.5", (0, 0, 0), "twobit_pack_segments"),

@@ -10,7 +10,7 @@ import torch
 from hvd_compress.kernels import rangefloat as RF
 from hvd_compress.kernels import rangefloat_segments as RS
 
-from bucket_data import BITS, DEVICE, LENGTHS, laplace, same_values, with_specials
+from bucket_data import BITS, DEVICE, LENGTHS, laplace, same_bits, same_values, with_specials
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -42,6 +42,45 @@ def test_encode_segments_matches_reference_and_each_segment_alone(bits, on_devic
     parts = torch.split(x, LENGTHS)                              # the codec's per-tensor path
     alone = [RF.encode(p, RF.max_exponent(p), e, m, backend="torch") for p in parts]
     assert torch.equal(data, torch.cat(alone))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("into", ["itself", "another", "reference"])
+def test_encode_segments_writes_what_decode_segments_makes_of_its_bytes(bits, on_device, into):
+    """``decoded=``: the encode's launch also writes each value as every rank will decode
+    it (the sender's error feedback then decodes nothing), bit for bit, NaN included;
+    over ``x`` itself (each entry read before it is written), or into another buffer."""
+    e, m = RF.SPLITS[bits]
+    x = with_specials(laplace(sum(LENGTHS), seed=bits) * 7)
+    x[2000:2100] = 0.0
+    x[2100] = -0.0
+    counts = torch.tensor(LENGTHS, device=DEVICE)
+    kept = x.clone()
+    out = x if into == "itself" else torch.full_like(x, 5.0)
+    data, header = RS.encode_segments(x, counts if on_device else None, e, m,
+                                      lengths=None if on_device else LENGTHS, decoded=out,
+                                      backend="torch" if into == "reference" else "triton")
+    want_data, want_header = RS.encode_segments_reference(kept, LENGTHS, e, m)
+    assert torch.equal(data, want_data) and torch.equal(header, want_header)
+    if into != "itself":
+        assert same_bits(x, kept)                                   # the input untouched
+    h = header.reshape(-1, 2)
+    decoded = RS.decode_segments(data, h[:, 0], h[:, 1], e, m, lengths=LENGTHS,
+                                 backend="torch" if into == "reference" else "triton")
+    assert same_bits(out, decoded)
+    assert same_values(out, RS.decode_segments_reference(data, h[:, 0], h[:, 1], e, m))
+    assert out[2100].item() == 0.0 and not out[2100].signbit()        # never -0.0
+
+
+def test_encode_segments_refuses_a_decoded_buffer_it_cannot_fill():
+    x = laplace(sum(LENGTHS))
+    for bad in (torch.zeros(sum(LENGTHS), dtype=torch.float16), torch.zeros(7),
+                torch.zeros(2 * sum(LENGTHS))[::2]):
+        for backend in ("torch", "triton"):
+            with pytest.raises(ValueError, match="decoded must be a contiguous float32"):
+                RS.encode_segments(x, None, 4, 3, lengths=LENGTHS, decoded=bad.to(DEVICE),
+                                   backend=backend)
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -53,12 +53,12 @@ def bucket_codec_kernels(flat):
     return False
 
 
-def twobit_pack_segments(flat, layout, t):
+def twobit_pack_segments(flat, layout, t, residual=False):
     """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
     raise NotImplementedError("twobit_pack_segments runs on PyTorch tensors only")
 
 
-def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale):
+def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale, residual=False):
     """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
     raise NotImplementedError("twobit_pack_fit runs on PyTorch tensors only")
 
@@ -157,7 +157,7 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
     return None
 
 
-def rangefloat_encode_segments(values, counts, lengths, e, m):
+def rangefloat_encode_segments(values, counts, lengths, e, m, write=None):
     """No bucket fast path in TensorFlow: the codec encodes tensor by tensor."""
     return None
 

@@ -29,9 +29,9 @@ def twobit_decode_sum(words, thresholds, n):
     on the CPU one table lookup per byte, scaled per rank, bit-identical; where the
     kernels run (CUDA), one launch of the bucket decoder for this one tensor.  None on
     CUDA with the torch backend forced: the decoder's generic unpack-multiply-sum runs."""
-    from ...kernels import pick_backend, twobit
+    from ...kernels import pick_backend, twobit, twobit_segments
     if pick_backend(words) == "triton":
-        return twobit.decode_segments(words, thresholds.reshape(-1, 1), (n,))
+        return twobit_segments.decode_segments(words, thresholds.reshape(-1, 1), (n,))
     if words.is_cuda:
         return None
     return twobit.unpack_cpu(words, scale=thresholds, n=n)
@@ -41,15 +41,15 @@ def twobit_subtract_own(c, thresholds, numels, inplace):
     """Optional fast path of 2-bit error feedback, ``c - decode(own payload)`` from ``c``
     and the thresholds alone (the codes are ``c``'s own compares), bit-identical, no
     decoded copy: where the kernels run (CUDA), one launch for the bucket
-    (:func:`hvd_compress.kernels.twobit.subtract_segments`; float32 and float16); float32
+    (:func:`hvd_compress.kernels.twobit_segments.subtract_segments`; float32 and float16); float32
     CPU tensors on the torch path (:func:`hvd_compress.kernels.twobit.subtract_own_cpu`).
     None elsewhere (CUDA with ``HVD_COMPRESS_BACKEND=torch``, bfloat16 on the kernel path,
     other dtypes on the CPU, a non-contiguous ``c``): the generic decode-subtract runs."""
-    from ...kernels import pick_backend, twobit
+    from ...kernels import pick_backend, twobit, twobit_segments as ts
     if (pick_backend(c) == "triton" and c.dim() == 1 and c.is_contiguous()
-            and c.dtype in twobit.SUBTRACT_DTYPES):
-        # where the kernels run: one launch, in place (kernels.twobit.subtract_segments)
-        return twobit.subtract_segments(c if inplace else c.clone(), numels, thresholds)
+            and c.dtype in ts.SUBTRACT_DTYPES):
+        # where the kernels run: one launch, in place
+        return ts.subtract_segments(c if inplace else c.clone(), numels, thresholds)
     if (c.device.type != "cpu" or c.dtype != _torch.float32 or not c.is_contiguous()
             or pick_backend(c) != "torch"):
         return None
@@ -65,22 +65,36 @@ def bucket_codec_kernels(flat):
     return pick_backend(flat) == "triton"
 
 
-def twobit_pack_segments(flat, layout, t):
+def _over(flat, residual):
+    """``flat`` where a pack may write error feedback's residual over it (asked, and
+    contiguous 1-D float32), else None."""
+    return flat if residual and flat.dtype == _torch.float32 and flat.dim() == 1 \
+        and flat.is_contiguous() else None
+
+
+def twobit_pack_segments(flat, layout, t, residual=False):
     """``(words, bad)``: every tensor of the bucket packed against its own threshold
     ``t[s]`` (float32 ``[T]``), words end to end as tensor by tensor, and int32 ``[T]``,
     1 where the tensor holds NaN/Inf (one kernel launch; where
-    :func:`bucket_codec_kernels`)."""
-    from ...kernels import twobit
-    return twobit.pack_segments(flat, layout.numels, t)
+    :func:`bucket_codec_kernels`).  ``residual``: a third element, ``flat``, overwritten
+    in the same launch with error feedback's residual ``flat - q`` (None where ``flat``
+    is not contiguous float32; then it is left as it is)."""
+    from ...kernels import twobit_segments
+    over = _over(flat, residual)
+    out = twobit_segments.pack_segments(flat, layout.numels, t, residual=over is not None)
+    return (*out, over) if residual else out
 
 
-def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale):
+def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale, residual=False):
     """``(words, scales, bad)``: twobit's adaptive thresholds ``scale * sum|x| / n`` per
     tensor (1 where not > 0) computed in the pack kernel, the scales NaN where a tensor
     holds NaN/Inf (``abs_sum``, ``abs_max`` float32 ``[T]``); one launch, where
-    :func:`bucket_codec_kernels`."""
-    from ...kernels import twobit
-    return twobit.pack_fit(flat, layout.numels, abs_sum, abs_max, scale)
+    :func:`bucket_codec_kernels`.  ``residual``: as in :func:`twobit_pack_segments`."""
+    from ...kernels import twobit_segments
+    over = _over(flat, residual)
+    out = twobit_segments.pack_fit(flat, layout.numels, abs_sum, abs_max, scale,
+                          residual=over is not None)
+    return (*out, over) if residual else out
 
 
 def uniform_segments(layout, seeds, steps, like):
@@ -106,10 +120,10 @@ def twobit_decode_segments(words, scales, lengths):
     tensors of ``lengths`` (``(ranks, words)``) with ``scales`` ``(ranks, T)``, summed over
     the ranks, in one launch where :func:`bucket_codec_kernels`; None elsewhere (the
     decoder goes tensor by tensor)."""
-    from ...kernels import pick_backend, twobit
+    from ...kernels import pick_backend, twobit_segments
     if pick_backend(words) != "triton":
         return None
-    return twobit.decode_segments(words, scales, lengths)
+    return twobit_segments.decode_segments(words, scales, lengths)
 
 
 # -- range-based float (rangefloat) ------------------------------------------------------
@@ -140,17 +154,22 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
     return rangefloat.decode_ranks(data, emax, counts, e, m)
 
 
-def rangefloat_encode_segments(values, counts, lengths, e, m):
+def rangefloat_encode_segments(values, counts, lengths, e, m, write=None):
     """Optional fast path of the codec's per-tensor encode of a bucket: ``(bytes,
     headers)`` of ``values`` in tensors of host ``lengths`` (or of device ``counts``, the
     values per tensor) in two launches where :func:`bucket_codec_kernels`; None elsewhere
-    (the codec encodes tensor by tensor)."""
+    (the codec encodes tensor by tensor).  ``write``: a third element, ``values``
+    overwritten in the same launch with what the receivers will decode, bit for bit
+    (``"decoded"``), or with ``values`` minus that (``"residual"``); None where
+    ``values`` are not contiguous float32 (then they are left as they are)."""
     from ...kernels import pick_backend, rangefloat_segments
     if pick_backend(values) != "triton":
         return None
-    if lengths is not None:
-        return rangefloat_segments.encode_segments(values, None, e, m, lengths=lengths)
-    return rangefloat_segments.encode_segments(values, counts, e, m)
+    out = values if write and values.dtype == _torch.float32 and values.is_contiguous() \
+        and values.dim() == 1 else None
+    got = rangefloat_segments.encode_segments(values, counts, e, m, lengths=lengths,
+                                              decoded=out, minus=write == "residual")
+    return (*got, out) if write else got
 
 
 def rangefloat_decode_segments(data, emax, counts, e, m, lengths=None, total=None, check=None):
