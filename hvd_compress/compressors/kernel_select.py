@@ -74,7 +74,8 @@ class KernelSelect(Sparsifier):
         nv, ni = ops.length(values), ops.length(ids)
         if isinstance(nv, int) and isinstance(ni, int) and nv != ni * ksize:
             raise ValueError(f"kernel_select: {nv} values for {ni} kernels of {ksize}")
-        ops.check_indices(ids, n_kernels, f"kernel_select ({ctx.name or 'tensor'})")
+        # clamped into range when deferred (the exchange driver's ops.deferred_checks)
+        ids = ops.index_check(ids, n_kernels, f"kernel_select ({ctx.name or 'tensor'})").finish()
         flat_idx = ops.reshape(ops.cast(ids, ops.int32)[:, None] * ksize
                                + ops.arange(ksize, ids)[None, :], [-1])
         rows = ops.reshape(ops.scatter_sum(ctx.numel, flat_idx, values, ops.float32),

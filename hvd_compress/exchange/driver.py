@@ -17,7 +17,9 @@ What the driver does besides the protocol (:mod:`.protocol`):
   meanwhile), and ``finish`` and ``end_step`` read every check of the step back in one
   host synchronisation (:meth:`Driver.settle`), raising the first failure's ValueError
   before the sums are used: on CUDA, no such decompress waits for the GPU on its own
-  (``hier:`` exchanges, ``agg=`` and ``kernel_select`` still check at once).
+  (``hier:`` exchanges still check at once: a shard's garbage sum would reach the other
+  workers of its host before the settle; so does ``agg=``, whose union of indices waits
+  for the GPU anyway).
 - **Stats**: each exchange, once done, is counted in ``stats`` (``add``: bytes sent,
   dense, received, ...; ``add_time``: seconds), and ``end_step`` closes the step.
 - **auto** (:class:`hvd_compress.strategies.auto.Auto`, alone or inside a Policy):

@@ -186,3 +186,26 @@ def test_randomk_draws_do_not_depend_on_the_prefix_read(monkeypatch):
     got = draws.draw_segments(numels, ks, 7, [3, 4, 5, 6, 7])
     assert torch.equal(got, want)
     assert got.numel() == 200 + 50 + 3 + 150
+
+
+def test_kernel_select_defers_its_kernel_ids_check(monkeypatch):
+    """Hylo's kernel selection: inside ``deferred_checks`` its kernel ids' range check
+    joins the sink (no readback; the ids clamped meanwhile) and the settle raises the
+    clear error; a good payload decodes to what the check at once gives."""
+    from hvd_compress.ops import torch_ops
+    c = from_spec("kernel_select")
+    payload, ctx = c.compress(laplace(8 * 4 * 9, 0).reshape(8, 4, 3, 3), "conv")
+    values, ids = payload
+    for bad, error in ((ids, None), (ids + 10 ** 6, "kernel_select \\(conv\\).*out of range")):
+        sink = []
+        with counting.CountSyncs() as syncs, torch_ops.deferred_checks(sink):
+            got = c.decompress((values, bad), ctx)
+        assert not syncs.syncs and len(sink) == 1, syncs.syncs
+        if error is None:
+            torch_ops.settle_checks(sink)
+            assert torch.equal(got, c.decompress((values, bad), ctx))
+        else:
+            with pytest.raises(ValueError, match=error):
+                torch_ops.settle_checks(sink)
+            with pytest.raises(ValueError, match=error):
+                c.decompress((values, bad), ctx)                 # at once, outside
