@@ -195,7 +195,9 @@ class Compressor:
         else:
             finite = ops.all_finite(compensated)          # one pass, shared with encode
             payload = self.encode(compensated, ctx._replace(finite=finite), ops, step)
-        written = getattr(payload, "residual", None) is compensated   # by encode's launch
+        # an encode writes the residual over c only where residuals are updated in place
+        # (payload_is_copy, hence memory.reuse): c is then the residual, whatever inplace
+        written = getattr(payload, "residual", None) is compensated
 
         def subtract(c, inplace):
             return c if written else self.subtract_sent(c, payload, ctx, ops, inplace)

@@ -52,14 +52,18 @@ class CodesAndScales(Compressor):
         """Flat float32 sum over ranks: ``codes`` (ranks, words), ``scales`` (ranks, s)."""
         raise NotImplementedError
 
-    def encode_bucket(self, flat, lay, ops, step, residual=False):
+    #: :meth:`encode_bucket` takes ``residual=True`` (error feedback on, its residuals
+    #: updated in place): then it writes the residual ``flat - D(payload)`` over
+    #: ``flat`` in its own launches where it can, and returns a fourth element, ``flat``
+    #: (None where it did not), so that error feedback decodes nothing
+    writes_residual = False
+
+    def encode_bucket(self, flat, lay, ops, step):
         """``(codes, scales, bad)`` of a whole bucket (or of one tensor: a one-tensor
         ``lay``) in a fixed number of kernel launches, the same payload as tensor by
         tensor, NaN scales included; ``bad`` device flags of the tensors holding NaN/Inf,
-        found by those kernels.  None (the default) where there is no such path.
-        ``residual`` (error feedback on, residuals updated in place): a codec that can
-        write the residual ``flat - D(payload)`` over ``flat`` in its launches does, and
-        returns a fourth element, ``flat`` (or None where it did not)."""
+        found by those kernels.  None (the default) where there is no such path.  See
+        :attr:`writes_residual`."""
         return None
 
     def decode_bucket(self, codes, scales, numels, ops):
@@ -80,7 +84,10 @@ class CodesAndScales(Compressor):
     def encode_checked(self, flat, ctx, ops, step):
         # where the bucket kernels run, their own NaN/Inf flags, left on the device (error
         # feedback obeys them there: memory.NonFinite); elsewhere one check on the host
-        fast = self.encode_bucket(flat, ctx.layout, ops, step, residual=self.payload_is_copy)
+        if self.writes_residual and self.payload_is_copy:     # (residuals updated in place)
+            fast = self.encode_bucket(flat, ctx.layout, ops, step, residual=True)
+        else:
+            fast = self.encode_bucket(flat, ctx.layout, ops, step)
         if fast is not None:
             codes, scales, bad, *written = fast
             if written and written[0] is not None:
@@ -176,6 +183,8 @@ class TwoBit(CodesAndScales):
         if fast is None:
             return super().subtract_sent(compensated, payload, ctx, ops, inplace)
         return fast
+
+    writes_residual = True     #: where its pack kernel runs, for float32 buckets
 
     def encode_bucket(self, flat, lay, ops, step, residual=False):
         # where the kernels run: every tensor's threshold from one segmented pass, one

@@ -68,7 +68,7 @@ class OneBit(CodesAndScales):
         b = sum_neg / ops.where(count_neg > 0, count_neg, count_neg * 0 + 1.0)
         return ops.stack_cols([a, b])
 
-    def encode_bucket(self, flat, lay, ops, step, residual=False):
+    def encode_bucket(self, flat, lay, ops, step):
         # where the kernels run: the signs of every tensor in one pack launch, the levels
         # of every tensor by segment sums, NaN/Inf flagged per tensor on the device
         if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:

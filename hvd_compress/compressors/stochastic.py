@@ -147,7 +147,7 @@ class QSGD(Stochastic):
         sizes = types.SimpleNamespace(key="sizes", numels=tuple(int(n) for n in numels))
         return ops.layout_constant(("qsgd.blocks", self.block), sizes, lengths, ops.int64, like)
 
-    def encode_bucket(self, flat, lay, ops, step, residual=False):
+    def encode_bucket(self, flat, lay, ops, step):
         # where the kernels run: every tensor's norms, levels and draws in a fixed number
         # of ops (the norms as sums of squares per block; the draws of bucket_draws)
         if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
@@ -200,7 +200,7 @@ class TernGrad(Stochastic):
     def decode_one(self, codes, scales, n, ops):
         return decode_twobit(codes, scales, n, ops)
 
-    def encode_bucket(self, flat, lay, ops, step, residual=False):
+    def encode_bucket(self, flat, lay, ops, step):
         # where the kernels run: every tensor's s from one segmented pass, the draws of
         # bucket_draws, one pack launch (twobit's kernel, which flags NaN/Inf)
         if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:

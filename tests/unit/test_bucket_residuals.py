@@ -126,9 +126,8 @@ def test_residuals_the_encode_writes_are_the_decoded_payload_subtracted(spec, mo
     residual (or a sparsifier's decoded values) in their own launch; the residuals,
     payloads and the aggregate are those of the torch path, which decodes its own
     payload and subtracts it, bit for bit, over three steps (the last with NaN in one
-    tensor: that tensor's residual is kept, or the bucket's, for a sparsifier, which
-    then sends it whole).  (twobit's adaptive threshold sums in another order on each
-    path: test_bucket_launches.py checks its pack against the subtraction.)"""
+    tensor: the bucket keeps its old residuals; a sparsifier sends it whole).  (twobit's
+    adaptive threshold sums in another order on each path: the next test.)"""
     runs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
@@ -154,3 +153,53 @@ def _same(a, b):
     a, b = a.nan_to_num(), b.nan_to_num()
     return torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 \
         else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["rangefloat:bits=8", "rangefloat:bits=6", "rangefloat:bits=16",
+                                  "twobit", "twobit:scale=2", "dct:density=0.05,block=32",
+                                  "laplace_topk:density=0.05,fused=1,values=rangefloat8"])
+@pytest.mark.parametrize("alone", [False, True])
+def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, monkeypatch):
+    """On the kernel path, the residual or decoded values that the encode's launch
+    writes give the residuals, payloads and aggregates of the same kernel path with the
+    fold turned off (the encode asked for nothing: error feedback decodes its own payload
+    and subtracts), bit for bit over three steps, NaN in the last; a bucket, and each
+    tensor compressed alone (``compress``: the one-tensor residual's spare buffer)."""
+    from hvd_compress.compressors.quantize import TwoBit
+    from hvd_compress.ops import torch_ops
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    encode = torch_ops.rangefloat_encode_segments
+    runs, launched = {}, {}
+    for fold in (True, False):
+        if not fold:
+            monkeypatch.setattr(TwoBit, "writes_residual", False)
+            monkeypatch.setattr(torch_ops, "rangefloat_encode_segments",       # asks nothing
+                                lambda v, c, n, e, m, write=None:
+                                (*encode(v, c, n, e, m), None) if write else encode(v, c, n, e, m))
+        c, got = hvd_compress.from_spec(spec), []
+        from hvd_compress.kernels import counting_launches
+        with counting_launches() as launched[fold]:
+            for step in range(3):
+                g = grad(step)
+                if step == 2:
+                    g[45] = float("nan")
+                pieces = [(g, LAY)] if not alone else [
+                    (p, buckets.layout([n], [(p.numel(),)])) for n, p in
+                    zip(LAY.names, torch.split(g, LAY.numels))]
+                for flat, lay in pieces:
+                    if alone:
+                        payload, ctx = c.compress(flat.clone(), lay.names[0])
+                    else:
+                        payload, ctx = c.compress_bucket(flat, lay)
+                    two = tuple(torch.cat([p, p]) for p in payload)
+                    got.append(([p.clone() for p in payload], c.decompress(two, ctx).clone()))
+                got.append([c.residual(n).clone() for n in LAY.names])
+        runs[fold] = got
+    # (a sparsifier's lone tensor has one exponent range: the one-tensor codec, no fold)
+    fewer = not alone or spec.startswith(("rangefloat", "twobit"))
+    assert (sum(launched[True].values()) < sum(launched[False].values())) == fewer, launched
+    for a, b in zip(runs[True], runs[False]):
+        if isinstance(a, tuple):
+            assert all(_same(x, y) for x, y in zip(a[0], b[0])) and _same(a[1], b[1])
+        else:
+            assert all(_same(x, y) for x, y in zip(a, b))

@@ -46,28 +46,35 @@ def test_encode_segments_matches_reference_and_each_segment_alone(bits, on_devic
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("on_device", [False, True])
-@pytest.mark.parametrize("into", ["itself", "another", "reference"])
+@pytest.mark.parametrize("into", ["itself", "another", "reference", "minus", "minus_reference"])
 def test_encode_segments_writes_what_decode_segments_makes_of_its_bytes(bits, on_device, into):
     """``decoded=``: the encode's launch also writes each value as every rank will decode
     it (the sender's error feedback then decodes nothing), bit for bit, NaN included;
-    over ``x`` itself (each entry read before it is written), or into another buffer."""
+    over ``x`` itself (each entry read before it is written), or into another buffer;
+    with ``minus=True``, ``x`` minus that (error feedback's residual), over ``x``."""
     e, m = RF.SPLITS[bits]
     x = with_specials(laplace(sum(LENGTHS), seed=bits) * 7)
     x[2000:2100] = 0.0
     x[2100] = -0.0
     counts = torch.tensor(LENGTHS, device=DEVICE)
     kept = x.clone()
-    out = x if into == "itself" else torch.full_like(x, 5.0)
+    minus, backend = into.startswith("minus"), "torch" if "reference" in into else "triton"
+    out = x if into in ("itself", "minus", "minus_reference") else torch.full_like(x, 5.0)
     data, header = RS.encode_segments(x, counts if on_device else None, e, m,
                                       lengths=None if on_device else LENGTHS, decoded=out,
-                                      backend="torch" if into == "reference" else "triton")
+                                      minus=minus, backend=backend)
     want_data, want_header = RS.encode_segments_reference(kept, LENGTHS, e, m)
     assert torch.equal(data, want_data) and torch.equal(header, want_header)
-    if into != "itself":
+    if out is not x:
         assert same_bits(x, kept)                                   # the input untouched
     h = header.reshape(-1, 2)
-    decoded = RS.decode_segments(data, h[:, 0], h[:, 1], e, m, lengths=LENGTHS,
-                                 backend="torch" if into == "reference" else "triton")
+    decoded = RS.decode_segments(data, h[:, 0], h[:, 1], e, m, lengths=LENGTHS, backend=backend)
+    if minus:
+        residual = kept - decoded                   # what error feedback subtracted before
+        assert same_values(out, residual)
+        assert same_bits(out.nan_to_num(), residual.nan_to_num())
+        assert out[2100].item() == 0.0                                # -0.0 - 0.0
+        return
     assert same_bits(out, decoded)
     assert same_values(out, RS.decode_segments_reference(data, h[:, 0], h[:, 1], e, m))
     assert out[2100].item() == 0.0 and not out[2100].signbit()        # never -0.0

@@ -93,7 +93,7 @@ def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale, residual=False):
     from ...kernels import twobit_segments
     over = _over(flat, residual)
     out = twobit_segments.pack_fit(flat, layout.numels, abs_sum, abs_max, scale,
-                          residual=over is not None)
+                                   residual=over is not None)
     return (*out, over) if residual else out
 
 
