@@ -185,7 +185,7 @@ def test_shared_primitives_agree_between_frameworks(n):
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_subtract_at_is_the_dense_subtraction_bit_for_bit(dtype, index_dtype):
     """Error feedback's residual of a sparse payload (``ops.subtract_at``, one
-    ``index_add_`` of ``-(0.0 + v)``): the bits of ``a - cast(scatter_sum(...))``, signed
+    ``index_add_`` of ``0.0 + v``, ``alpha=-1``): the bits of ``a - cast(scatter_sum(...))``, signed
     zeros, subnormals and Inf on either side included (a NaN stays a NaN; its sign bit is
     the hardware's); ``a`` untouched unless in place."""
     from hvd_compress.ops import torch_ops
