@@ -326,6 +326,16 @@ class ResidualMemory:
             return ops.add_into(flat, ops.cast(r, flat.dtype), flat)
         return flat + ops.cast(r, flat.dtype)
 
+    def residuals_to_add(self, parts, flat, own):
+        """The residuals of a bucket (``parts`` in ``flat``, the caller's scratch buffer:
+        ``own``), float32 and end to end, for an encode that adds them to ``flat`` in its
+        own first pass (``c = g + r`` written over ``flat``, as :meth:`compensate_parts`
+        would; then ``flat`` is ``c`` for :meth:`update_parts`); None where it cannot."""
+        if not (self.reuse and own and len(parts) > 1 and flat.dtype == self.ops.float32):
+            return None
+        r = self._residuals(parts, flat)
+        return r if r.dtype == flat.dtype and r.data_ptr() != flat.data_ptr() else None
+
     def update_parts(self, parts, compensated, subtract_sent, finite):
         """``r = c - sent`` per tensor of ``parts``; unchanged where ``finite`` is false."""
         if len(parts) == 1:

@@ -60,6 +60,8 @@ class Ctx(NamedTuple):
     segments: Any = None  #: a bucket's :class:`~hvd_compress.buckets.Layout` (else None)
     wire: Any = None      #: this rank's payload: dtypes (and an allreduce's length); the
                           #: aggregate must match (:meth:`Compressor.check_aggregate`)
+    add: Any = None       #: error feedback's residuals, for encode_checked to add to its
+                          #: input in its first pass (:meth:`Compressor.adds_residual`)
 
     @property
     def bucket(self):
@@ -189,7 +191,12 @@ class Compressor:
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
         memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
-        compensated = memory.compensate_parts(parts, flat, own=own)
+        add = memory.residuals_to_add(parts, flat, own) if self.adds_residual(flat, ctx, ops) \
+            else None
+        if add is not None:                   # c = g + r written by encode's first pass
+            compensated, ctx = flat, ctx._replace(add=add)
+        else:
+            compensated = memory.compensate_parts(parts, flat, own=own)
         if self.finds_nonfinite:
             payload, finite = self.encode_checked(compensated, ctx, ops, step)
         else:
@@ -203,6 +210,12 @@ class Compressor:
             return c if written else self.subtract_sent(c, payload, ctx, ops, inplace)
         memory.update_parts(parts, compensated, subtract, finite)
         return payload
+
+    def adds_residual(self, flat, ctx, ops):
+        """Does :meth:`encode_checked` (``finds_nonfinite``) add error feedback's
+        residuals ``ctx.add`` to the bucket ``flat`` itself, in its first pass over it
+        (``c = g + r`` written over ``flat``: one pass over the bucket fewer)?  No."""
+        return False
 
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):
         """``c - D(payload)``: the residual error feedback keeps (in place if asked)."""

@@ -110,7 +110,11 @@ class LaplaceTopK(DensitySparsifier):
         if not ops.histogram_search_supported():
             raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "
                              "PyTorch tensors only; leave fused unset for TensorFlow")
-        return select_histogram(self, flat, ctx.layout, ops)
+        return select_histogram(self, flat, ctx.layout, ops, add=ctx.add)
+
+    def adds_residual(self, flat, ctx, ops):
+        # the fused search's first pass (sum|c| and max|c| per tensor) adds r itself
+        return bool(self.fused) and ctx.bucket is not None and self.payload_is_copy
 
     def small_below(self, flat, ops):
         """Tensors of fewer values take the framework's top-k (``small``, else the
@@ -293,11 +297,12 @@ HISTOGRAM_PASSES = (62, HISTOGRAM_BINS, HISTOGRAM_BINS, HISTOGRAM_BINS)
 COARSE_BINS = 62        #: passes with at most this many bins count per block (``local``)
 
 
-def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES):
+def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
-    1. one pass: ``sum|g|`` and ``max|g|`` per tensor; the bracket starts at
+    1. one pass: ``sum|g|`` and ``max|g|`` per tensor (with error feedback, ``g`` is
+       ``c = g + r``, written by this same pass: ``add``); the bracket starts at
        ``(t0 / 2, max|g|]``, ``t0 = mean|g| ln(1/density)`` (the Laplace fit), set on
        the device by one launch;
     2. histogram passes (kernel ``histogram_select.segment_histogram``) count, per
@@ -323,18 +328,19 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES):
     index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
     with fewer than k nonzero entries sends them all.
     """
-    blocks, state = histogram_search(self, flat, lay, ops, passes)
+    blocks, state = histogram_search(self, flat, lay, ops, passes, add)
     return ops.band_select(flat, blocks, state)
 
 
-def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES):
+def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):
     """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
     launch on the device and no host synchronisation, shapes fixed by the layout (so
     the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
-    times that)."""
+    times that).  ``add``: error feedback's residuals, added to ``flat`` by the first
+    pass (:meth:`LaplaceTopK.adds_residual`)."""
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
-    abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay)
+    abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add)
     state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density))
     buffers = {}
     for bins in passes:

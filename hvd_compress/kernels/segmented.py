@@ -41,15 +41,21 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _block_abs_sum_max_kernel(x_ptr, starts_ptr, stops_ptr, part_sum_ptr, part_max_ptr,
-                                  BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    def _block_abs_sum_max_kernel(x_ptr, add_ptr, starts_ptr, stops_ptr, part_sum_ptr,
+                                  part_max_ptr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                                  ADD: tl.constexpr):
         # ALIGN: every start and stop is a multiple of it (Blocks.align), so the compiler
-        # may load 16 bytes at a time
+        # may load 16 bytes at a time.  ADD (float32 x): x + add written over x first
+        # (error feedback's c = g + r), then its sums
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)      # int64 offsets
         stop = tl.multiple_of(tl.load(stops_ptr + pid), ALIGN)
         offs = start + tl.arange(0, BLOCK)
-        a = tl.abs(tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32))
+        x = tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
+        if ADD:
+            x = x + tl.load(add_ptr + offs, mask=offs < stop, other=0.0)
+            tl.store(x_ptr + offs, x, mask=offs < stop)
+        a = tl.abs(x)
         tl.store(part_sum_ptr + pid, tl.sum(a, axis=0))
         tl.store(part_max_ptr + pid, tl.max(a, axis=0))
 
@@ -234,13 +240,19 @@ def word_table(lengths, per_word, device, block_words):
     return table
 
 
-def segment_abs_sum_max(x, lengths, backend=None, block=4096):
-    """float32 ``(sum|x|, max|x|)`` of each segment of flat ``x`` (kernel on CUDA)."""
+def segment_abs_sum_max(x, lengths, backend=None, block=4096, add=None):
+    """float32 ``(sum|x|, max|x|)`` of each segment of flat ``x`` (kernel on CUDA).
+    ``add``: float32 ``x + add`` is written over ``x`` first (both contiguous 1-D
+    float32), in the same pass, and summed (error feedback's compensation)."""
     lengths = tuple(int(v) for v in (lengths.tolist() if torch.is_tensor(lengths) else lengths))
     if min(lengths, default=1) < 1 or sum(lengths) != x.numel():
         raise ValueError(f"segment lengths {lengths[:8]}... must be >= 1 and sum to {x.numel()}")
+    if add is not None and not all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
+                                   and t.numel() == x.numel() for t in (x, add)):
+        raise ValueError("segment_abs_sum_max: add= needs x and add contiguous 1-D float32 of "
+                         "one size")
     if pick_backend(x, backend) == "torch":
-        return segment_abs_sum_max_reference(x, lengths)
+        return segment_abs_sum_max_reference(x if add is None else x.add_(add), lengths)
     triton, kernel = _kernels()[:2]
     x = x.reshape(-1).contiguous()
     blocks = block_table(lengths, x.device, block)
@@ -248,8 +260,8 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096):
     part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
     part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     count_launch("segment_abs_sum_max")
-    kernel[(programs,)](x, blocks.starts, blocks.stops, part_sum, part_max, BLOCK=block,
-                        ALIGN=blocks.align)
+    kernel[(programs,)](x, x if add is None else add, blocks.starts, blocks.stops, part_sum,
+                        part_max, BLOCK=block, ALIGN=blocks.align, ADD=add is not None)
     # unsafe=True: the lengths are the package's own block table (the default checks
     # them with two host synchronisations per call)
     return (torch.segment_reduce(part_sum, "sum", lengths=blocks.counts, unsafe=True),

@@ -14,6 +14,8 @@ import hvd_compress
 from hvd_compress import buckets
 from hvd_compress.memory import Journal
 
+import counting  # tests/counting.py
+
 SPECS = ["twobit", "topk:density=0.1", "qsgd:ef=1", "rangefloat:bits=8", "onebit"]
 LAY = buckets.layout(["a", "b", "c"], [(40,), (7, 3), (129,)])
 
@@ -157,28 +159,34 @@ def _same(a, b):
 
 @pytest.mark.parametrize("spec", ["rangefloat:bits=8", "rangefloat:bits=6", "rangefloat:bits=16",
                                   "twobit", "twobit:scale=2", "dct:density=0.05,block=32",
-                                  "laplace_topk:density=0.05,fused=1,values=rangefloat8"])
+                                  "laplace_topk:density=0.05,fused=1,values=rangefloat8",
+                                  "laplace_topk:density=0.05,fused=1",
+                                  "laplace_topk:density=0.05,fused=1,exact=1"])
 @pytest.mark.parametrize("alone", [False, True])
 def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, monkeypatch):
     """On the kernel path, the residual or decoded values that the encode's launch
-    writes give the residuals, payloads and aggregates of the same kernel path with the
-    fold turned off (the encode asked for nothing: error feedback decodes its own payload
-    and subtracts), bit for bit over three steps, NaN in the last; a bucket, and each
-    tensor compressed alone (``compress``: the one-tensor residual's spare buffer)."""
+    writes (and, for twobit's buckets, ``c = g + r`` added by its first pass) give the
+    residuals, payloads and aggregates of the same kernel path with the folds turned off
+    (error feedback adds the residuals, then decodes its own payload and subtracts), bit
+    for bit over three steps, NaN in the last; a bucket, and each tensor compressed alone
+    (``compress``: the one-tensor residual's spare buffer)."""
+    from hvd_compress.compressors.laplace import LaplaceTopK
     from hvd_compress.compressors.quantize import TwoBit
     from hvd_compress.ops import torch_ops
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     encode = torch_ops.rangefloat_encode_segments
-    runs, launched = {}, {}
+    runs, launched, adds = {}, {}, {}
     for fold in (True, False):
         if not fold:
             monkeypatch.setattr(TwoBit, "writes_residual", False)
+            for cls in (TwoBit, LaplaceTopK):
+                monkeypatch.setattr(cls, "adds_residual", lambda *a: False)
             monkeypatch.setattr(torch_ops, "rangefloat_encode_segments",       # asks nothing
                                 lambda v, c, n, e, m, write=None:
                                 (*encode(v, c, n, e, m), None) if write else encode(v, c, n, e, m))
         c, got = hvd_compress.from_spec(spec), []
         from hvd_compress.kernels import counting_launches
-        with counting_launches() as launched[fold]:
+        with counting_launches() as launched[fold], counting.CountOps() as ops:
             for step in range(3):
                 g = grad(step)
                 if step == 2:
@@ -195,9 +203,16 @@ def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, mo
                     got.append(([p.clone() for p in payload], c.decompress(two, ctx).clone()))
                 got.append([c.residual(n).clone() for n in LAY.names])
         runs[fold] = got
-    # (a sparsifier's lone tensor has one exponent range: the one-tensor codec, no fold)
-    fewer = not alone or spec.startswith(("rangefloat", "twobit"))
+        adds[fold] = ops.ops["aten.add.out"]
+    if spec.startswith(("rangefloat", "twobit")):
+        fewer = True
+    elif "values=" in spec or spec.startswith("dct"):
+        fewer = not alone        # (a lone tensor: one exponent range, the one-tensor codec)
+    else:
+        fewer = False            # (laplace_topk: the residuals' addition, an op, not a launch)
     assert (sum(launched[True].values()) < sum(launched[False].values())) == fewer, launched
+    if spec.startswith("laplace") or spec.startswith("twobit"):  # c = g + r in the first pass
+        assert (adds[True] < adds[False]) == (not alone), adds
     for a, b in zip(runs[True], runs[False]):
         if isinstance(a, tuple):
             assert all(_same(x, y) for x, y in zip(a[0], b[0])) and _same(a[1], b[1])

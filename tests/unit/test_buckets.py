@@ -44,6 +44,21 @@ def test_segment_abs_sum_max(lengths, dtype):
     np.testing.assert_allclose(rs.cpu().numpy(), bs, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lengths", LAYOUTS)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_segment_abs_sum_max_adds_first(lengths, backend):
+    """``add=``: ``x + add`` written over ``x`` in the same pass (error feedback's
+    ``c = g + r``), bit for bit the torch add, and the sums are those of the sum."""
+    x, r = data(lengths), data(lengths) * 0.5 - 0.25
+    want = x + r
+    s, m = S.segment_abs_sum_max(x, lengths, backend=backend, add=r)
+    assert torch.equal(x.view(torch.int32), want.view(torch.int32))
+    ws, wm = S.segment_abs_sum_max(want, lengths, backend=backend)
+    assert torch.equal(m, wm) and torch.equal(s, ws)
+    with pytest.raises(ValueError, match="add= needs"):
+        S.segment_abs_sum_max(x.half(), lengths, backend=backend, add=r)
+
+
 def test_segment_abs_sum_max_rejects_bad_lengths():
     with pytest.raises(ValueError, match="lengths"):
         S.segment_abs_sum_max(torch.zeros(5), [2, 2])

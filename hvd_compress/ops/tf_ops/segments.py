@@ -31,7 +31,9 @@ def layout_constant(what, layout, values, dtype, like):
     return _tf.constant(list(values()), dtype=dtype)
 
 
-def segment_abs_sum_max(flat, layout):
+def segment_abs_sum_max(flat, layout, add=None):
+    if add is not None:              # (in place: error feedback defers it on PyTorch only)
+        raise NotImplementedError("segment_abs_sum_max(add=) writes in place: PyTorch only")
     a = _tf.abs(_tf.cast(flat, _tf.float32))
     ids = segment_ids(layout, flat)
     return _tf.math.segment_sum(a, ids), _tf.math.segment_max(a, ids)

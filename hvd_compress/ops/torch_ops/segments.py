@@ -37,11 +37,17 @@ def segment_ids(layout, like):
                        lambda: segmented.segment_ids(layout.numels, like.device))
 
 
-def segment_abs_sum_max(flat, layout):
-    """float32 ``(sum|x|, max|x|)`` per tensor of a bucket (one pass; Triton on CUDA)."""
+def segment_abs_sum_max(flat, layout, add=None):
+    """float32 ``(sum|x|, max|x|)`` per tensor of a bucket (one pass; Triton on CUDA).
+    ``add`` (float32, as ``flat``): ``flat + add`` written over ``flat`` first, in the
+    same pass where the kernels run (error feedback's ``c = g + r``), and summed."""
     from ...kernels import pick_backend, segmented
+    if add is not None and not (pick_backend(flat) == "triton" and flat.dim() == 1
+                                and flat.is_contiguous() and add.is_contiguous()
+                                and flat.dtype == add.dtype == _torch.float32):
+        flat, add = flat.add_(add.to(flat.dtype)), None          # (the same c, a pass apart)
     if pick_backend(flat) == "triton":
-        return segmented.segment_abs_sum_max(flat, layout.numels, backend="triton")
+        return segmented.segment_abs_sum_max(flat, layout.numels, backend="triton", add=add)
     return segmented.segment_abs_sum_max_reference(flat, layout.numels, segment_ids(layout, flat))
 
 
