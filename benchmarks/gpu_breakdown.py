@@ -13,7 +13,9 @@ tensor.  ``--tiny`` divides every size by 1000.
    single tensor, as the glue): wall time (CUDA events, median of ``--repeat``), the CUDA
    kernels it runs and their summed device time (torch.profiler), so ``wall - device``
    is what the host adds (launches, Python, synchronisations); the top kernels by
-   device time.
+   device time.  A bucket's call includes copying the gradient into the bucket's buffer
+   (``copy_ms`` alone), as the glue's ``torch.cat`` does: error feedback keeps its
+   residual in the buffer a compress was given.
 2. **top-k**: each tensor's k = ceil(density n) largest |x| by a ``torch.topk`` per
    tensor (no finiteness check), and by ``torch_ops.segment_abs_topk`` (on CUDA one
    stable sort of the bucket, finiteness and its host synchronisation included);
@@ -107,19 +109,30 @@ def compress_rows(args, cuda):
     for lname in LAYOUTS:
         lay = make_layout(lname, args.tiny)
         flat = common.laplace(torch, lay.total, args.device, seed=1)
+        # a bucket compress writes c, then its residual, over its input, which error
+        # feedback keeps (as with the glue's bucket, a torch.cat of the gradients): each
+        # call copies the gradient into one of two buffers in turn (the other one holds
+        # the residual), so every call compresses the same gradient; the copy is timed
+        # with it (copy_ms: the copy alone).  (Until 2026-11-27 every call compressed the
+        # one buffer that the previous call had left its residual in: c = 2 r.)
+        scratch, turn = [torch.empty_like(flat), torch.empty_like(flat)], [0]
+        copy_ms = 1e3 * common.timeit(torch, lambda: scratch[0].copy_(flat), args.repeat,
+                                      args.device, warmup=1)
         for spec in SPECS:
             c = hvd_compress.from_spec(spec)
             if len(lay.numels) == 1:
                 def call(c=c):
-                    return c.compress(flat, lay.names[0])
+                    return c.compress(flat, lay.names[0])       # (into a buffer of its own)
             else:
                 def call(c=c, lay=lay):
-                    return c.compress_bucket(flat, lay)
+                    turn[0] += 1
+                    return c.compress_bucket(scratch[turn[0] % 2].copy_(flat), lay)
             wall = common.timeit(torch, call, args.repeat, args.device, warmup=2)
             count, busy, top = device_kernels(call, cuda)
             rows.append({"layout": lname, "tensors": len(lay.numels), "numel": lay.total,
                          "spec": spec, "wall_ms": 1e3 * wall, "kernels": count, "device_ms": busy,
-                         "top_kernels": top})
+                         "top_kernels": top,
+                         "copy_ms": copy_ms if len(lay.numels) > 1 else 0.0})
             print(f"{lname:7s} {spec:50s} wall {1e3 * wall:8.3f} ms  device "
                   + (f"{busy:8.3f} ms  {count:4d} kernels" if cuda else "   (cpu)"), flush=True)
     return rows

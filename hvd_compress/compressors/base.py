@@ -191,8 +191,9 @@ class Compressor:
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
         memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
-        add = memory.residuals_to_add(parts, flat, own) if self.adds_residual(flat, ctx, ops) \
-            else None
+        # (only an encode that checks its own input can add r first: finds_nonfinite)
+        add = memory.residuals_to_add(parts, flat, own) \
+            if self.finds_nonfinite and self.adds_residual(flat, ctx, ops) else None
         if add is not None:                   # c = g + r written by encode's first pass
             compensated, ctx = flat, ctx._replace(add=add)
         else:
