@@ -80,14 +80,18 @@ class RangeFloatCodec:
         after one host synchronisation (the counts per tensor) when ``lengths`` is None."""
         return self.encode_segments_own(values, seg, segments, ops, lengths, None)[0]
 
-    def encode_segments_own(self, values, seg, segments, ops, lengths=None, write="decoded"):
+    def encode_segments_own(self, values, seg, segments, ops, lengths=None, write="decoded",
+                            add=None):
         """``(payload, written)``: :meth:`encode_segments`' payload and what the sender's
         error feedback needs of it, written by the encode's launch over ``values`` where
         the kernels run and ``values`` are float32 (``values`` returned), else None:
         what every rank will decode of it (``write="decoded"``), or ``values`` minus that
-        (``"residual"``).  Either way its error feedback decodes nothing."""
+        (``"residual"``).  Either way its error feedback decodes nothing.  ``add``: error
+        feedback's residuals, added to ``values`` first (by the exponent pass where the
+        kernels run; ``RangeFloat.adds_residual``)."""
         counts = ops.segment_counts(seg, segments) if lengths is None else None
-        fast = ops.rangefloat_encode_segments(values, counts, lengths, self.e, self.m, write)
+        fast = ops.rangefloat_encode_segments(values, counts, lengths, self.e, self.m, write,
+                                              add)
         if fast is not None:
             return (fast[:2], fast[2]) if write else (fast, None)
         if lengths is not None:
@@ -174,8 +178,12 @@ class RangeFloat(Compressor):
         # each tensor its own range; decoding reads (rank, tensor) segments in order,
         # which for a dense payload is each rank's bucket in order: the sum of rows
         payload, residual = self.codec.encode_segments_own(flat, None, len(lay.numels), ops,
-                                                           lay.numels, write)
+                                                           lay.numels, write, ctx.add)
         return payload if residual is None else OwnPayload(payload, residual=residual)
+
+    def adds_residual(self, flat, ctx, ops):
+        # where the kernels run, the exponent pass reads the bucket first: it adds r
+        return self.payload_is_copy and ctx.bucket is not None and ops.bucket_codec_kernels(flat)
 
     def encode_checked(self, flat, ctx, ops, step):
         # (called with error feedback on, whose residuals are updated in place: the

@@ -28,7 +28,7 @@ import math
 import numpy as np
 import torch
 
-from ._backend import pick_backend
+from ._backend import count_launch, pick_backend
 
 SPLITS = {4: (2, 1), 6: (3, 2), 8: (4, 3), 12: (5, 6), 16: (5, 10)}   # bits: (e, m)
 
@@ -219,9 +219,19 @@ def encode(x, emax, e, m, backend=None, block=256):
     """Pack the rangefloat codes of flat ``x`` into bytes (kernel on CUDA)."""
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         return encode_cpu(x, emax, e, m)
-    from .rangefloat_segments import encode_flat
+    # one launch of the bucket encode kernel, one segment, no table (``block`` groups a
+    # program)
+    from .rangefloat_segments import _kernels
+    triton, _, kernel, _ = _kernels()
+    x, (g, nb) = x.reshape(-1).contiguous(), group(1 + e + m)
     emax = torch.as_tensor(emax, dtype=torch.int32, device=x.device).reshape(1)
-    return encode_flat(x.reshape(-1).contiguous(), emax, e, m, block)
+    n_groups = -(-x.numel() // g)
+    out = torch.empty(n_groups * nb, dtype=torch.uint8, device=x.device)
+    count_launch("rangefloat_encode")
+    kernel[(triton.cdiv(n_groups, block),)](x, x, x, x, x, x, emax, out, x, x.numel(), E_BITS=e,
+                                            M_BITS=m, G=g, NB=nb, BLOCK=block * g, TABLE=False,
+                                            DECODED=False, MINUS=False)
+    return out
 
 
 def decode(data, emax_per_group, e, m, backend=None, block=256, out=None):
@@ -234,12 +244,21 @@ def decode(data, emax_per_group, e, m, backend=None, block=256, out=None):
             emax_per_group = emax_per_group.reshape(1).expand(data.numel() // group(1 + e + m)[1])
         got = decode_cpu(data, emax_per_group, e, m)
         return got if out is None else out[:got.numel()].copy_(got)
-    from .rangefloat_segments import decode_flat
+    # one launch of the bucket decode kernel, one segment (an exponent, or one per group)
+    from .rangefloat_segments import _kernels
+    triton, _, _, kernel = _kernels()
     g, nb = group(1 + e + m)
     if out is None:
         out = torch.empty(data.numel() // nb * g, dtype=torch.float32, device=data.device)
     emax = emax_per_group.to(torch.int32).reshape(-1).contiguous()
-    return decode_flat(data.contiguous(), emax, e, m, block, out)
+    n_groups = data.numel() // nb
+    data = data.contiguous()
+    count_launch("rangefloat_decode")
+    kernel[(triton.cdiv(n_groups, block),)](data, data, data, data, data, data, emax, 1, out,
+                                            n_groups * g, n_groups * nb, 0, E_BITS=e, M_BITS=m,
+                                            G=g, NB=nb, BLOCK=block * g, TABLE=False,
+                                            PER_GROUP=emax.numel() != 1, RANKS=1)
+    return out
 
 
 def decode_ranks(data, emax, counts, e, m, backend=None):

@@ -27,8 +27,8 @@ end to end (each segment's codes padded to whole groups), with the exponent of
   rank holding the same segments of host ``lengths``: the same launch, each program
   decoding its block in every rank's payload and summing in rank order, one write.
 
-The same two kernels code a single tensor for :mod:`.rangefloat` (``encode_flat``,
-``decode_flat``): with ``TABLE=False`` program ``i`` takes values ``[i * block,
+The same two kernels code a single tensor for :mod:`.rangefloat` (its ``encode`` and
+``decode`` on CUDA): with ``TABLE=False`` program ``i`` takes values ``[i * block,
 (i + 1) * block)`` of one segment, and decoding may take an exponent per group.
 
 Tables: programs walk blocks of ``block`` values (a multiple of every group size) that
@@ -59,12 +59,17 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _exponent_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, emax_ptr, BLOCK: tl.constexpr):
+    def _exponent_kernel(x_ptr, add_ptr, starts_ptr, stops_ptr, segs_ptr, emax_ptr,
+                         BLOCK: tl.constexpr, ADD: tl.constexpr):
+        # ADD (float32 x): x + add written over x first (error feedback's c = g + r)
         pid = tl.program_id(0)
         start = tl.load(starts_ptr + pid)
         stop = tl.load(stops_ptr + pid)
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
+        if ADD:
+            x = x + tl.load(add_ptr + offs, mask=offs < stop, other=0.0)
+            tl.store(x_ptr + offs, x, mask=offs < stop)
         field = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
         # E = field - 127 (255, NaN/Inf, gives 128), maxed into E's of -127 (an empty
         # segment's): a signed int32 atomic max
@@ -242,11 +247,12 @@ def segment_max_exponent_reference(x, counts):
     return torch.stack([max_exponent(p) for p in parts]).to(torch.int32)
 
 
-def _exponents(x, table, segments, block):
+def _exponents(x, table, segments, block, add=None):
     triton, kernel = _kernels()[:2]
     emax = torch.full((segments,), -127, dtype=torch.int32, device=x.device)
     count_launch("rangefloat_segment_exponent")
-    kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, emax, BLOCK=block)
+    kernel[(table.starts.numel(),)](x, x if add is None else add, table.starts, table.stops,
+                                    table.segs, emax, BLOCK=block, ADD=add is not None)
     return emax
 
 
@@ -281,7 +287,7 @@ def encode_segments_reference(x, counts, e, m):
 
 
 def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, decoded=None,
-                    minus=False):
+                    minus=False, add=None):
     """:func:`encode_segments_reference` in two launches (kernels on CUDA): the exponent
     pass and the encode.  ``counts``: int64 device tensor of the segments' lengths, or
     None with ``lengths`` (host ints; then no op builds the table).  The byte count needs
@@ -290,12 +296,20 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, de
     (``x`` itself, if it is contiguous float32) that the encode also fills with what
     :func:`decode_segments` makes of the bytes, bit for bit (the sender's error feedback
     needs no decode: no table, no launch); with ``minus``, ``x`` minus that, in float32
-    (error feedback's residual, in the same pass)."""
+    (error feedback's residual, in the same pass).  ``add``: ``x + add`` is written over
+    ``x`` by the exponent pass first, and encoded (error feedback's ``c = g + r``; both
+    contiguous 1-D float32)."""
     g, nb = group(1 + e + m)
     if decoded is not None and (decoded.dtype != torch.float32 or decoded.numel() != x.numel()
                                 or not decoded.is_contiguous()):
         raise ValueError(f"decoded must be a contiguous float32 tensor of {x.numel()} values, "
                          f"got {decoded.dtype} of {decoded.numel()}")
+    if add is not None and not all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
+                                   and t.numel() == x.numel() for t in (x, add)):
+        raise ValueError("encode_segments: add= needs x and add contiguous 1-D float32 of one "
+                         "size")
+    if add is not None and pick_backend(x, backend) == "torch":
+        x.add_(add)
     if pick_backend(x, backend) == "torch":
         lengths = counts.tolist() if lengths is None else lengths
         out = encode_segments_reference(x, lengths, e, m)
@@ -305,7 +319,7 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, de
         return out
     triton, _, kernel, _ = _kernels()
     x = x.reshape(-1).contiguous()
-    if lengths is None and counts.numel() == 0:
+    if lengths is None and counts.numel() == 0:       # (no segment: no value to write)
         return (torch.zeros(0, dtype=torch.uint8, device=x.device),
                 torch.zeros(0, dtype=torch.int32, device=x.device))
     if lengths is not None:
@@ -315,7 +329,7 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, de
         table, total = device_table(counts, x.numel(), g, block)
         total = x.numel() if g == 1 else int(total)            # the one synchronisation
     segments = table.vstart.numel()
-    emax = _exponents(x, table, segments, block)
+    emax = _exponents(x, table, segments, block, add)
     out = torch.empty(total * nb, dtype=torch.uint8, device=x.device)
     count_launch("rangefloat_encode_segments")
     kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, table.vstart,
@@ -421,36 +435,4 @@ def decode_sum(data, emax, lengths, ranks, e, m, backend=None, block=BLOCK):
                                     known.values, known.groups * nb, len(known.table.vstart),
                                     E_BITS=e, M_BITS=m, G=g, NB=nb, BLOCK=block, TABLE=True,
                                     PER_GROUP=False, RANKS=int(ranks))
-    return out
-
-
-# -- one segment, no table: the launchers of :mod:`.rangefloat` ---------------------------
-
-def encode_flat(x, emax, e, m, block):
-    """:func:`.rangefloat.encode` on CUDA: flat ``x`` with the exponent ``emax`` (int32, one
-    element, on the device) in one launch of the encode kernel, ``block`` groups per
-    program, no table."""
-    triton, _, kernel, _ = _kernels()
-    g, nb = group(1 + e + m)
-    n_groups = -(-x.numel() // g)
-    out = torch.empty(n_groups * nb, dtype=torch.uint8, device=x.device)
-    count_launch("rangefloat_encode")
-    kernel[(triton.cdiv(n_groups, block),)](x, x, x, x, x, x, emax, out, x, x.numel(), E_BITS=e,
-                                            M_BITS=m, G=g, NB=nb, BLOCK=block * g, TABLE=False,
-                                            DECODED=False, MINUS=False)
-    return out
-
-
-def decode_flat(data, emax, e, m, block, out):
-    """:func:`.rangefloat.decode` on CUDA: every group of ``data`` (``g`` values each,
-    padding included) into ``out``, with one exponent (``emax`` of one element) or one per
-    group, in one launch of the decode kernel, ``block`` groups per program."""
-    triton, _, _, kernel = _kernels()
-    g, nb = group(1 + e + m)
-    n_groups = data.numel() // nb
-    count_launch("rangefloat_decode")
-    kernel[(triton.cdiv(n_groups, block),)](data, data, data, data, data, data, emax, 1, out,
-                                            n_groups * g, n_groups * nb, 0, E_BITS=e, M_BITS=m,
-                                            G=g, NB=nb, BLOCK=block * g, TABLE=False,
-                                            PER_GROUP=emax.numel() != 1, RANKS=1)
     return out

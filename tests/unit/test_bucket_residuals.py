@@ -165,13 +165,15 @@ def _same(a, b):
 @pytest.mark.parametrize("alone", [False, True])
 def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, monkeypatch):
     """On the kernel path, the residual or decoded values that the encode's launch
-    writes (and, for twobit's buckets, ``c = g + r`` added by its first pass) give the
+    writes (and, for twobit's, range-float's and the fused search's buckets, ``c = g + r``
+    added by their first pass) give the
     residuals, payloads and aggregates of the same kernel path with the folds turned off
     (error feedback adds the residuals, then decodes its own payload and subtracts), bit
     for bit over three steps, NaN in the last; a bucket, and each tensor compressed alone
     (``compress``: the one-tensor residual's spare buffer)."""
     from hvd_compress.compressors.laplace import LaplaceTopK
     from hvd_compress.compressors.quantize import TwoBit
+    from hvd_compress.compressors.rangefloat import RangeFloat
     from hvd_compress.ops import torch_ops
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     encode = torch_ops.rangefloat_encode_segments
@@ -179,11 +181,12 @@ def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, mo
     for fold in (True, False):
         if not fold:
             monkeypatch.setattr(TwoBit, "writes_residual", False)
-            for cls in (TwoBit, LaplaceTopK):
+            for cls in (TwoBit, LaplaceTopK, RangeFloat):
                 monkeypatch.setattr(cls, "adds_residual", lambda *a: False)
             monkeypatch.setattr(torch_ops, "rangefloat_encode_segments",       # asks nothing
-                                lambda v, c, n, e, m, write=None:
-                                (*encode(v, c, n, e, m), None) if write else encode(v, c, n, e, m))
+                                lambda v, c, n, e, m, write=None, add=None:
+                                (*encode(v, c, n, e, m, None, add), None) if write
+                                else encode(v, c, n, e, m, None, add))
         c, got = hvd_compress.from_spec(spec), []
         from hvd_compress.kernels import counting_launches
         with counting_launches() as launched[fold], counting.CountOps() as ops:
@@ -211,7 +214,7 @@ def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, mo
     else:
         fewer = False            # (laplace_topk: the residuals' addition, an op, not a launch)
     assert (sum(launched[True].values()) < sum(launched[False].values())) == fewer, launched
-    if spec.startswith("laplace") or spec.startswith("twobit"):  # c = g + r in the first pass
+    if not spec.startswith("dct"):          # c = g + r in the first pass (buckets only)
         assert (adds[True] < adds[False]) == (not alone), adds
     for a, b in zip(runs[True], runs[False]):
         if isinstance(a, tuple):

@@ -80,6 +80,26 @@ def test_encode_segments_writes_what_decode_segments_makes_of_its_bytes(bits, on
     assert out[2100].item() == 0.0 and not out[2100].signbit()        # never -0.0
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_encode_segments_adds_first(backend, on_device):
+    """``add=``: the exponent pass writes ``x + add`` over ``x`` (error feedback's
+    ``c = g + r``, torch's bits) and the bytes and headers are those of the sum's."""
+    e, m = RF.SPLITS[8]
+    x = with_specials(laplace(sum(LENGTHS), seed=3))
+    r = laplace(sum(LENGTHS), seed=4) * 0.25
+    want = x + r
+    counts = torch.tensor(LENGTHS, device=DEVICE)
+    data, header = RS.encode_segments(x, counts if on_device else None, e, m,
+                                      lengths=None if on_device else LENGTHS, add=r,
+                                      backend=backend)
+    assert same_values(x, want) and same_bits(x.nan_to_num(), want.nan_to_num())
+    want_data, want_header = RS.encode_segments_reference(want, LENGTHS, e, m)
+    assert torch.equal(data, want_data) and torch.equal(header, want_header)
+    with pytest.raises(ValueError, match="add= needs"):
+        RS.encode_segments(x.half(), None, e, m, lengths=LENGTHS, add=r, backend=backend)
+
+
 def test_encode_segments_refuses_a_decoded_buffer_it_cannot_fill():
     x = laplace(sum(LENGTHS))
     for bad in (torch.zeros(sum(LENGTHS), dtype=torch.float16), torch.zeros(7),

@@ -154,21 +154,27 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
     return rangefloat.decode_ranks(data, emax, counts, e, m)
 
 
-def rangefloat_encode_segments(values, counts, lengths, e, m, write=None):
+def rangefloat_encode_segments(values, counts, lengths, e, m, write=None, add=None):
     """Optional fast path of the codec's per-tensor encode of a bucket: ``(bytes,
     headers)`` of ``values`` in tensors of host ``lengths`` (or of device ``counts``, the
     values per tensor) in two launches where :func:`bucket_codec_kernels`; None elsewhere
     (the codec encodes tensor by tensor).  ``write``: a third element, ``values``
     overwritten in the same launch with what the receivers will decode, bit for bit
     (``"decoded"``), or with ``values`` minus that (``"residual"``); None where
-    ``values`` are not contiguous float32 (then they are left as they are)."""
+    ``values`` are not contiguous float32 (then they are left as they are).  ``add``
+    (float32): ``values + add`` written over ``values`` first, by the exponent pass
+    where it can, else at once (then None where the kernels do not run: the codec
+    encodes ``values``, which hold the sum), and encoded (error feedback's ``c = g + r``)."""
     from ...kernels import pick_backend, rangefloat_segments
-    if pick_backend(values) != "triton":
+    flat32 = values.dtype == _torch.float32 and values.is_contiguous() and values.dim() == 1
+    kernels = pick_backend(values) == "triton"
+    if add is not None and not (flat32 and add.is_contiguous() and kernels):
+        values, add = values.add_(add.to(values.dtype)), None     # (the same c, a pass apart)
+    if not kernels:
         return None
-    out = values if write and values.dtype == _torch.float32 and values.is_contiguous() \
-        and values.dim() == 1 else None
+    out = values if write and flat32 else None
     got = rangefloat_segments.encode_segments(values, counts, e, m, lengths=lengths,
-                                              decoded=out, minus=write == "residual")
+                                              decoded=out, minus=write == "residual", add=add)
     return (*got, out) if write else got
 
 
