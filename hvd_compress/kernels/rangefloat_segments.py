@@ -304,13 +304,12 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, de
                                 or not decoded.is_contiguous()):
         raise ValueError(f"decoded must be a contiguous float32 tensor of {x.numel()} values, "
                          f"got {decoded.dtype} of {decoded.numel()}")
-    if add is not None and not all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
-                                   and t.numel() == x.numel() for t in (x, add)):
-        raise ValueError("encode_segments: add= needs x and add contiguous 1-D float32 of one "
-                         "size")
-    if add is not None and pick_backend(x, backend) == "torch":
-        x.add_(add)
+    if add is not None:
+        from .segmented import check_flat32
+        check_flat32("encode_segments: add=", x.numel(), x, add)
     if pick_backend(x, backend) == "torch":
+        if add is not None:
+            x.add_(add)
         lengths = counts.tolist() if lengths is None else lengths
         out = encode_segments_reference(x, lengths, e, m)
         if decoded is not None:

@@ -240,6 +240,16 @@ def word_table(lengths, per_word, device, block_words):
     return table
 
 
+def check_flat32(what, n, *tensors):
+    """ValueError naming ``what`` unless every tensor is contiguous 1-D float32 of ``n``
+    values: those that a kernel reads beside ``x`` or writes over in place (error
+    feedback's ``add=`` and ``residual=``)."""
+    if not all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
+               and t.numel() == n for t in tensors):
+        got = ", ".join(f"{t.dtype} of shape {tuple(t.shape)}" for t in tensors)
+        raise ValueError(f"{what} needs contiguous 1-D float32 tensors of {n} values, got {got}")
+
+
 def segment_abs_sum_max(x, lengths, backend=None, block=4096, add=None):
     """float32 ``(sum|x|, max|x|)`` of each segment of flat ``x`` (kernel on CUDA).
     ``add``: float32 ``x + add`` is written over ``x`` first (both contiguous 1-D
@@ -247,10 +257,8 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096, add=None):
     lengths = tuple(int(v) for v in (lengths.tolist() if torch.is_tensor(lengths) else lengths))
     if min(lengths, default=1) < 1 or sum(lengths) != x.numel():
         raise ValueError(f"segment lengths {lengths[:8]}... must be >= 1 and sum to {x.numel()}")
-    if add is not None and not all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
-                                   and t.numel() == x.numel() for t in (x, add)):
-        raise ValueError("segment_abs_sum_max: add= needs x and add contiguous 1-D float32 of "
-                         "one size")
+    if add is not None:
+        check_flat32("segment_abs_sum_max: add=", x.numel(), x, add)
     if pick_backend(x, backend) == "torch":
         return segment_abs_sum_max_reference(x if add is None else x.add_(add), lengths)
     triton, kernel = _kernels()[:2]

@@ -155,9 +155,9 @@ def decode_segments_reference(words, scales, lengths):
 
 def _residual_here(x, residual):
     """Can the pack write error feedback's residual over ``x`` (float32, 1-D, contiguous)?"""
-    if residual and not (x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous()):
-        raise ValueError(f"twobit: the residual is written over a contiguous 1-D float32 x, "
-                         f"got {x.dtype} of shape {tuple(x.shape)}")
+    if residual:
+        from .segmented import check_flat32
+        check_flat32("twobit: residual=", x.numel(), x)
     return bool(residual)
 
 

@@ -7,7 +7,7 @@ May import: torch, :mod:`.core`, :mod:`.checks`; lazily, :mod:`hvd_compress.kern
 import torch as _torch
 
 from .checks import _defer_flag, _deferring
-from .core import _mix, _word_pairs, subtract as _subtract
+from .core import _add_unless, _flat32, _mix, _word_pairs, subtract as _subtract
 
 
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
@@ -68,8 +68,7 @@ def bucket_codec_kernels(flat):
 def _over(flat, residual):
     """``flat`` where a pack may write error feedback's residual over it (asked, and
     contiguous 1-D float32), else None."""
-    return flat if residual and flat.dtype == _torch.float32 and flat.dim() == 1 \
-        and flat.is_contiguous() else None
+    return flat if residual and _flat32(flat) else None
 
 
 def twobit_pack_segments(flat, layout, t, residual=False):
@@ -166,13 +165,11 @@ def rangefloat_encode_segments(values, counts, lengths, e, m, write=None, add=No
     where it can, else at once (then None where the kernels do not run: the codec
     encodes ``values``, which hold the sum), and encoded (error feedback's ``c = g + r``)."""
     from ...kernels import pick_backend, rangefloat_segments
-    flat32 = values.dtype == _torch.float32 and values.is_contiguous() and values.dim() == 1
     kernels = pick_backend(values) == "triton"
-    if add is not None and not (flat32 and add.is_contiguous() and kernels):
-        values, add = values.add_(add.to(values.dtype)), None     # (the same c, a pass apart)
+    values, add = _add_unless(kernels, values, add)
     if not kernels:
         return None
-    out = values if write and flat32 else None
+    out = _over(values, write)
     got = rangefloat_segments.encode_segments(values, counts, e, m, lengths=lengths,
                                               decoded=out, minus=write == "residual", add=add)
     return (*got, out) if write else got

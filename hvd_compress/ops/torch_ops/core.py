@@ -216,6 +216,21 @@ def add_into(a, b, out):
     return _torch.add(a, b, out=out)
 
 
+def _flat32(t):
+    """Is ``t`` contiguous 1-D float32 (what a kernel may write over in place)?"""
+    return t.dtype == _torch.float32 and t.dim() == 1 and t.is_contiguous()
+
+
+def _add_unless(kernel_adds, flat, add):
+    """``(flat, add)`` for a pass that adds error feedback's residuals ``add`` to ``flat``
+    itself where ``kernel_adds`` and both are contiguous 1-D float32; elsewhere
+    ``flat + add`` is written over ``flat`` at once (the same ``c``, a pass apart) and
+    ``add`` becomes None."""
+    if add is not None and not (kernel_adds and _flat32(flat) and _flat32(add)):
+        return flat.add_(add.to(flat.dtype)), None
+    return flat, add
+
+
 def subtract(a, b, inplace=False):
     """``a - b``, in place on ``a`` when ``inplace``."""
     return a.sub_(b) if inplace else a - b

@@ -12,7 +12,7 @@ import numpy as _np
 import torch as _torch
 
 from .. import _cpu_topk
-from .core import _cached, _constant, _host_list, _index_vector
+from .core import _add_unless, _cached, _constant, _host_list, _index_vector
 
 
 def concat(ts):
@@ -42,10 +42,7 @@ def segment_abs_sum_max(flat, layout, add=None):
     ``add`` (float32, as ``flat``): ``flat + add`` written over ``flat`` first, in the
     same pass where the kernels run (error feedback's ``c = g + r``), and summed."""
     from ...kernels import pick_backend, segmented
-    if add is not None and not (pick_backend(flat) == "triton" and flat.dim() == 1
-                                and flat.is_contiguous() and add.is_contiguous()
-                                and flat.dtype == add.dtype == _torch.float32):
-        flat, add = flat.add_(add.to(flat.dtype)), None          # (the same c, a pass apart)
+    flat, add = _add_unless(pick_backend(flat) == "triton", flat, add)
     if pick_backend(flat) == "triton":
         return segmented.segment_abs_sum_max(flat, layout.numels, backend="triton", add=add)
     return segmented.segment_abs_sum_max_reference(flat, layout.numels, segment_ids(layout, flat))
