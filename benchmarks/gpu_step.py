@@ -35,6 +35,9 @@ What is measured, per model (no Horovod, no network):
   ring moves it among ``--ranks`` ranks: allreduce 2 (P-1)/P of the payload, allgather
   P-1 payloads).  Codec times are the 2-rank ones at any ``--ranks``.
 
+- in-step (``gpu_step_exchange.py``, ``--no-inline`` to skip): a backward with the exchanges
+  launched from its hooks against a plain one; ``inline_codec_ms``: what the codec adds.
+
 ``--ddp-check``: two processes on ``--device`` (one CUDA device, or the CPU for a dry
 run), torch.distributed Gloo with tensors there, the tiny first model through
 ``hvd_compress.ddp.register``; after 3 SGD steps both ranks must hold equal parameters
@@ -59,12 +62,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import hvd_compress  # noqa: E402
-from hvd_compress import buckets  # noqa: E402
-from hvd_compress.compressors import LaplaceTopK, payload_bytes  # noqa: E402
-from hvd_compress.exchange import Exchange, finish_all  # noqa: E402
-from hvd_compress.exchange.in_process import LocalTransport, World  # noqa: E402
-from hvd_compress.ops import torch_ops  # noqa: E402
+from hvd_compress.compressors import LaplaceTopK  # noqa: E402
 from hvd_compress.stats import ring_received  # noqa: E402
 from hvd_compress.strategies.auto.model import BucketCost, predict  # noqa: E402
 
@@ -72,6 +70,9 @@ _spec = importlib.util.spec_from_file_location("gpu_step_models", ROOT / "benchm
 models_ = sys.modules["gpu_step_models"] = importlib.util.module_from_spec(_spec)   # (for spawn)
 _spec.loader.exec_module(models_)
 build, loss_of = models_.build, models_.loss_of
+_spec = importlib.util.spec_from_file_location("gpu_step_exchange", ROOT / "benchmarks" / "gpu_step_exchange.py")
+exchange_ = sys.modules["gpu_step_exchange"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(exchange_)
 
 SPECS = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
          "laplace_topk:density=0.01,values=rangefloat8", "dct:density=0.01", "twobit",
@@ -143,117 +144,12 @@ def backward_passes(model, make, steps, warmup, clock, autocast, seed):
             {n: statistics.median(v[warm]) for n, v in ready.items()})
 
 
-# -- the exchange of every bucket, two ranks in one process ---------------------------
-
-class Synced:
-    """A compressor whose calls end with a device synchronisation (Exchange's timers)."""
-    CALLS = {"compress", "compress_bucket", "decompress", "decompress_bucket", "propose",
-             "propose_bucket", "agree", "finish"}
-
-    def __init__(self, inner, sync):
-        self._inner, self._sync = inner, sync
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if name not in self.CALLS:
-            return attr
-
-        def call(*a, **k):
-            out = attr(*a, **k)
-            self._sync()
-            return out
-        return call
-
-
-class SyncedWorld(World):
-    """The in-process world of hvd_compress.exchange.in_process, device-synchronised
-    after each aggregation (so that it is counted in neither compress nor decompress)."""
-
-    def __init__(self, size, sync):
-        super().__init__(size, torch_ops)
-        self.sync = sync
-
-    def sum(self, values):
-        out = super().sum(values)
-        self.sync()
-        return out
-
-    def concat(self, payloads):
-        out = super().concat(payloads)
-        self.sync()
-        return out
-
-    def transport(self, rank):
-        return _Transport(self, rank)
-
-
-class _Transport(LocalTransport):
-    def divide(self, out, size):
-        out = super().divide(out, size)
-        self.world.sync()
-        return out
-
-
-def collectives(c, ex):
-    """[(kind, bytes sent)] of an exchange's collectives, for the link model."""
-    if c.collective != "two_round":
-        return [(c.collective, int(ex.sent))]
-    first = int(payload_bytes(ex.payload, torch_ops))
-    return [(c.rounds[0][0], first), (c.rounds[1][0], int(ex.sent) - first)]
-
-
 def link_seconds(colls, ranks, gbit, latency):
     total = 0.0
     for kind, sent in colls:
         received = ring_received(sent, ranks) if kind == "allreduce" else (ranks - 1) * sent
         total += latency + max(sent, received) * 8 / (gbit * 1e9)
     return total
-
-
-def exchange_buckets(spec, names, grads, sync, bucket_mb, warmup):
-    """Every bucket of every step exchanged between 2 ranks with ``spec``: per bucket
-    (launch order) its layout, median compress and decompress seconds of rank 0 over
-    the steps after ``warmup``, and its collectives [(kind, bytes sent)]."""
-    comps = [hvd_compress.from_spec(spec) for _ in range(2)]
-    first = grads[0][0]
-    entries = [(n, tuple(first[n].shape), comps[0].for_tensor(n, first[n]), first[n].dtype,
-                first[n].element_size()) for n in names]
-    plan = buckets.plan(entries, buckets.bucket_mb(bucket_mb, comps[0]))
-    lays = [buckets.layout([names[i] for i in b], [entries[i][1] for i in b]) for b in plan]
-    times = [([], []) for _ in lays]
-    colls = [None] * len(lays)
-    for step, ranks in enumerate(grads):
-        world = SyncedWorld(2, sync)
-        checks = [[], []]                         # each rank's deferred index checks, as
-        for b, lay in enumerate(lays):            # the glue's driver defers them
-            last = b == len(lays) - 1
-            exs = []
-            for r, g in enumerate(ranks):         # the bucket's compressor, as the glue
-                c = Synced(comps[r].for_tensor(lay.names[0], g[lay.names[0]]), sync)
-                if len(lay.names) == 1:           # a bucket of one: the tensor's own path
-                    t = g[lay.names[0]].clone()
-                    sync()
-                    exs.append(Exchange(c, world.transport(r), lay.names[0], tensor=t,
-                                        inplace=True, average=True, checks=checks[r]))
-                else:                             # the glue's flat buffer
-                    flat = torch.cat([g[n].reshape(-1) for n in lay.names])
-                    sync()
-                    exs.append(Exchange(c, world.transport(r), lay.key, flat=flat,
-                                        layout=lay, average=True, checks=checks[r]))
-            finish_all(exs)
-            settle = 0.0
-            if last:                              # the step's one readback of them (the
-                start = time.perf_counter()       # driver's settle), with the last bucket
-                torch_ops.settle_checks(checks[0])
-                settle = time.perf_counter() - start
-                torch_ops.settle_checks(checks[1])
-            if step >= warmup:
-                times[b][0].append(exs[0].compress_s)
-                times[b][1].append(exs[0].decompress_s + settle)
-            colls[b] = collectives(exs[0].compressor, exs[0])
-            del exs
-    return [(lay, statistics.median(c), statistics.median(d), k)
-            for lay, (c, d), k in zip(lays, times, colls)]
 
 
 def spec_row(spec, per_bucket, ready, fwd, bwd, args):
@@ -283,10 +179,12 @@ def table(model, rows, bandwidths):
     bw = [f"{g:g}" for g in bandwidths]
     print(f"\n{model}: ms per step (rank 0; codec = compress + decompress of every bucket)")
     print(f"{'compressor':46s} {'backward':>9s} {'compress':>9s} {'decomp.':>8s} {'codec/bw':>8s} "
-          f"{'MB/rank':>9s} " + " ".join(f"{'step@' + g:>9s} {'x':>5s}" for g in bw))
+          f"{'in-step':>8s} {'MB/rank':>9s} " + " ".join(f"{'step@' + g:>9s} {'x':>5s}" for g in bw))
     for r in rows:
+        inline = r.get("inline_codec_over_backward")
         print(f"{r['spec']:46s} {r['backward_ms']:9.2f} {r['compress_ms']:9.2f} "
               f"{r['decompress_ms']:8.2f} {r['codec_over_backward']:8.1%} "
+              f"{'-' if inline is None else format(inline, '.1%'):>8s} "
               f"{r['bytes_per_rank'] / 1e6:9.2f} "
               + " ".join(f"{r[f'step_ms_{g}gbit']:9.1f} {r.get(f'speedup_{g}gbit') or 0:5.2f}" for g in bw))
 
@@ -305,6 +203,9 @@ def plot(model, rows, bandwidths, title, path):
     a.bar(x, [r["compress_ms"] for r in rows], label="compress")
     a.bar(x, [r["decompress_ms"] for r in rows], bottom=[r["compress_ms"] for r in rows],
           label="decompress (2 ranks' aggregate)")
+    inl = [(j, r["inline_codec_ms"]) for j, r in zip(x, rows) if "inline_codec_ms" in r]
+    if inl:
+        a.scatter(*zip(*inl), color="r", marker="D", zorder=3, label="added to backward (in-step)")
     a.axhline(rows[0]["backward_ms"], color="k", ls="--", label="backward")
     a.axhline(0.1 * rows[0]["backward_ms"], color="grey", ls=":", label="10% of backward")
     a.set_ylabel("ms per step, all buckets")
@@ -343,12 +244,16 @@ def run_model(name, args, info):
     rows = []
     for spec in args.specs:
         t0 = time.perf_counter()
-        per_bucket = exchange_buckets(spec, names, grads, clock.sync, args.bucket_mb, args.warmup)
+        per_bucket = exchange_.exchange_buckets(spec, names, grads, clock.sync, args.bucket_mb, args.warmup)
         rows.append(spec_row(spec, per_bucket, ready, fwd, bwd, args))
         r = rows[-1]
+        if args.inline:                 # the codec inside backward
+            r.update(exchange_.measure(spec, model, make, loss_of, [x[0] for x in per_bucket],
+                                     grads, args, clock, autocast))
         log(f"  {spec:46s} {r['buckets']:4d} buckets  compress {r['compress_ms']:8.2f} ms  "
             f"decompress {r['decompress_ms']:8.2f} ms  ({r['codec_over_backward']:.1%} of backward; "
-            f"{time.perf_counter() - t0:.1f} s)")
+            + (f"in backward +{r['inline_codec_ms']:.2f} ms; " if "inline_codec_ms" in r else "")
+            + f"{time.perf_counter() - t0:.1f} s)")
         if clock.cuda:
             torch.cuda.empty_cache()
     base = next((r for r in rows if r["spec"] == "none"), None)
@@ -357,9 +262,11 @@ def run_model(name, args, info):
             key = f"{g:g}gbit"
             r[f"speedup_{key}"] = base[f"step_ms_{key}"] / r[f"step_ms_{key}"] if base else None
     table(name, rows, args.bandwidths)
-    targets = {f"{r['spec']}: codec <= 10% of backward": {
-        "codec_over_backward": r["codec_over_backward"], "met": r["codec_over_backward"] <= 0.10}
-        for r in rows if name == "gpt2" and not args.tiny and r["spec"].startswith(TARGET)}
+    targets = {f"{r['spec']}: {what}codec <= 10% of backward": {
+        "codec_over_backward": r[key], "met": r[key] <= 0.10}
+        for r in rows if name == "gpt2" and not args.tiny and r["spec"].startswith(TARGET)
+        for what, key in (("", "codec_over_backward"), ("in-step ", "inline_codec_over_backward"))
+        if key in r}
     stem = Path(args.out) / f"gpu_step_{name}{'_tiny' if args.tiny else ''}_{info['date']}"
     stem.with_suffix(".json").write_text(json.dumps(dict(
         info, model=name, tiny=args.tiny, params=params, tensors=len(names), rows=rows,
@@ -391,6 +298,8 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=None, help="default as the glue (25)")
     p.add_argument("--autocast", choices=("auto", "bf16", "none"), default="auto",
                    help="auto: bf16 on CUDA, none on the CPU")
+    p.add_argument("--no-inline", dest="inline", action="store_false",
+                   help="no backward with the codec in its hooks (gpu_step_exchange.py)")
     p.add_argument("--ddp-check", action="store_true")
     p.add_argument("--ddp-spec", default="laplace_topk:density=0.01")
     p.add_argument("--seed", type=int, default=0)

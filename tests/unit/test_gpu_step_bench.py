@@ -56,3 +56,76 @@ def test_png_per_model_and_a_table(results):
     assert results["pngs"] == [f"gpu_step_{m}_tiny_{results['gpt2']['date']}.png"
                                for m in ("gpt2", "resnet50")]
     assert "step@10" in results["stdout"] and "powersgd:rank=4" in results["stdout"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "resnet50"])
+def test_in_step_rows_launch_every_bucket_from_a_hook(results, model):
+    rows = {r["spec"]: r for r in results[model]["rows"]}
+    for spec in ("none", "topk:density=0.01"):
+        r = rows[spec]
+        assert r["inline_backward_ms"] > 0 and r["plain_backward_ms"] > 0
+        assert r["inline_codec_ms"] == pytest.approx(r["inline_backward_ms"] - r["plain_backward_ms"])
+        assert r["inline_from_hooks"] == r["inline_buckets"] == r["buckets"]
+    assert "two rounds" in rows["powersgd:rank=4"]["inline_skipped"]
+    assert "inline_backward_ms" not in rows["powersgd:rank=4"]
+    assert "in-step" in results["stdout"]
+
+
+def _inline_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_step_exchange",
+                                                  ROOT / "benchmarks" / "gpu_step_exchange.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("spec", ["none", "topk:density=0.25"])
+def test_in_step_exchange_averages_rank_1s_replayed_payload(spec):
+    """The in-step pass's results are the two ranks' average: rank 0's gradient of the
+    hooked backward with rank 1's payload made beforehand (replayed), as an exchange of
+    both ranks in lockstep gives it."""
+    import torch
+    import hvd_compress
+    from hvd_compress import buckets
+    from hvd_compress.exchange import Exchange, finish_all
+    from hvd_compress.exchange.in_process import World
+    from hvd_compress.ops import torch_ops
+    inline = _inline_module()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    names = [n for n, _ in model.named_parameters()]
+    lays = [buckets.layout(names[:2], [tuple(model[0].weight.shape), (16,)]),
+            buckets.layout(names[2:3], [tuple(model[2].weight.shape)]),
+            buckets.layout(names[3:], [(3,)])]
+    x0, x1 = torch.randn(5, 8), torch.randn(5, 8)
+    model(x1).square().sum().backward()
+    g1 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(x0).square().sum().backward()
+    g0 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    # the reference: both ranks exchanged for real, in lockstep
+    refs, world = [hvd_compress.from_spec(spec) for _ in range(2)], World(2, torch_ops)
+    expected = []
+    for lay in lays:
+        exs = []
+        for r, g in enumerate((g0, g1)):
+            c = refs[r].for_tensor(lay.names[0], g[lay.names[0]])
+            if len(lay.names) == 1:
+                exs.append(Exchange(c, world.transport(r), lay.names[0],
+                                    tensor=g[lay.names[0]].clone(), average=True))
+            else:
+                exs.append(Exchange(c, world.transport(r), lay.key, layout=lay, average=True,
+                                    flat=torch.cat([g[n].reshape(-1) for n in lay.names])))
+        finish_all(exs)
+        expected.append(exs[0].result)
+    step = inline.InlineStep(model, hvd_compress.from_spec(spec), lays)
+    try:
+        got = step.run(model(x0).square().sum(), inline.rank1_replays(
+            hvd_compress.from_spec(spec), lays, g1))
+    finally:
+        step.remove()
+    assert step.from_hooks == len(lays)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
