@@ -164,7 +164,7 @@ class Replay:
     the result's shape, unread).  Everything else is the compressor's own."""
 
     def __init__(self, inner, payload, ctx, out):
-        self._inner, self._payload, self._ctx, self._out = inner, payload, ctx, out
+        self._inner, self._payload, self._ctx, self.out = inner, payload, ctx, out
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -176,10 +176,10 @@ class Replay:
         return self._payload, self._ctx
 
     def decompress(self, agg, ctx):
-        return self._out
+        return self.out
 
     def decompress_bucket(self, agg, ctx):
-        return self._out
+        return self.out
 
 
 def rank1_replays(comp, lays, grads):
@@ -237,12 +237,12 @@ class InlineStep:
             name = lay.names[0]
             ours = Exchange(c, t0, name, tensor=self._grad(name), inplace=True, average=True,
                             checks=self.checks)
-            theirs = Exchange(replay, t1, name, tensor=replay._out, inplace=True)
+            theirs = Exchange(replay, t1, name, tensor=replay.out, inplace=True)
         else:                                       # the glue's flat buffer
             flat = torch.cat([self._grad(n).reshape(-1) for n in lay.names])
             ours = Exchange(c, t0, lay.key, flat=flat, layout=lay, average=True,
                             checks=self.checks)
-            theirs = Exchange(replay, t1, lay.key, flat=replay._out, layout=lay)
+            theirs = Exchange(replay, t1, lay.key, flat=replay.out, layout=lay)
         self.exchanges += [ours, theirs]
         self.ours[b] = ours
 
