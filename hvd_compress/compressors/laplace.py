@@ -49,7 +49,7 @@ Imports: the standard library; and modules of its own package.
 """
 import math
 
-from .base import register
+from .base import OwnPayload, register
 from .sparse import DensitySparsifier, per_segment, top_k_checked
 
 
@@ -115,6 +115,28 @@ class LaplaceTopK(DensitySparsifier):
     def adds_residual(self, flat, ctx, ops):
         # the fused search's first pass (sum|c| and max|c| per tensor) adds r itself
         return bool(self.fused) and ctx.bucket is not None and self.payload_is_copy
+
+    #: the fused search's write pass gathers the values and writes error feedback's
+    #: residual over the sent entries (``encode_checked``; float values, float32 buckets)
+    writes_residual = True
+
+    def encode(self, flat, ctx, ops, step):
+        # (no error feedback, or one that does not come through encode_checked: flat is
+        # left as it is)
+        return super().encode_checked(flat, ctx, ops, step)[0]
+
+    def encode_checked(self, flat, ctx, ops, step):
+        # called by error feedback (Compressor._compress_flat), whose residuals are
+        # updated in place in flat where payload_is_copy: the fused search's write pass
+        # then gathers the values and writes c - sent over the sent entries of flat
+        # (+0.0) itself: no gather, no scatter of the sent values into the residual
+        if not (self.fused and self.codec is None and self.writes_residual
+                and self.payload_is_copy and ops.histogram_search_supported()):
+            return super().encode_checked(flat, ctx, ops, step)
+        idx, finite, values, written = select_histogram(self, flat, ctx.layout, ops,
+                                                        add=ctx.add, own=True)
+        payload = (values, idx)
+        return (payload if written is None else OwnPayload(payload, residual=written)), finite
 
     def small_below(self, flat, ops):
         """Tensors of fewer values take the framework's top-k (``small``, else the
@@ -297,7 +319,7 @@ HISTOGRAM_PASSES = (62, HISTOGRAM_BINS, HISTOGRAM_BINS, HISTOGRAM_BINS)
 COARSE_BINS = 62        #: passes with at most this many bins count per block (``local``)
 
 
-def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):
+def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, own=False):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
@@ -327,9 +349,14 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):
     ``exact=1`` gives the same indices as the grid search (the k largest, ties by lowest
     index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
     with fewer than k nonzero entries sends them all.
+
+    ``own=True`` (error feedback, residuals updated in place in ``flat``): the write pass
+    also gathers the values and writes +0.0 over the sent entries of ``flat``:
+    ``(indices, finite, values, written)`` (``ops.band_select``).
     """
     blocks, state = histogram_search(self, flat, lay, ops, passes, add)
-    return ops.band_select(flat, blocks, state)
+    return ops.band_select(flat, blocks, state, own=True) if own else \
+        ops.band_select(flat, blocks, state)
 
 
 def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):

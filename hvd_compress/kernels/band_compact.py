@@ -28,6 +28,7 @@ import torch
 
 from ._backend import count_launch, pick_backend
 from .histogram_select import FINITE, HI, LO, QUOTA, _entry_segments, _magnitude_bits, _whole
+from .segmented import check_flat32
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,10 +39,14 @@ def _kernels():
 
     @triton.jit
     def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T,
-                     above_ptr, band_ptr, out_offset_ptr, idx_ptr,
-                     WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+                     above_ptr, band_ptr, out_offset_ptr, idx_ptr, val_ptr,
+                     WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                     GATHER: tl.constexpr = False, ZERO: tl.constexpr = False):
         # WRITE=False: count the block's entries above hi and in the band (lo, hi];
-        # WRITE=True: write the taken entries' indices (band_ptr: band entries before it).
+        # WRITE=True: write the taken entries' indices (band_ptr: band entries before it),
+        # with GATHER their values too (val_ptr, x's dtype), with ZERO +0.0 over them in x
+        # (error feedback's c - sent for the sent entries, x float32: each program writes
+        # only entries of its own block, after reading them).
         # Per entry only int32 (a block's counts and ranks are below BLOCK); the state's
         # rows read here: LO = 0, HI = 1, QUOTA = 5
         pid = tl.program_id(0)
@@ -49,7 +54,8 @@ def _kernels():
         local = tl.arange(0, BLOCK)
         valid = local < (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
         s = tl.load(segs_ptr + pid)
-        x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
+        raw = tl.load(x_ptr + start + local, mask=valid, other=0.0)
+        x = raw.to(tl.float32)
         b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
         lo = tl.load(state_ptr + s).to(tl.int32)                 # -1 <= lo, hi < 2^31
         hi = tl.load(state_ptr + T + s).to(tl.int32)
@@ -70,8 +76,12 @@ def _kernels():
             band_before = before & 0xFFFF
             take = above | ((band > 0) & (band_before < room))
             pos = (before >> 16) + tl.minimum(band_before, room)
-            out = idx_ptr + tl.load(out_offset_ptr + pid)
-            tl.store(out + pos, (start + local).to(tl.int32), mask=take)
+            at = tl.load(out_offset_ptr + pid)
+            tl.store(idx_ptr + at + pos, (start + local).to(tl.int32), mask=take)
+            if GATHER:
+                tl.store(val_ptr + at + pos, raw, mask=take)
+            if ZERO:
+                tl.store(x_ptr + start + local, tl.zeros_like(x), mask=take)
         else:
             tl.store(above_ptr + pid, tl.sum(above.to(tl.int32), axis=0).to(tl.int64))
             tl.store(band_ptr + pid, tl.sum(band, axis=0).to(tl.int64))
@@ -110,8 +120,9 @@ def _kernels():
     return types.SimpleNamespace(band=_band_kernel, offsets=_offsets_kernel)
 
 
-def band_select_reference(x, blocks, state):
-    """``(indices, finite)`` of :func:`band_select`, in torch."""
+def band_select_reference(x, blocks, state, gather=False, zero=False):
+    """``(indices, finite)`` of :func:`band_select`, in torch (``gather``, ``zero``: as
+    there)."""
     b = _magnitude_bits(x)
     T = blocks.first.numel()
     seg = _entry_segments(blocks, b.numel())
@@ -121,7 +132,14 @@ def band_select_reference(x, blocks, state):
     before = torch.cumsum(per, 0) - per
     rank = torch.cumsum(band.long(), 0) - band.long() - before[seg]        # 0-based
     take = (b > hi_e) | (band & (rank < state[QUOTA][seg]))
-    return torch.nonzero(take).reshape(-1).to(torch.int32), bool(state[FINITE, 0])
+    idx = torch.nonzero(take).reshape(-1)
+    finite = bool(state[FINITE, 0])
+    if not gather:
+        return idx.to(torch.int32), finite
+    values = x.reshape(-1)[idx]
+    if zero:
+        x.reshape(-1).index_fill_(0, idx, 0.0)
+    return idx.to(torch.int32), finite, values
 
 
 #: warps of a band-write program (blocks of 4096 entries: 16 a thread): chosen from the
@@ -136,12 +154,22 @@ BAND_WRITE_WARPS = 8
 OFFSETS_BLOCK = 2048
 
 
-def band_select(x, blocks, state, backend=None):
+def band_select(x, blocks, state, backend=None, gather=False, zero=False):
     """``(int32 indices, finite)``: per tensor, the entries with ``b > HI`` and the first
     ``QUOTA`` of ``LO < b <= HI``; ``finite`` is the state's ``FINITE`` as a Python bool,
-    read back with the output's length (one host synchronisation for both)."""
+    read back with the output's length (one host synchronisation for both).
+
+    ``gather=True``: ``(indices, finite, values)``, the values ``x[indices]`` written by
+    the same launch as the indices.  ``zero=True`` (with ``gather``; ``x`` contiguous 1-D
+    float32): that launch also writes +0.0 over the taken entries of ``x`` (error
+    feedback's ``c - sent`` there: ``c - (0.0 + c)`` is +0.0 for every finite nonzero
+    ``c``, and only nonzero entries are taken from a finite bucket)."""
+    if zero and not gather:
+        raise ValueError("band_select: zero=True needs gather=True")
+    if zero:
+        check_flat32("band_select: zero=", x.numel(), x)
     if pick_backend(x, backend) == "torch":
-        return band_select_reference(x, blocks, state)
+        return band_select_reference(x, blocks, state, gather, zero)
     x = x.reshape(-1)
     programs = blocks.starts.numel()
     above = torch.empty(programs, dtype=torch.int64, device=x.device)
@@ -150,7 +178,7 @@ def band_select(x, blocks, state, backend=None):
     count_launch("band_count")
     kernels = _kernels()
     kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, _whole(state), T, above,
-                              band, above, above, WRITE=False, BLOCK=blocks.block,
+                              band, above, above, above, WRITE=False, BLOCK=blocks.block,
                               ALIGN=blocks.align)
     band_before, out_start, scratch, result = (
         torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
@@ -161,11 +189,13 @@ def band_select(x, blocks, state, backend=None):
     # the one host synchronisation: the size of the output allocation (and the flag)
     total, finite = result.tolist()
     idx = torch.empty(total, dtype=torch.int32, device=x.device)
+    values = torch.empty(total, dtype=x.dtype, device=x.device) if gather else idx
     if total:
         count_launch("band_write")
         # 8 warps: the one scan of both counts holds 194 registers a thread with 4
         # (sm_90, Triton 3.6), 85 with 8, so that as many warps fit on an SM as before it
         kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, state, T, above,
-                                  band_before, out_start, idx, WRITE=True, BLOCK=blocks.block,
-                                  ALIGN=blocks.align, num_warps=BAND_WRITE_WARPS)
-    return idx, bool(finite)
+                                  band_before, out_start, idx, values, WRITE=True,
+                                  BLOCK=blocks.block, ALIGN=blocks.align, GATHER=gather,
+                                  ZERO=zero, num_warps=BAND_WRITE_WARPS)
+    return (idx, bool(finite), values) if gather else (idx, bool(finite))

@@ -379,20 +379,33 @@ FOLD_PICK = False
 def histogram_step(x, blocks, state, bins, k, slack, buffers=None, local=False, backend=None):
     """One pass of the search: :func:`segment_histogram`, then :func:`histogram_pick`
     (``state`` updated in place and returned), in one launch where the kernels run and
-    ``FOLD_PICK`` is set.  ``buffers``: a dict that keeps the zeroed histograms (by
-    ``bins``) and the per-tensor counters (``"done"``, int32, left zero) for the next
-    passes."""
+    ``FOLD_PICK`` is set.  ``buffers``: a dict that keeps the zeroed counts
+    (``"counts"``, one buffer for every pass) and the per-tensor counters (``"done"``,
+    int32, left zero) for the next passes."""
     buffers = {} if buffers is None else buffers
-    if not FOLD_PICK or pick_backend(x, backend) == "torch" or x.numel() == 0:
-        buffers[bins] = segment_histogram(x, blocks, state, bins, buffers.get(bins),
-                                          backend, local)
-        return histogram_pick(buffers[bins], state, k, slack, bins, backend)
-    T = blocks.first.numel()
-    if bins not in buffers:
-        buffers[bins] = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device)
+    if pick_backend(x, backend) == "torch" or x.numel() == 0:
+        hist = segment_histogram(x, blocks, state, bins, None, backend, local)
+        return histogram_pick(hist, state, k, slack, bins, backend)
+    hist = _zeroed_counts(buffers, blocks.first.numel(), bins, x.device)
+    if not FOLD_PICK:
+        segment_histogram(x, blocks, state, bins, hist, backend, local)
+        return histogram_pick(hist, state, k, slack, bins, backend)
     if "done" not in buffers:
-        buffers["done"] = torch.zeros(T, dtype=torch.int32, device=x.device)
+        buffers["done"] = torch.zeros(blocks.first.numel(), dtype=torch.int32, device=x.device)
     count_launch("segment_histogram_pick")
-    _launch_histogram(x, blocks, state, bins, buffers[bins], local,
-                      (k, slack, buffers["done"]))
+    _launch_histogram(x, blocks, state, bins, hist, local, (k, slack, buffers["done"]))
     return state
+
+
+def _zeroed_counts(buffers, T, bins, device):
+    """The passes' one zeroed int64 counts buffer (``buffers["counts"]``, flat, at least
+    ``T * (bins + 2)`` and 2048 columns a tensor), which the kernels index as ``[T, bins +
+    2]`` rows from its start: each pass's pick zeroes the rows it counted into, so a
+    later pass, of as many columns or other, finds its rows zero too -- one allocation
+    for the search, not one per number of bins, and no view of it per pass."""
+    need = T * (bins + 2)
+    whole = buffers.get("counts")
+    if whole is None or whole.numel() < need:
+        whole = buffers["counts"] = torch.zeros(max(need, T * 2048), dtype=torch.int64,
+                                                device=device)
+    return whole

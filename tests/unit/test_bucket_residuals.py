@@ -166,7 +166,8 @@ def _same(a, b):
 def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, monkeypatch):
     """On the kernel path, the residual or decoded values that the encode's launch
     writes (and, for twobit's, range-float's and the fused search's buckets, ``c = g + r``
-    added by their first pass) give the
+    added by their first pass; the fused search's write pass gathers the sent values and
+    writes +0.0 over them in ``c``) give the
     residuals, payloads and aggregates of the same kernel path with the folds turned off
     (error feedback adds the residuals, then decodes its own payload and subtracts), bit
     for bit over three steps, NaN in the last; a bucket, and each tensor compressed alone
@@ -177,10 +178,11 @@ def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, mo
     from hvd_compress.ops import torch_ops
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     encode = torch_ops.rangefloat_encode_segments
-    runs, launched, adds = {}, {}, {}
+    runs, launched, adds, moved = {}, {}, {}, {}
     for fold in (True, False):
         if not fold:
             monkeypatch.setattr(TwoBit, "writes_residual", False)
+            monkeypatch.setattr(LaplaceTopK, "writes_residual", False)
             for cls in (TwoBit, LaplaceTopK, RangeFloat):
                 monkeypatch.setattr(cls, "adds_residual", lambda *a: False)
             monkeypatch.setattr(torch_ops, "rangefloat_encode_segments",       # asks nothing
@@ -207,6 +209,8 @@ def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, mo
                 got.append([c.residual(n).clone() for n in LAY.names])
         runs[fold] = got
         adds[fold] = sum(v for k, v in ops.ops.items() if k.startswith("aten.add"))
+        moved[fold] = sum(v for k, v in ops.ops.items()             # gathers and scatters
+                          if k.startswith(("aten.index_select", "aten.index_add")))
     if spec.startswith(("rangefloat", "twobit")):
         fewer = True
     elif "values=" in spec or spec.startswith("dct"):
@@ -214,8 +218,11 @@ def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, mo
     else:
         fewer = False            # (laplace_topk: the residuals' addition, an op, not a launch)
     assert (sum(launched[True].values()) < sum(launched[False].values())) == fewer, launched
-    if not spec.startswith("dct"):          # c = g + r in the first pass (buckets only)
-        assert (adds[True] < adds[False]) == (not alone), adds
+    # the fused search's float values: gathered, and c - sent written, by its write pass
+    sent_by_band = spec.startswith("laplace_topk") and "values=" not in spec
+    assert (moved[True] < moved[False]) == sent_by_band, moved
+    if not spec.startswith("dct"):          # c = g + r in the first pass (buckets only),
+        assert (adds[True] < adds[False]) == (not alone or sent_by_band), adds   # 0.0 + v
     for a, b in zip(runs[True], runs[False]):
         if isinstance(a, tuple):
             assert all(_same(x, y) for x, y in zip(a[0], b[0])) and _same(a[1], b[1])

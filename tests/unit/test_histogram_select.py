@@ -168,6 +168,43 @@ def test_band_select_matches_reference(dtype, block):
     assert torch.equal(got.sort().values, got)                    # index order
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype, zero", [(torch.float32, True), (torch.float32, False),
+                                         (torch.float16, False)])
+def test_band_select_gathers_the_values_and_zeroes_them_in_x(backend, dtype, zero):
+    """``gather=True``: the taken values from the launch that writes the indices;
+    ``zero=True`` (float32): +0.0 written over exactly those entries of ``x`` (error
+    feedback's ``c - sent``), every other bit of ``x`` as it was."""
+    x = make("laplace", sum(LENGTHS)).to(dtype)
+    j = int(x[:LENGTHS[0]].abs().argmax())
+    x[j] = -x[j].abs()                                    # a negative taken entry
+    blocks = H.block_table(LENGTHS, x.device, block=1024)
+    state = state_for(LENGTHS, [bits(1.0), -1, 0, bits(2.0), 0, bits(0.5)],
+                      [bits(2.0), -1, bits(3.0), bits(2.0), bits(3.0), bits(2.0)])
+    state[H.QUOTA] = torch.tensor([3, 0, 1000, 50, 2, 0], device=DEVICE)
+    before = x.clone()
+    want, _ = B.band_select_reference(before.clone(), blocks, state)
+    idx, finite, values = B.band_select(x, blocks, state, backend=backend, gather=True, zero=zero)
+    assert torch.equal(idx, want) and finite and j in idx.tolist()
+    assert values.dtype == dtype and torch.equal(values, before[idx.long()])
+    if zero:
+        expect = before.clone()
+        expect[idx.long()] = 0.0
+        assert torch.equal(x.view(torch.int32), expect.view(torch.int32))    # +0.0, bits
+    else:
+        assert torch.equal(x, before)
+
+
+def test_band_select_refuses_to_zero_what_it_cannot():
+    x = make("laplace", sum(LENGTHS))
+    blocks = H.block_table(LENGTHS, x.device)
+    state = state_for(LENGTHS, [0] * len(LENGTHS), [bits(2.0)] * len(LENGTHS))
+    with pytest.raises(ValueError, match="zero=True needs gather=True"):
+        B.band_select(x, blocks, state, zero=True)
+    with pytest.raises(ValueError, match="contiguous 1-D float32"):
+        B.band_select(x.half(), blocks, state, gather=True, zero=True)
+
+
 def test_a_non_finite_bucket_selects_everything():
     x = make("laplace", sum(LENGTHS))
     x[4000] = float("nan")

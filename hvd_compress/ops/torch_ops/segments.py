@@ -12,7 +12,7 @@ import numpy as _np
 import torch as _torch
 
 from .. import _cpu_topk
-from .core import _add_unless, _cached, _constant, _host_list, _index_vector
+from .core import _add_unless, _cached, _constant, _flat32, _host_list, _index_vector
 
 
 def concat(ts):
@@ -223,8 +223,17 @@ def histogram_step(flat, blocks, state, bins, k, slack, buffers, local=False):
                                            local=local)
 
 
-def band_select(flat, blocks, state):
+def band_select(flat, blocks, state, own=False):
     """``(int32 indices, finite)``: above ``HI`` and the first ``QUOTA`` of the band,
-    per tensor; ``finite`` a Python bool (one host synchronisation for both)."""
+    per tensor; ``finite`` a Python bool (one host synchronisation for both).
+    ``own=True`` (error feedback's residuals updated in place in ``flat``):
+    ``(indices, finite, values, written)``, the values gathered by the launch that
+    writes the indices, which also writes ``flat - sent`` over ``flat`` (+0.0 at the
+    sent entries) where ``flat`` is contiguous 1-D float32 (``written`` is ``flat``
+    then, else None and ``flat`` is left as it was)."""
     from ...kernels import band_compact
-    return band_compact.band_select(flat, blocks, state)
+    if not own:
+        return band_compact.band_select(flat, blocks, state)
+    zero = _flat32(flat)
+    return (*band_compact.band_select(flat, blocks, state, gather=True, zero=zero),
+            flat if zero else None)
