@@ -21,7 +21,8 @@
      and the step's deferred checks settled (the driver's one read-back).  Rank 1's
      payload is its real gradient of the same step compressed *before* the timed pass
      (:class:`Replay` hands it over and skips rank 1's decompress), so only rank 0's
-     codec is in the pass; the in-process aggregation is made once per rank.
+     codec is in the pass; each collective's aggregate is made once, for both ranks
+     (:class:`OnceWorld`), as a real collective makes it once.
    - **plain**: the same backward, no hook.
 
    Both from the start of backward to the end of the last decompress (CUDA events; the
@@ -158,6 +159,28 @@ def exchange_buckets(spec, names, grads, sync, bucket_mb, warmup):
 # -- the exchange of every bucket inside backward ----------------------------------------
 
 
+class OnceWorld(World):
+    """The in-process world, each collective's aggregate made once and handed to both
+    ranks (the plain world makes it once per rank waiting; rank 1's :class:`Replay`
+    never reads it), so that the timed pass holds one aggregation per collective."""
+
+    def __init__(self, size, ops):
+        super().__init__(size, ops)
+        self._made = {}          # (how, ids of the contributions) -> (them, aggregate)
+
+    def _once(self, how, values):
+        key = (how, tuple(map(id, values)))
+        if key not in self._made:
+            self._made[key] = (values, getattr(World, how)(self, values))
+        return self._made[key][1]
+
+    def sum(self, values):
+        return self._once("sum", values)
+
+    def concat(self, payloads):
+        return self._once("concat", payloads)
+
+
 class Replay:
     """Rank 1's compressor for one bucket: its payload made beforehand, handed over by
     ``compress``/``compress_bucket``; its decompress skipped (``out``, a zero tensor of
@@ -249,7 +272,7 @@ class InlineStep:
     def run(self, loss, replays):
         """``loss.backward()`` with the exchanges, then every one finished and the checks
         settled; returns rank 0's results, bucket by bucket."""
-        self.replays, self.world = replays, World(2, torch_ops)
+        self.replays, self.world = replays, OnceWorld(2, torch_ops)
         self.exchanges, self.checks, self.from_hooks, self.ours = [], [], 0, {}
         self.waiting = [len(lay.names) for lay in self.lays]
         try:

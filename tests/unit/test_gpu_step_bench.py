@@ -71,7 +71,7 @@ def test_in_step_rows_launch_every_bucket_from_a_hook(results, model):
     assert "in-step" in results["stdout"]
 
 
-def _inline_module():
+def _exchange_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("gpu_step_exchange",
                                                   ROOT / "benchmarks" / "gpu_step_exchange.py")
@@ -91,7 +91,7 @@ def test_in_step_exchange_averages_rank_1s_replayed_payload(spec):
     from hvd_compress.exchange import Exchange, finish_all
     from hvd_compress.exchange.in_process import World
     from hvd_compress.ops import torch_ops
-    inline = _inline_module()
+    inline = _exchange_module()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     names = [n for n, _ in model.named_parameters()]
@@ -129,3 +129,18 @@ def test_in_step_exchange_averages_rank_1s_replayed_payload(spec):
     assert step.from_hooks == len(lays)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_once_world_makes_each_aggregate_once():
+    """The in-step pass's world hands both ranks one aggregate per collective (a plain
+    in-process world combines once per rank that waits), so rank 1's is not timed."""
+    import torch
+    from hvd_compress.ops import torch_ops
+    world = _exchange_module().OnceWorld(2, torch_ops)
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    total = world.sum([a, b])
+    assert world.sum([a, b]) is total and torch.equal(total, torch.full((3,), 3.0))
+    pa, pb = (a, torch.arange(3)), (b, torch.arange(3))
+    cat = world.concat([pa, pb])
+    assert world.concat([pa, pb]) is cat and cat[0].numel() == 6
+    assert world.sum([b, a]) is not total                       # other contributions

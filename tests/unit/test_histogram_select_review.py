@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvd_compress.buckets import layout
-from hvd_compress.compressors.laplace import select_histogram
+from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
 from hvd_compress.kernels import band_compact as B
 from hvd_compress.kernels import histogram_select as H
 from hvd_compress.ops import torch_ops
@@ -183,6 +183,38 @@ def test_bucket_search_sums_with_unchecked_segment_reduce(monkeypatch):
         c.compress_bucket(torch.randn(lay.total, device=DEVICE), lay)
     assert calls and all(calls), f"segment_reduce called with unsafe={calls}"
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_every_pass_leaves_the_shared_counts_zero(monkeypatch, fold):
+    """The passes of one search share one counts buffer (``histogram_select.
+    _zeroed_counts``), each counting into rows of its own width: after every pass (its
+    pick, or with ``FOLD_PICK`` each tensor's last block) the whole buffer is zero again,
+    with tensors that stop being searched after the first passes and a bucket with an
+    Inf (no tensor searched)."""
+    from hvd_compress.compressors.laplace import histogram_search
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    monkeypatch.setattr(H, "FOLD_PICK", fold)
+    step, seen = torch_ops.histogram_step, []
+
+    def checked(flat, blocks, state, bins, k, slack, buffers, local=False):
+        out = step(flat, blocks, state, bins, k, slack, buffers, local)
+        seen.append((bins, int(state[H.ACTIVE].sum())))
+        assert not buffers["counts"].any(), (bins, buffers["counts"].nonzero()[:5])
+        return out
+    monkeypatch.setattr(torch_ops, "histogram_step", checked)
+    rng = np.random.default_rng(4)
+    parts = [rng.laplace(size=9000), [2.0], rng.laplace(size=4097) * 1e-3, rng.normal(size=300)]
+    lay = layout([f"z{i}" for i in range(4)], [(len(p),) for p in parts])
+    x = torch.tensor(np.concatenate(parts).astype(np.float32), device=DEVICE)
+    inf = x.clone()
+    inf[9001 + 5] = float("inf")
+    for flat in (x, inf):
+        for spec in ("laplace_topk:density=0.01,fused=1", "laplace_topk:density=0.3,fused=1,exact=1"):
+            histogram_search(from_spec(spec), flat.clone(), lay, torch_ops)
+    assert len(seen) == 4 * len(HISTOGRAM_PASSES)
+    assert {b for b, _ in seen} == set(HISTOGRAM_PASSES)
+    assert any(0 < active < 4 for _, active in seen)           # some tensors left the search
+
+
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
                                   "laplace_topk:density=0.3,fused=1,exact=1"])
 def test_pick_folded_into_the_histogram_launch_searches_the_same(monkeypatch, spec):
@@ -210,3 +242,22 @@ def test_pick_folded_into_the_histogram_launch_searches_the_same(monkeypatch, sp
         for (state, (idx, finite)), (w_state, (w_idx, w_finite)) in zip(got, want):
             assert torch.equal(state, w_state) and finite == w_finite
             assert torch.equal(idx, w_idx)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("spec", ["laplace_topk:density=0.05,fused=1,ef=0",
+                                  "laplace_topk:density=0.05,fused=1,exact=1,ef=0"])
+def test_without_error_feedback_the_callers_gradient_is_left_as_it_was(monkeypatch, backend, spec):
+    """The write pass writes +0.0 over the sent entries only of a buffer that error
+    feedback owns: with ``ef=0`` the caller's tensor (compress) and bucket
+    (compress_bucket) keep every bit, and the payload is the selection's values."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    rng = np.random.default_rng(5)
+    lay = layout(["a", "b"], [(300,), (700,)])
+    flat = torch.tensor(rng.laplace(size=1000).astype(np.float32), device=DEVICE)
+    c = from_spec(spec)
+    for call in (lambda t: c.compress(t, "a"), lambda t: c.compress_bucket(t, lay)):
+        t = flat.clone()
+        (values, idx), _ = call(t)
+        assert torch.equal(t.view(torch.int32), flat.view(torch.int32))
+        assert idx.numel() > 0 and torch.equal(values, flat[idx.long()])
