@@ -108,10 +108,10 @@ class DCTSparse(DensitySparsifier):
         """``(payload, finite)``; ``finite`` (the gradient held no NaN/Inf) only when
         ``check`` or where the fused search finds it anyway."""
         coefs, cctx = self.to_domain(flat, ctx, ops)
-        if self.fused_here(coefs, ops):
-            idx, finite = select_histogram(self._select, coefs,
-                                           cctx.layout, ops)
-            return self._payload(coefs, idx, cctx, ops), finite
+        if self.fused_here(coefs, ops):    # (the values and their counts from its write)
+            idx, finite, values, counts, _ = select_histogram(self._select, coefs, cctx.layout,
+                                                              ops, gather=True)
+            return self._payload(coefs, idx, cctx, ops, values, counts), finite
         finite = (ops.all_finite(flat) if ctx.finite is None else ctx.finite) if check else None
         idx = ops.cond(ops.all_finite(coefs),          # coefficients may overflow
                        lambda: self.select(coefs, cctx, ops, step),

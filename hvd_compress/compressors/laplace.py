@@ -116,26 +116,34 @@ class LaplaceTopK(DensitySparsifier):
         # the fused search's first pass (sum|c| and max|c| per tensor) adds r itself
         return bool(self.fused) and ctx.bucket is not None and self.payload_is_copy
 
-    #: the fused search's write pass gathers the values and writes error feedback's
-    #: residual over the sent entries (``encode_checked``; float values, float32 buckets)
+    #: the fused search's write pass gathers the sent values and counts them per tensor
+    #: (for ``values=rangefloat*``), and with error feedback writes its residual over the
+    #: sent entries (float values, float32 buckets); False: the values gathered, and the
+    #: residual subtracted, after the search
     writes_residual = True
 
     def encode(self, flat, ctx, ops, step):
         # (no error feedback, or one that does not come through encode_checked: flat is
         # left as it is)
-        return super().encode_checked(flat, ctx, ops, step)[0]
+        return self._encode_fused(flat, ctx, ops, step, own=False)[0]
 
     def encode_checked(self, flat, ctx, ops, step):
         # called by error feedback (Compressor._compress_flat), whose residuals are
-        # updated in place in flat where payload_is_copy: the fused search's write pass
-        # then gathers the values and writes c - sent over the sent entries of flat
-        # (+0.0) itself: no gather, no scatter of the sent values into the residual
-        if not (self.fused and self.codec is None and self.writes_residual
-                and self.payload_is_copy and ops.histogram_search_supported()):
+        # updated in place in flat where payload_is_copy
+        return self._encode_fused(flat, ctx, ops, step, own=self.payload_is_copy)
+
+    def _encode_fused(self, flat, ctx, ops, step, own):
+        """``(payload, finite)`` with the values that the fused search's write pass
+        gathered and counted per tensor; ``own`` (float values): that pass also writes
+        ``c - sent`` over the sent entries of ``flat`` (+0.0), so error feedback scatters
+        nothing.  Elsewhere: the sparsifiers' :meth:`encode_checked`."""
+        if not (self.fused and self.writes_residual and ops.histogram_search_supported()):
             return super().encode_checked(flat, ctx, ops, step)
-        idx, finite, values, written = select_histogram(self, flat, ctx.layout, ops,
-                                                        add=ctx.add, own=True)
-        payload = (values, idx)
+        coded = self.codec is not None         # (per-tensor counts for its exponent ranges)
+        idx, finite, values, counts, written = select_histogram(
+            self, flat, ctx.layout, ops, add=ctx.add, gather=True, own=own and not coded,
+            count=coded)
+        payload = self._payload(flat, idx, ctx, ops, values, counts)
         return (payload if written is None else OwnPayload(payload, residual=written)), finite
 
     def small_below(self, flat, ops):
@@ -319,7 +327,8 @@ HISTOGRAM_PASSES = (62, HISTOGRAM_BINS, HISTOGRAM_BINS, HISTOGRAM_BINS)
 COARSE_BINS = 62        #: passes with at most this many bins count per block (``local``)
 
 
-def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, own=False):
+def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, gather=False,
+                     own=False, count=True):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
@@ -350,12 +359,13 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, ow
     index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
     with fewer than k nonzero entries sends them all.
 
-    ``own=True`` (error feedback, residuals updated in place in ``flat``): the write pass
-    also gathers the values and writes +0.0 over the sent entries of ``flat``:
-    ``(indices, finite, values, written)`` (``ops.band_select``).
+    ``gather=True``: the write pass also gathers the values, counted per tensor by the
+    offsets program (``count``), and with ``own=True`` (error feedback, residuals updated in place in
+    ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices, finite, values,
+    counts, written)`` (``ops.band_select``).
     """
     blocks, state = histogram_search(self, flat, lay, ops, passes, add)
-    return ops.band_select(flat, blocks, state, own=True) if own else \
+    return ops.band_select(flat, blocks, state, gather=True, own=own, count=count) if gather else \
         ops.band_select(flat, blocks, state)
 
 

@@ -70,18 +70,21 @@ class RangeFloatCodec:
         data = ops.rangefloat_encode(values, emax, self.e, self.m)
         return data, ops.stack_int32([emax, ops.length(values)], data)
 
-    def encode_segments(self, values, seg, segments, ops, lengths=None):
+    def encode_segments(self, values, seg, segments, ops, lengths=None, counts=None):
         """Encode ``values`` that belong to ``segments`` tensors (``seg``: the tensor of
         each value, ascending; or ``lengths``, the host's counts per tensor) with an
         exponent range *per tensor*: the payload is laid out as if each tensor were a
         rank of its own (codes padded per tensor, one ``[E, count]`` header each), so
         :meth:`decode` reads it unchanged.  Where the kernels run (CUDA): two launches
         for the bucket (``ops.rangefloat_encode_segments``); elsewhere tensor by tensor,
-        after one host synchronisation (the counts per tensor) when ``lengths`` is None."""
-        return self.encode_segments_own(values, seg, segments, ops, lengths, None)[0]
+        after one host synchronisation (the counts per tensor) when ``lengths`` is None.
+        ``counts``: the device's counts per tensor, where the caller has them (then
+        ``seg`` is not read)."""
+        return self.encode_segments_own(values, seg, segments, ops, lengths, None,
+                                        counts=counts)[0]
 
     def encode_segments_own(self, values, seg, segments, ops, lengths=None, write="decoded",
-                            add=None):
+                            add=None, counts=None):
         """``(payload, written)``: :meth:`encode_segments`' payload and what the sender's
         error feedback needs of it, written by the encode's launch over ``values`` where
         the kernels run and ``values`` are float32 (``values`` returned), else None:
@@ -89,7 +92,10 @@ class RangeFloatCodec:
         (``"residual"``).  Either way its error feedback decodes nothing.  ``add``: error
         feedback's residuals, added to ``values`` first (by the exponent pass where the
         kernels run; ``RangeFloat.adds_residual``)."""
-        counts = ops.segment_counts(seg, segments) if lengths is None else None
+        if lengths is not None:
+            counts = None
+        elif counts is None:
+            counts = ops.segment_counts(seg, segments)
         fast = ops.rangefloat_encode_segments(values, counts, lengths, self.e, self.m, write,
                                               add)
         if fast is not None:

@@ -11,7 +11,10 @@ bracket and quota in the search state, is :mod:`.histogram_select`).
     the offsets (``_offsets_kernel``: their cumulative sums; the band's ranks restart at
     each tensor), then the write (``_band_kernel`` with ``WRITE=True``).  The output
     length and the state's ``FINITE`` are read back together: the one host
-    synchronisation of the fused search.
+    synchronisation of the fused search.  ``gather=True``: the write also copies the
+    taken values, and the offsets program counts them per tensor (what a per-tensor
+    value codec needs); ``zero=True``: the write puts +0.0 over them in ``x`` (error
+    feedback's residual).
 
 Every program walks one block of ``blocks`` (:func:`.segmented.block_table`): blocks never
 straddle two tensors, so the number of launches does not depend on the number of
@@ -88,10 +91,12 @@ def _kernels():
 
     @triton.jit
     def _offsets_kernel(above_ptr, band_ptr, segs_ptr, first_ptr, state_ptr, T, P,
-                        ex_ptr, band_before_ptr, out_start_ptr, result_ptr, CB: tl.constexpr,
-                        CHUNKS: tl.constexpr):
+                        ex_ptr, band_before_ptr, out_start_ptr, result_ptr, taken_ptr,
+                        CB: tl.constexpr, CHUNKS: tl.constexpr, COUNTS: tl.constexpr = 0):
         # one program, after the count pass: for every block, the band entries before it
-        # within its tensor and where its taken entries go; then [total, FINITE]
+        # within its tensor and where its taken entries go; then [total, FINITE]; with
+        # COUNTS (= cdiv(T, CB), a constexpr loop count) the taken entries of every tensor
+        # (taken_ptr, int64 [T]): from its first block's start to the next tensor's
         carry = tl.sum(tl.zeros([CB], dtype=tl.int64), axis=0)     # an int64 scalar, 0
         for c in range(CHUNKS):                  # the band's exclusive sums, bucket-wide
             p = c * CB + tl.arange(0, CB)
@@ -114,15 +119,24 @@ def _kernels():
             tl.store(band_before_ptr + p, before, mask=m)
             tl.store(out_start_ptr + p, carry + tl.cumsum(taken, axis=0) - taken, mask=m)
             carry += tl.sum(taken, axis=0)
+        if COUNTS:
+            tl.debug_barrier()                   # out_start written before it is read
+            for c in range(COUNTS):
+                t = c * CB + tl.arange(0, CB)
+                m, more = t < T, t + 1 < T       # (every tensor has a block, maybe empty)
+                here = tl.load(out_start_ptr + tl.load(first_ptr + t, mask=m, other=0),
+                               mask=m, other=0)
+                after = tl.load(out_start_ptr + tl.load(first_ptr + t + 1, mask=more, other=0),
+                                mask=more, other=0)
+                tl.store(taken_ptr + t, tl.where(more, after, carry) - here, mask=m)
         two = tl.arange(0, 2)
         tl.store(result_ptr + two, tl.where(two == 0, carry, tl.load(state_ptr + 6 * T)))
 
     return types.SimpleNamespace(band=_band_kernel, offsets=_offsets_kernel)
 
 
-def band_select_reference(x, blocks, state, gather=False, zero=False):
-    """``(indices, finite)`` of :func:`band_select`, in torch (``gather``, ``zero``: as
-    there)."""
+def band_select_reference(x, blocks, state, gather=False, zero=False, count=True):
+    """:func:`band_select`, in torch."""
     b = _magnitude_bits(x)
     T = blocks.first.numel()
     seg = _entry_segments(blocks, b.numel())
@@ -137,9 +151,11 @@ def band_select_reference(x, blocks, state, gather=False, zero=False):
     if not gather:
         return idx.to(torch.int32), finite
     values = x.reshape(-1)[idx]
+    counts = torch.zeros(T, dtype=torch.int64, device=x.device).index_add_(
+        0, seg[idx], torch.ones_like(idx)) if count else None
     if zero:
         x.reshape(-1).index_fill_(0, idx, 0.0)
-    return idx.to(torch.int32), finite, values
+    return idx.to(torch.int32), finite, values, counts
 
 
 #: warps of a band-write program (blocks of 4096 entries: 16 a thread): chosen from the
@@ -154,13 +170,14 @@ BAND_WRITE_WARPS = 8
 OFFSETS_BLOCK = 2048
 
 
-def band_select(x, blocks, state, backend=None, gather=False, zero=False):
+def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=True):
     """``(int32 indices, finite)``: per tensor, the entries with ``b > HI`` and the first
     ``QUOTA`` of ``LO < b <= HI``; ``finite`` is the state's ``FINITE`` as a Python bool,
     read back with the output's length (one host synchronisation for both).
 
-    ``gather=True``: ``(indices, finite, values)``, the values ``x[indices]`` written by
-    the same launch as the indices.  ``zero=True`` (with ``gather``; ``x`` contiguous 1-D
+    ``gather=True``: ``(indices, finite, values, counts)``, the values ``x[indices]``
+    written by the same launch as the indices, and how many of them each tensor has
+    (int64 ``[T]``, from the offsets program; None with ``count=False``).  ``zero=True`` (with ``gather``; ``x`` contiguous 1-D
     float32): that launch also writes +0.0 over the taken entries of ``x`` (error
     feedback's ``c - sent`` there: ``c - (0.0 + c)`` is +0.0 for every finite nonzero
     ``c``, and only nonzero entries are taken from a finite bucket)."""
@@ -169,7 +186,7 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False):
     if zero:
         check_flat32("band_select: zero=", x.numel(), x)
     if pick_backend(x, backend) == "torch":
-        return band_select_reference(x, blocks, state, gather, zero)
+        return band_select_reference(x, blocks, state, gather, zero, count)
     x = x.reshape(-1)
     programs = blocks.starts.numel()
     above = torch.empty(programs, dtype=torch.int64, device=x.device)
@@ -182,10 +199,13 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False):
                               ALIGN=blocks.align)
     band_before, out_start, scratch, result = (
         torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
+    count = gather and count
+    counts = torch.empty(T, dtype=torch.int64, device=x.device) if count else None
     count_launch("band_offsets")
     kernels.offsets[(1,)](above, band, blocks.segs, blocks.first, state, T, programs, scratch,
-                          band_before, out_start, result, CB=OFFSETS_BLOCK,
-                          CHUNKS=-(-programs // OFFSETS_BLOCK))
+                          band_before, out_start, result, result if counts is None else counts,
+                          CB=OFFSETS_BLOCK, CHUNKS=-(-programs // OFFSETS_BLOCK),
+                          COUNTS=-(-T // OFFSETS_BLOCK) if count else 0)
     # the one host synchronisation: the size of the output allocation (and the flag)
     total, finite = result.tolist()
     idx = torch.empty(total, dtype=torch.int32, device=x.device)
@@ -198,4 +218,4 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False):
                                   band_before, out_start, idx, values, WRITE=True,
                                   BLOCK=blocks.block, ALIGN=blocks.align, GATHER=gather,
                                   ZERO=zero, num_warps=BAND_WRITE_WARPS)
-    return (idx, bool(finite), values) if gather else (idx, bool(finite))
+    return (idx, bool(finite), values, counts) if gather else (idx, bool(finite))

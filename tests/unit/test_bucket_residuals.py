@@ -166,8 +166,8 @@ def _same(a, b):
 def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, monkeypatch):
     """On the kernel path, the residual or decoded values that the encode's launch
     writes (and, for twobit's, range-float's and the fused search's buckets, ``c = g + r``
-    added by their first pass; the fused search's write pass gathers the sent values and
-    writes +0.0 over them in ``c``) give the
+    added by their first pass; the fused search's write pass gathers the sent values,
+    counts them per tensor and, for float values, writes +0.0 over them in ``c``) give the
     residuals, payloads and aggregates of the same kernel path with the folds turned off
     (error feedback adds the residuals, then decodes its own payload and subtracts), bit
     for bit over three steps, NaN in the last; a bucket, and each tensor compressed alone
@@ -218,11 +218,13 @@ def test_folded_error_feedback_equals_the_decode_and_subtraction(spec, alone, mo
     else:
         fewer = False            # (laplace_topk: the residuals' addition, an op, not a launch)
     assert (sum(launched[True].values()) < sum(launched[False].values())) == fewer, launched
-    # the fused search's float values: gathered, and c - sent written, by its write pass
-    sent_by_band = spec.startswith("laplace_topk") and "values=" not in spec
-    assert (moved[True] < moved[False]) == sent_by_band, moved
-    if not spec.startswith("dct"):          # c = g + r in the first pass (buckets only),
-        assert (adds[True] < adds[False]) == (not alone or sent_by_band), adds   # 0.0 + v
+    # the fused search's write pass gathers the values (and counts them per tensor), and
+    # for float values writes c - sent, so that nothing is scattered (no 0.0 + v either)
+    band = spec.startswith("laplace_topk")
+    assert (moved[True] < moved[False]) == band, moved
+    if not spec.startswith("dct"):          # c = g + r in the first pass (buckets only)
+        residual_by_band = band and "values=" not in spec
+        assert (adds[True] < adds[False]) == (not alone or residual_by_band), adds
     for a, b in zip(runs[True], runs[False]):
         if isinstance(a, tuple):
             assert all(_same(x, y) for x, y in zip(a[0], b[0])) and _same(a[1], b[1])

@@ -171,10 +171,14 @@ def test_band_select_matches_reference(dtype, block):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype, zero", [(torch.float32, True), (torch.float32, False),
                                          (torch.float16, False)])
-def test_band_select_gathers_the_values_and_zeroes_them_in_x(backend, dtype, zero):
-    """``gather=True``: the taken values from the launch that writes the indices;
-    ``zero=True`` (float32): +0.0 written over exactly those entries of ``x`` (error
-    feedback's ``c - sent``), every other bit of ``x`` as it was."""
+@pytest.mark.parametrize("chunk", [2048, 4])
+def test_band_select_gathers_the_values_and_zeroes_them_in_x(monkeypatch, backend, dtype, zero,
+                                                             chunk):
+    """``gather=True``: the taken values from the launch that writes the indices, and
+    their number per tensor from the offsets program (``chunk``: tensors it takes at
+    once); ``zero=True`` (float32): +0.0 written over exactly those entries of ``x``
+    (error feedback's ``c - sent``), every other bit of ``x`` as it was."""
+    monkeypatch.setattr(B, "OFFSETS_BLOCK", chunk)
     x = make("laplace", sum(LENGTHS)).to(dtype)
     j = int(x[:LENGTHS[0]].abs().argmax())
     x[j] = -x[j].abs()                                    # a negative taken entry
@@ -182,10 +186,17 @@ def test_band_select_gathers_the_values_and_zeroes_them_in_x(backend, dtype, zer
     state = state_for(LENGTHS, [bits(1.0), -1, 0, bits(2.0), 0, bits(0.5)],
                       [bits(2.0), -1, bits(3.0), bits(2.0), bits(3.0), bits(2.0)])
     state[H.QUOTA] = torch.tensor([3, 0, 1000, 50, 2, 0], device=DEVICE)
+    state[H.LO, 4] = state[H.HI, 4] = bits(1e30)           # a tensor that sends nothing
     before = x.clone()
     want, _ = B.band_select_reference(before.clone(), blocks, state)
-    idx, finite, values = B.band_select(x, blocks, state, backend=backend, gather=True, zero=zero)
+    idx, finite, values, counts = B.band_select(x, blocks, state, backend=backend, gather=True,
+                                                zero=zero)
     assert torch.equal(idx, want) and finite and j in idx.tolist()
+    ends = torch.tensor(np.cumsum(LENGTHS), device=DEVICE)
+    per = torch.bincount(torch.searchsorted(ends, idx.long(), right=True), minlength=len(LENGTHS))
+    assert counts.dtype == torch.int64 and torch.equal(counts, per) and 0 in per.tolist()
+    assert B.band_select(before.clone(), blocks, state, backend=backend, gather=True,
+                         count=False)[3] is None
     assert values.dtype == dtype and torch.equal(values, before[idx.long()])
     if zero:
         expect = before.clone()

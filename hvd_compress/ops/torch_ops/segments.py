@@ -223,17 +223,19 @@ def histogram_step(flat, blocks, state, bins, k, slack, buffers, local=False):
                                            local=local)
 
 
-def band_select(flat, blocks, state, own=False):
+def band_select(flat, blocks, state, gather=False, own=False, count=True):
     """``(int32 indices, finite)``: above ``HI`` and the first ``QUOTA`` of the band,
     per tensor; ``finite`` a Python bool (one host synchronisation for both).
-    ``own=True`` (error feedback's residuals updated in place in ``flat``):
-    ``(indices, finite, values, written)``, the values gathered by the launch that
-    writes the indices, which also writes ``flat - sent`` over ``flat`` (+0.0 at the
-    sent entries) where ``flat`` is contiguous 1-D float32 (``written`` is ``flat``
-    then, else None and ``flat`` is left as it was)."""
+    ``gather=True``: ``(indices, finite, values, counts, written)``, the values gathered
+    by the launch that writes the indices, and their number per tensor (int64; None
+    with ``count=False``); with
+    ``own=True`` (error feedback's residuals updated in place in ``flat``) that launch
+    also writes ``flat - sent`` over ``flat`` (+0.0 at the sent entries) where ``flat``
+    is contiguous 1-D float32: ``written`` is ``flat`` then, else None (``flat`` left as
+    it was)."""
     from ...kernels import band_compact
-    if not own:
+    if not gather:
         return band_compact.band_select(flat, blocks, state)
-    zero = _flat32(flat)
-    return (*band_compact.band_select(flat, blocks, state, gather=True, zero=zero),
+    zero = own and _flat32(flat)
+    return (*band_compact.band_select(flat, blocks, state, gather=True, zero=zero, count=count),
             flat if zero else None)
