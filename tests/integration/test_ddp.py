@@ -43,11 +43,13 @@ def load(out_dir, scenario):
 
 @pytest.fixture(scope="module")
 def ddp_job(tmp_path_factory):
-    """One launch for every worker scenario; (output folder, log).  "mismatch" goes first:
-    its ranks catch the ValueError and go on, so a hang there shows as a timeout here."""
+    """One launch for every worker scenario; (output folder, log).  "mismatch" and
+    "malformed" go first: their ranks catch the ValueError and go on, so a hang there
+    shows as a timeout here."""
     out = tmp_path_factory.mktemp("ddp_job")
-    rc, log = torchrun([ROOT / "tests/workers/ddp_worker.py", "mismatch", "aggregate", "bf16",
-                        "views", "skew", "checkpoint", "auto"], out, timeout=240)
+    rc, log = torchrun([ROOT / "tests/workers/ddp_worker.py", "mismatch", "malformed",
+                        "aggregate", "bf16", "views", "skew", "checkpoint", "auto"], out,
+                       timeout=240)
     assert rc == 0, log[-6000:]
     return str(out), log
 
@@ -256,6 +258,22 @@ def test_mismatch_raises_on_every_rank(ddp_job):
                    "differently" in log
     assert "rank 0: topk:density=0.05" in log and "rank 1: randomk:density=0.05" in log
     assert "op=average" in log and "op=sum" in log
+
+
+@pytest.mark.parametrize("spec", W.MALFORMED_SPECS)
+def test_a_malformed_payload_raises_on_every_rank(ddp_job, spec):
+    """Rank 1's indices past its tensors: ValueError on both ranks at the first step,
+    naming the compressor and the malformed payload (the checks deferred inside the step,
+    read back once at its end); no hang (the launch has a timeout); a new model then
+    trains a step on both ranks, with the same averaged gradient."""
+    log = ddp_job[1]
+    assert f"NO_ERROR malformed {spec}" not in log and f"OTHER_ERROR malformed {spec}" not in log, \
+        log[-6000:]
+    for rank in (0, 1):
+        line = next(l for l in log.splitlines() if l.startswith(f"PAYLOAD_ERROR {spec} rank {rank}:"))
+        assert spec.split(":")[0] in line and "malformed" in line, line
+    after = load(ddp_job[0], "malformed")
+    assert np.array_equal(after[0]["after"], after[1]["after"]) and after[0]["after"].size
 
 
 def test_auto_ranks_with_other_candidates_or_state_fail_clearly(ddp_job):

@@ -382,8 +382,48 @@ def mismatch(out):
             print(f"OTHER_ERROR {what} rank {rank}: {type(e).__name__}: {e}", flush=True)
 
 
+#: compressors whose payload rank 1 corrupts in the "malformed" scenario
+MALFORMED_SPECS = ["topk:density=0.05", "laplace_topk:density=0.05,fused=1",
+                   "topk:density=0.05,values=rangefloat8"]
+
+
+def malformed(out):
+    """Rank 1's payloads hold indices past its tensors (corrupted after its compress, as
+    on the wire): every rank raises ValueError at the step's end (the decompress checks,
+    deferred to one read-back a step), none hangs; then a fresh model trains a step."""
+    rank = dist.get_rank()
+    for spec in MALFORMED_SPECS:
+        torch.manual_seed(0)
+        ddp = DDP(TinyNet().to(DEVICE), bucket_cap_mb=BUCKET_CAP_MB)
+        state = hvd_compress.ddp.register(ddp, spec)
+        if rank == 1:
+            c = state.compression
+            for name in ("compress", "compress_bucket"):
+                def corrupted(*a, _inner=getattr(c, name), **k):
+                    payload, ctx = _inner(*a, **k)
+                    p = tuple(payload)
+                    return p[:-1] + (p[-1] + 10 ** 6,), ctx
+                setattr(c, name, corrupted)
+        x, y = batch(0)
+        try:
+            F.cross_entropy(ddp(x), y).backward()
+            print(f"NO_ERROR malformed {spec} rank {rank}", flush=True)
+        except ValueError as e:
+            print(f"PAYLOAD_ERROR {spec} rank {rank}: {e}", flush=True)
+        except Exception as e:      # noqa: BLE001 - the test wants ValueError: say what it got
+            print(f"OTHER_ERROR malformed {spec} rank {rank}: {type(e).__name__}: {e}", flush=True)
+    torch.manual_seed(0)
+    ddp = DDP(TinyNet().to(DEVICE), bucket_cap_mb=BUCKET_CAP_MB)
+    hvd_compress.ddp.register(ddp, MALFORMED_SPECS[0])
+    x, y = batch(1)
+    F.cross_entropy(ddp(x), y).backward()
+    out["after"] = np.concatenate([host(p.grad).reshape(-1) for p in ddp.parameters()
+                                   if p.grad is not None])
+
+
 SCENARIOS = {"aggregate": aggregate, "bf16": bf16, "views": views, "skew": skew,
-             "checkpoint": checkpoint, "mismatch": mismatch, "auto": auto}
+             "checkpoint": checkpoint, "mismatch": mismatch, "auto": auto,
+             "malformed": malformed}
 
 
 def main():
