@@ -267,11 +267,13 @@ def test_a_malformed_payload_raises_on_every_rank(ddp_job, spec):
     read back once at its end); no hang (the launch has a timeout); a new model then
     trains a step on both ranks, with the same averaged gradient."""
     log = ddp_job[1]
-    assert f"NO_ERROR malformed {spec}" not in log and f"OTHER_ERROR malformed {spec}" not in log, \
-        log[-6000:]
+    assert f"NO_ERROR malformed {spec} rank" not in log, log[-6000:]
+    assert f"OTHER_ERROR malformed {spec} rank" not in log, log[-6000:]
+    name = spec.split(":")[0]
     for rank in (0, 1):
-        line = next(l for l in log.splitlines() if l.startswith(f"PAYLOAD_ERROR {spec} rank {rank}:"))
-        assert spec.split(":")[0] in line and "malformed" in line, line
+        said = f"PAYLOAD_ERROR {spec} rank {rank}: {name} (bucket."
+        assert said in log, log[-6000:]
+        assert "payload index out of range" in log.split(said, 1)[1].split("\n", 1)[0]
     after = load(ddp_job[0], "malformed")
     assert np.array_equal(after[0]["after"], after[1]["after"]) and after[0]["after"].size
 

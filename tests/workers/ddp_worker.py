@@ -407,11 +407,13 @@ def malformed(out):
         x, y = batch(0)
         try:
             F.cross_entropy(ddp(x), y).backward()
-            print(f"NO_ERROR malformed {spec} rank {rank}", flush=True)
+            said = f"NO_ERROR malformed {spec} rank {rank}"
         except ValueError as e:
-            print(f"PAYLOAD_ERROR {spec} rank {rank}: {e}", flush=True)
+            said = f"PAYLOAD_ERROR {spec} rank {rank}: {e}"
         except Exception as e:      # noqa: BLE001 - the test wants ValueError: say what it got
-            print(f"OTHER_ERROR malformed {spec} rank {rank}: {type(e).__name__}: {e}", flush=True)
+            said = f"OTHER_ERROR malformed {spec} rank {rank}: {type(e).__name__}: {e}"
+        sys.stdout.write(said + "\n")  # one write: both ranks raise at once, into one pipe
+        sys.stdout.flush()
     torch.manual_seed(0)
     ddp = DDP(TinyNet().to(DEVICE), bucket_cap_mb=BUCKET_CAP_MB)
     hvd_compress.ddp.register(ddp, MALFORMED_SPECS[0])
