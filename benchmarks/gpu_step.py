@@ -66,13 +66,12 @@ from hvd_compress.compressors import LaplaceTopK  # noqa: E402
 from hvd_compress.stats import ring_received  # noqa: E402
 from hvd_compress.strategies.auto.model import BucketCost, predict  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("gpu_step_models", ROOT / "benchmarks" / "gpu_step_models.py")
-models_ = sys.modules["gpu_step_models"] = importlib.util.module_from_spec(_spec)   # (for spawn)
-_spec.loader.exec_module(models_)
+_spec = importlib.util.spec_from_file_location("gpu_common", ROOT / "benchmarks" / "gpu_common.py")
+common = sys.modules.setdefault("gpu_common", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(common)
+models_ = common.sibling("gpu_step_models")     # (in sys.modules by that name: for spawn)
 build, loss_of = models_.build, models_.loss_of
-_spec = importlib.util.spec_from_file_location("gpu_step_exchange", ROOT / "benchmarks" / "gpu_step_exchange.py")
-exchange_ = sys.modules["gpu_step_exchange"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(exchange_)
+exchange_ = common.sibling("gpu_step_exchange")
 
 SPECS = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
          "laplace_topk:density=0.01,values=rangefloat8", "dct:density=0.01", "twobit",
@@ -179,7 +178,8 @@ def table(model, rows, bandwidths):
     bw = [f"{g:g}" for g in bandwidths]
     print(f"\n{model}: ms per step (rank 0; codec = compress + decompress of every bucket)")
     print(f"{'compressor':46s} {'backward':>9s} {'compress':>9s} {'decomp.':>8s} {'codec/bw':>8s} "
-          f"{'in-step':>8s} {'MB/rank':>9s} " + " ".join(f"{'step@' + g:>9s} {'x':>5s}" for g in bw))
+          f"{'in-step':>8s} {'MB/rank':>9s} "
+          + " ".join(f"{'step@' + g:>9s} {'x':>5s}" for g in bw))
     for r in rows:
         inline = r.get("inline_codec_over_backward")
         print(f"{r['spec']:46s} {r['backward_ms']:9.2f} {r['compress_ms']:9.2f} "
@@ -244,7 +244,8 @@ def run_model(name, args, info):
     rows = []
     for spec in args.specs:
         t0 = time.perf_counter()
-        per_bucket = exchange_.exchange_buckets(spec, names, grads, clock.sync, args.bucket_mb, args.warmup)
+        per_bucket = exchange_.exchange_buckets(spec, names, grads, clock.sync, args.bucket_mb,
+                                                args.warmup)
         rows.append(spec_row(spec, per_bucket, ready, fwd, bwd, args))
         r = rows[-1]
         if args.inline:                 # the codec inside backward

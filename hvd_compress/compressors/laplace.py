@@ -360,13 +360,12 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, ga
     with fewer than k nonzero entries sends them all.
 
     ``gather=True``: the write pass also gathers the values, counted per tensor by the
-    offsets program (``count``), and with ``own=True`` (error feedback, residuals updated in place in
-    ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices, finite, values,
-    counts, written)`` (``ops.band_select``).
+    offsets program (``count``), and with ``own=True`` (error feedback, residuals updated
+    in place in ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices,
+    finite, values, counts, written)`` (``ops.band_select``).
     """
     blocks, state = histogram_search(self, flat, lay, ops, passes, add)
-    return ops.band_select(flat, blocks, state, gather=True, own=own, count=count) if gather else \
-        ops.band_select(flat, blocks, state)
+    return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count)
 
 
 def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):

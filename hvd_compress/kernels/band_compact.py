@@ -177,10 +177,11 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
 
     ``gather=True``: ``(indices, finite, values, counts)``, the values ``x[indices]``
     written by the same launch as the indices, and how many of them each tensor has
-    (int64 ``[T]``, from the offsets program; None with ``count=False``).  ``zero=True`` (with ``gather``; ``x`` contiguous 1-D
-    float32): that launch also writes +0.0 over the taken entries of ``x`` (error
-    feedback's ``c - sent`` there: ``c - (0.0 + c)`` is +0.0 for every finite nonzero
-    ``c``, and only nonzero entries are taken from a finite bucket)."""
+    (int64 ``[T]``, from the offsets program; None with ``count=False``).  ``zero=True``
+    (with ``gather``; ``x`` contiguous 1-D float32): that launch also writes +0.0 over the
+    taken entries of ``x`` (error feedback's ``c - sent`` there: ``c - (0.0 + c)`` is +0.0
+    for every finite nonzero ``c``, and only nonzero entries are taken from a finite
+    bucket)."""
     if zero and not gather:
         raise ValueError("band_select: zero=True needs gather=True")
     if zero:

@@ -64,7 +64,8 @@ def test_in_step_rows_launch_every_bucket_from_a_hook(results, model):
     for spec in ("none", "topk:density=0.01"):
         r = rows[spec]
         assert r["inline_backward_ms"] > 0 and r["plain_backward_ms"] > 0
-        assert r["inline_codec_ms"] == pytest.approx(r["inline_backward_ms"] - r["plain_backward_ms"])
+        assert r["inline_codec_ms"] == pytest.approx(r["inline_backward_ms"]
+                                                     - r["plain_backward_ms"])
         assert r["inline_from_hooks"] == r["inline_buckets"] == r["buckets"]
     assert "two rounds" in rows["powersgd:rank=4"]["inline_skipped"]
     assert "inline_backward_ms" not in rows["powersgd:rank=4"]

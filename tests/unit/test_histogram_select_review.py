@@ -208,7 +208,8 @@ def test_every_pass_leaves_the_shared_counts_zero(monkeypatch, fold):
     inf = x.clone()
     inf[9001 + 5] = float("inf")
     for flat in (x, inf):
-        for spec in ("laplace_topk:density=0.01,fused=1", "laplace_topk:density=0.3,fused=1,exact=1"):
+        for spec in ("laplace_topk:density=0.01,fused=1",
+                     "laplace_topk:density=0.3,fused=1,exact=1"):
             histogram_search(from_spec(spec), flat.clone(), lay, torch_ops)
     assert len(seen) == 4 * len(HISTOGRAM_PASSES)
     assert {b for b, _ in seen} == set(HISTOGRAM_PASSES)
