@@ -50,7 +50,8 @@ KERNEL_TESTS := tests/unit/test_kernels.py tests/unit/test_bucket_launches.py \
 	tests/unit/test_bucket_syncs.py tests/unit/test_dct.py tests/unit/test_dct_bucket.py \
 	tests/unit/test_histogram_select.py tests/unit/test_histogram_select_review.py \
 	tests/unit/test_buckets.py tests/unit/test_hylo.py tests/unit/test_onebit_segments.py \
-	tests/unit/test_uniform_draws.py tests/unit/test_rangefloat_segments.py
+	tests/unit/test_uniform_draws.py tests/unit/test_rangefloat_segments.py \
+	tests/unit/test_padded_select.py
 triton36: setup
 	@test -x $(TRITON36)/bin/python || { $(PY) -m venv $(TRITON36) && \
 		$(PY) -c "import site; print(site.getsitepackages()[0])" > \

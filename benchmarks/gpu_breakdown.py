@@ -23,9 +23,10 @@ tensor.  ``--tiny`` divides every size by 1000.
    be equal.  Layouts where ``segment_abs_topk`` leaves the work to a torch.topk per
    tensor (one tensor) are skipped.
 3. **graph**: laplace_topk ``fused=1``'s passes before its read-back
-   (``laplace.histogram_search``), and the whole bucket compress of ``twobit`` and
-   ``rangefloat:bits=8`` (no host synchronisation in them), issued eagerly against
-   replayed from a CUDA graph (``GRAPH_CASES``; the CPU dry run runs the calls only).
+   (``laplace.histogram_search``), and the whole bucket compress of
+   ``laplace_topk:padded=1``, ``twobit`` and ``rangefloat:bits=8`` (no host
+   synchronisation in them), issued eagerly against replayed from a CUDA graph
+   (``GRAPH_CASES``; the CPU dry run runs the calls only).
 4. **search**: laplace_topk ``fused=1``'s whole selection (``laplace.select_histogram``)
    with its passes as now (a coarse first pass of 62 bins counted per block, then three
    of 2046 with an atomic per entry in the bracket) against four passes of 2046 (before
@@ -177,6 +178,8 @@ def topk_rows(args):
 #: whose compress makes no host synchronisation (``compress``; tests/counting.py)
 GRAPH_CASES = [("search", "laplace_topk:density=0.01,fused=1", "gpt2"),
                ("search", "laplace_topk:density=0.01,fused=1", "resnet"),
+               ("compress", "laplace_topk:density=0.01,padded=1", "gpt2"),
+               ("compress", "laplace_topk:density=0.01,padded=1", "one"),
                ("compress", "twobit", "gpt2"), ("compress", "twobit", "one"),
                ("compress", "rangefloat:bits=8", "gpt2"), ("compress", "rangefloat:bits=8", "one")]
 

@@ -78,6 +78,8 @@ SPECS = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
          "powersgd:rank=4"]
 if "fused" in LaplaceTopK.params():          # the fused CUDA path, where this tree has it
     SPECS.insert(4, "laplace_topk:density=0.01,fused=1")
+if "padded" in LaplaceTopK.params():         # ... and its payload of fixed size (no sync)
+    SPECS.insert(5, "laplace_topk:density=0.01,padded=1")
 TARGET = "laplace_topk:density=0.01"          # issue 26: codec <= 10% of GPT-2's backward
 
 

@@ -21,9 +21,12 @@ BUCKET_SPECS = ["none", "fp16", "bf16", "topk:density=0.05", "randomk:density=0.
                 "dct:density=0.05,block=32",   # (kernel_select: in the policy, on "conv")
                 "qsgd", "terngrad", "signsgd", "onebit", "powersgd:rank=2"]
 BUCKET_TOL_SPECS = ["laplace_topk:density=0.05"]
-#: PyTorch only (laplace_topk's fused search): exact, and tolerance mode
-TORCH_BUCKET_SPECS = ["laplace_topk:density=0.05,exact=1,fused=1"]
-TORCH_BUCKET_TOL_SPECS = ["laplace_topk:density=0.05,fused=1"]
+#: PyTorch only (laplace_topk's fused search, and its padded payload): exact, and
+#: tolerance mode
+TORCH_BUCKET_SPECS = ["laplace_topk:density=0.05,exact=1,fused=1",
+                      "laplace_topk:density=0.05,exact=1,padded=1"]
+TORCH_BUCKET_TOL_SPECS = ["laplace_topk:density=0.05,fused=1",
+                          "laplace_topk:density=0.05,padded=1,values=rangefloat8"]
 BUCKET_SHAPES = {"conv": (6, 4, 3, 3), "big": (40, 30), "w": (12, 10), "b": (7,), "s": (),
                  "late": (5, 3)}
 #: bucket sizes compared: tensor by tensor (0), small (several buckets; "big" alone), default

@@ -49,6 +49,7 @@ Imports: the standard library; and modules of its own package.
 """
 import math
 
+from ..memory import NonFinite
 from .base import OwnPayload, register
 from .sparse import DensitySparsifier, per_segment, top_k_checked
 
@@ -74,13 +75,24 @@ class LaplaceTopK(DensitySparsifier):
     host synchronisation per compress (the payload's length, with the NaN/Inf check;
     ``values=rangefloat*`` adds the codec's).  ``passes`` and ``small`` do not apply to
     it.  Not the default until a GPU measurement says it is faster than torch.topk there.
+
+    ``padded=1`` (implies ``fused=1``): no host synchronisation at all in compress.
+    Each tensor sends a fixed number of pairs, ``min(n, k + floor(tol * k))`` (the most
+    the search's count may reach): its selection, then padding (its first index, value
+    0.0, which adds nothing where decompress and error feedback sum it).  The payload's
+    size is then known before the search, so the collective needs no read-back, and
+    the compress is the same launches every step (what a CUDA graph can capture).  It
+    costs at most ``tol`` more pairs (1% by default; none with ``exact=1``, where every
+    count is k).  A bucket holding NaN/Inf sends NaN as every value (each tensor's
+    first slots), so the aggregate is non-finite wherever any rank's bucket was, and
+    the residuals stay as they were (flagged on the device, ``memory.NonFinite``).
     """
 
     name = "laplace_topk"
     segmented = True
 
     def __init__(self, density=0.01, ef=None, tol=0.01, passes=4, exact=False, values=None,
-                 small=None, fused=None, **kw):
+                 small=None, fused=None, padded=None, **kw):
         super().__init__(density=density, ef=ef, values=values, **kw)
         if not 0.0 <= float(tol) < 1.0:
             raise ValueError(f"tol must be in [0, 1), got {tol!r}")
@@ -91,6 +103,15 @@ class LaplaceTopK(DensitySparsifier):
         self.tol, self.passes, self.exact = float(tol), int(passes), bool(exact)
         self.small = None if small is None else int(small)
         self.fused = None if fused is None else bool(int(fused))
+        self.padded = None if padded is None else bool(int(padded))
+        if self.padded:
+            if self.fused is False:
+                raise ValueError("padded=1 is a payload of the fused search; it cannot "
+                                 "take fused=0")
+            if self.agg is not None:
+                raise ValueError(f"padded=1 sends each rank's own pairs (agg=local); got "
+                                 f"agg={self.agg}")
+            self.fused = True
 
     #: select_checked finds NaN/Inf itself where it can: the fused search in its first
     #: pass; CPU tensors below ``small`` among their k largest ``|g|``
@@ -108,8 +129,9 @@ class LaplaceTopK(DensitySparsifier):
             # not finite: every index; else without zeros (on CUDA read back together)
             return found if found is not None else super().select_checked(flat, ctx, ops, step)
         if not ops.histogram_search_supported():
-            raise ValueError(f"{self.spec}: fused=1 (the fused histogram search) runs on "
-                             "PyTorch tensors only; leave fused unset for TensorFlow")
+            raise ValueError(f"{self.spec}: fused=1 (the fused histogram search, which "
+                             "padded=1 implies) runs on PyTorch tensors only; leave fused "
+                             "and padded unset for TensorFlow")
         return select_histogram(self, flat, ctx.layout, ops, add=ctx.add)
 
     def adds_residual(self, flat, ctx, ops):
@@ -140,11 +162,22 @@ class LaplaceTopK(DensitySparsifier):
         if not (self.fused and self.writes_residual and ops.histogram_search_supported()):
             return super().encode_checked(flat, ctx, ops, step)
         coded = self.codec is not None         # (per-tensor counts for its exponent ranges)
+        slots = self.slots(ctx.layout, ops, flat) if self.padded else None
         idx, finite, values, counts, written = select_histogram(
             self, flat, ctx.layout, ops, add=ctx.add, gather=True, own=own and not coded,
-            count=coded)
-        payload = self._payload(flat, idx, ctx, ops, values, counts)
+            count=coded, slots=slots)
+        if slots is not None:                  # (finite: the device's flag, 1 where not)
+            finite, counts = NonFinite(finite), None
+        payload = self._payload(flat, idx, ctx, ops, values, counts,
+                                lengths=None if slots is None else slots.sizes)
         return (payload if written is None else OwnPayload(payload, residual=written)), finite
+
+    def slots(self, lay, ops, like):
+        """``padded=1``'s slots of the bucket ``lay`` (``ops.padded_slots``): ``min(n, k +
+        floor(tol * k))`` per tensor, ``k`` with ``exact=1``."""
+        tol = 0.0 if self.exact else self.tol
+        return ops.padded_slots(("laplace", self.density, tol), lay, lambda: [
+            min(n, self.k(n) + int(math.floor(tol * self.k(n)))) for n in lay.numels], like)
 
     def small_below(self, flat, ops):
         """Tensors of fewer values take the framework's top-k (``small``, else the
@@ -328,7 +361,7 @@ COARSE_BINS = 62        #: passes with at most this many bins count per block (`
 
 
 def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, gather=False,
-                     own=False, count=True):
+                     own=False, count=True, slots=None):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
@@ -362,10 +395,12 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, ga
     ``gather=True``: the write pass also gathers the values, counted per tensor by the
     offsets program (``count``), and with ``own=True`` (error feedback, residuals updated
     in place in ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices,
-    finite, values, counts, written)`` (``ops.band_select``).
+    finite, values, counts, written)`` (``ops.band_select``); ``slots`` (with
+    ``gather``): padded (``padded=1``), no synchronisation at all.
     """
     blocks, state = histogram_search(self, flat, lay, ops, passes, add)
-    return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count)
+    return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count,
+                           slots=slots)
 
 
 def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):

@@ -68,21 +68,23 @@ class Sparsifier(Compressor):
         idx, finite = self.select_checked(flat, ctx, ops, step)
         return self._payload(flat, idx, ctx, ops), finite
 
-    def _payload(self, flat, idx, ctx, ops, values=None, counts=None):
+    def _payload(self, flat, idx, ctx, ops, values=None, counts=None, lengths=None):
         """The payload of the entries ``idx`` of ``flat``; ``values`` and ``counts`` (their
-        number per tensor of a bucket), where the selection's launch has them already."""
+        number per tensor of a bucket), where the selection's launch has them already, or
+        ``lengths`` (that number known on the host)."""
         if values is None:
             values = ops.gather(flat, idx)
         if self.codec is None:
             return values, idx
         lay = ctx.bucket
         if lay is not None:                                  # an exponent range per tensor
-            seg = None if counts is not None else ops.gather(ops.segment_ids(lay, flat), idx)
+            seg = None if counts is not None or lengths is not None else ops.gather(
+                ops.segment_ids(lay, flat), idx)
             if not self.ef:
-                return (*self.codec.encode_segments(values, seg, len(lay.names), ops,
+                return (*self.codec.encode_segments(values, seg, len(lay.names), ops, lengths,
                                                     counts=counts), idx)
             payload, sent = self.codec.encode_segments_own(values, seg, len(lay.names), ops,
-                                                           counts=counts)
+                                                           lengths, counts=counts)
             return (*payload, idx) if sent is None else OwnPayload((*payload, idx), sent=sent)
         return (*self.codec.encode(values, ops), idx)
 

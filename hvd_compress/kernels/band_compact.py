@@ -14,7 +14,9 @@ bracket and quota in the search state, is :mod:`.histogram_select`).
     synchronisation of the fused search.  ``gather=True``: the write also copies the
     taken values, and the offsets program counts them per tensor (what a per-tensor
     value codec needs); ``zero=True``: the write puts +0.0 over them in ``x`` (error
-    feedback's residual).
+    feedback's residual).  ``slots=``: *padded* (``laplace_topk:padded=1``), every
+    tensor's entries in a fixed number of slots of its own (:func:`slot_table`), so the
+    output's size is known before the search and nothing is read back.
 
 Every program walks one block of ``blocks`` (:func:`.segmented.block_table`): blocks never
 straddle two tensors, so the number of launches does not depend on the number of
@@ -26,6 +28,7 @@ package.
 """
 import functools
 import types
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,15 +46,20 @@ def _kernels():
     @triton.jit
     def _band_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T,
                      above_ptr, band_ptr, out_offset_ptr, idx_ptr, val_ptr,
+                     first_ptr, slots_ptr,
                      WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                     GATHER: tl.constexpr = False, ZERO: tl.constexpr = False):
+                     GATHER: tl.constexpr = False, ZERO: tl.constexpr = False,
+                     PADDED: tl.constexpr = False):
         # WRITE=False: count the block's entries above hi and in the band (lo, hi];
         # WRITE=True: write the taken entries' indices (band_ptr: band entries before it),
         # with GATHER their values too (val_ptr, x's dtype), with ZERO +0.0 over them in x
         # (error feedback's c - sent for the sent entries, x float32: each program writes
-        # only entries of its own block, after reading them).
+        # only entries of its own block, after reading them).  PADDED: tensor s's taken
+        # entries go to its own slots, from slots_ptr[s] on, the first slots_ptr[T + s] of
+        # them only (first_ptr: each tensor's first block); with GATHER, NaN for every
+        # value of a bucket that is not finite.
         # Per entry only int32 (a block's counts and ranks are below BLOCK); the state's
-        # rows read here: LO = 0, HI = 1, QUOTA = 5
+        # rows read here: LO = 0, HI = 1, QUOTA = 5, FINITE = 6
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         local = tl.arange(0, BLOCK)
@@ -80,8 +88,16 @@ def _kernels():
             take = above | ((band > 0) & (band_before < room))
             pos = (before >> 16) + tl.minimum(band_before, room)
             at = tl.load(out_offset_ptr + pid)
+            if PADDED:
+                # the taken entries of its tensor before this block, then the tensor's slots
+                at -= tl.load(out_offset_ptr + tl.load(first_ptr + s))
+                take = take & (at + pos < tl.load(slots_ptr + T + s))
+                at += tl.load(slots_ptr + s)
             tl.store(idx_ptr + at + pos, (start + local).to(tl.int32), mask=take)
             if GATHER:
+                if PADDED:
+                    raw = tl.where(tl.load(state_ptr + 6 * T + s) != 0, raw,
+                                   float("nan")).to(raw.dtype)
                 tl.store(val_ptr + at + pos, raw, mask=take)
             if ZERO:
                 tl.store(x_ptr + start + local, tl.zeros_like(x), mask=take)
@@ -92,9 +108,11 @@ def _kernels():
     @triton.jit
     def _offsets_kernel(above_ptr, band_ptr, segs_ptr, first_ptr, state_ptr, T, P,
                         ex_ptr, band_before_ptr, out_start_ptr, result_ptr, taken_ptr,
-                        CB: tl.constexpr, CHUNKS: tl.constexpr, COUNTS: tl.constexpr = 0):
+                        CB: tl.constexpr, CHUNKS: tl.constexpr, COUNTS: tl.constexpr = 0,
+                        BAD: tl.constexpr = False):
         # one program, after the count pass: for every block, the band entries before it
-        # within its tensor and where its taken entries go; then [total, FINITE]; with
+        # within its tensor and where its taken entries go; then [total, FINITE] (BAD:
+        # [total, 1 - FINITE], the flag of a bucket that is not finite); with
         # COUNTS (= cdiv(T, CB), a constexpr loop count) the taken entries of every tensor
         # (taken_ptr, int64 [T]): from its first block's start to the next tensor's
         carry = tl.sum(tl.zeros([CB], dtype=tl.int64), axis=0)     # an int64 scalar, 0
@@ -130,12 +148,42 @@ def _kernels():
                                 mask=more, other=0)
                 tl.store(taken_ptr + t, tl.where(more, after, carry) - here, mask=m)
         two = tl.arange(0, 2)
-        tl.store(result_ptr + two, tl.where(two == 0, carry, tl.load(state_ptr + 6 * T)))
+        finite = tl.load(state_ptr + 6 * T)
+        tl.store(result_ptr + two, tl.where(two == 0, carry, 1 - finite if BAD else finite))
 
     return types.SimpleNamespace(band=_band_kernel, offsets=_offsets_kernel)
 
 
-def band_select_reference(x, blocks, state, gather=False, zero=False, count=True):
+class Slots(NamedTuple):
+    """Where a padded selection puts each tensor's entries (:func:`slot_table`)."""
+    table: Any      #: int64 ``[2, T]`` on the device: each tensor's first slot, its slots
+    fill: Any       #: int32 ``[total]``: the bucket index of each slot's tensor's start
+    sizes: tuple    #: the slots of each tensor, on the host
+    total: int      #: every slot
+
+
+def slot_table(numels, sizes, device):
+    """:class:`Slots` of tensors of ``numels`` values with ``sizes`` slots each (at most
+    their values): a padded selection's payload holds ``sum(sizes)`` entries, tensor
+    ``t``'s in its own slots, the slots it leaves free holding the index of its first
+    value (0.0 as their value: adding it changes no sum, so decompress and error
+    feedback's subtraction read padding as they read a sent entry)."""
+    sizes = tuple(int(c) for c in sizes)
+    if len(sizes) != len(numels) or any(not 0 <= c <= n for c, n in zip(sizes, numels)):
+        raise ValueError(f"slot_table: slots {sizes} for tensors of {tuple(numels)} values")
+    starts = [0]
+    for c in sizes[:-1]:
+        starts.append(starts[-1] + c)
+    offsets = [0]
+    for n in numels[:-1]:
+        offsets.append(offsets[-1] + n)
+    table = torch.tensor([starts, sizes], dtype=torch.int64).to(device)
+    fill = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int32),
+                                   torch.tensor(sizes, dtype=torch.int64)).to(device)
+    return Slots(table, fill, sizes, sum(sizes))
+
+
+def band_select_reference(x, blocks, state, gather=False, zero=False, count=True, slots=None):
     """:func:`band_select`, in torch."""
     b = _magnitude_bits(x)
     T = blocks.first.numel()
@@ -147,6 +195,8 @@ def band_select_reference(x, blocks, state, gather=False, zero=False, count=True
     rank = torch.cumsum(band.long(), 0) - band.long() - before[seg]        # 0-based
     take = (b > hi_e) | (band & (rank < state[QUOTA][seg]))
     idx = torch.nonzero(take).reshape(-1)
+    if slots is not None:
+        return _padded_reference(x, idx, seg, state, zero, slots)
     finite = bool(state[FINITE, 0])
     if not gather:
         return idx.to(torch.int32), finite
@@ -156,6 +206,25 @@ def band_select_reference(x, blocks, state, gather=False, zero=False, count=True
     if zero:
         x.reshape(-1).index_fill_(0, idx, 0.0)
     return idx.to(torch.int32), finite, values, counts
+
+
+def _padded_reference(x, idx, seg, state, zero, slots):
+    """The padded selection from the taken bucket indices ``idx`` (index order)."""
+    T = slots.table.shape[1]
+    s = seg[idx]
+    per = torch.zeros(T, dtype=torch.int64, device=x.device).index_add_(0, s, torch.ones_like(s))
+    rank = torch.arange(idx.numel(), device=x.device) - (torch.cumsum(per, 0) - per)[s]
+    keep = rank < slots.table[1][s]
+    idx, at = idx[keep], slots.table[0][s[keep]] + rank[keep]
+    finite = state[FINITE, 0] != 0
+    bad = 1 - state[FINITE, :1]
+    out = slots.fill.clone()
+    out[at] = idx.to(torch.int32)
+    values = torch.zeros(slots.total, dtype=x.dtype, device=x.device)
+    values[at] = torch.where(finite, x.reshape(-1)[idx], float("nan")).to(x.dtype)
+    if zero:
+        x.reshape(-1).index_fill_(0, idx, 0.0)
+    return out, bad, values, slots.table[1]
 
 
 #: warps of a band-write program (blocks of 4096 entries: 16 a thread): chosen from the
@@ -170,7 +239,8 @@ BAND_WRITE_WARPS = 8
 OFFSETS_BLOCK = 2048
 
 
-def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=True):
+def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=True,
+                slots=None):
     """``(int32 indices, finite)``: per tensor, the entries with ``b > HI`` and the first
     ``QUOTA`` of ``LO < b <= HI``; ``finite`` is the state's ``FINITE`` as a Python bool,
     read back with the output's length (one host synchronisation for both).
@@ -181,13 +251,21 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
     (with ``gather``; ``x`` contiguous 1-D float32): that launch also writes +0.0 over the
     taken entries of ``x`` (error feedback's ``c - sent`` there: ``c - (0.0 + c)`` is +0.0
     for every finite nonzero ``c``, and only nonzero entries are taken from a finite
-    bucket)."""
-    if zero and not gather:
-        raise ValueError("band_select: zero=True needs gather=True")
+    bucket).
+
+    ``slots`` (a :class:`Slots`, with ``gather``): *padded*, with no host
+    synchronisation at all: tensor ``t``'s entries go to its own ``slots.sizes[t]`` slots
+    (the first of them in index order where it takes more; padding where it takes fewer:
+    :func:`slot_table`), and a bucket that is not finite sends NaN in every slot it
+    fills.  ``(indices, bad, values, counts)`` then holds ``slots.total`` entries;
+    ``bad`` is a flag on the device (int64 ``[1]``), 1 where the bucket is *not* finite,
+    and ``counts`` the slots' sizes (int64 ``[T]``)."""
+    if (zero or slots is not None) and not gather:
+        raise ValueError(f"band_select: {'zero' if zero else 'slots'}= needs gather=True")
     if zero:
         check_flat32("band_select: zero=", x.numel(), x)
     if pick_backend(x, backend) == "torch":
-        return band_select_reference(x, blocks, state, gather, zero, count)
+        return band_select_reference(x, blocks, state, gather, zero, count, slots)
     x = x.reshape(-1)
     programs = blocks.starts.numel()
     above = torch.empty(programs, dtype=torch.int64, device=x.device)
@@ -196,27 +274,35 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
     count_launch("band_count")
     kernels = _kernels()
     kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, _whole(state), T, above,
-                              band, above, above, above, WRITE=False, BLOCK=blocks.block,
-                              ALIGN=blocks.align)
+                              band, above, above, above, above, above, WRITE=False,
+                              BLOCK=blocks.block, ALIGN=blocks.align)
     band_before, out_start, scratch, result = (
         torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
-    count = gather and count
+    count = gather and count and slots is None
     counts = torch.empty(T, dtype=torch.int64, device=x.device) if count else None
     count_launch("band_offsets")
     kernels.offsets[(1,)](above, band, blocks.segs, blocks.first, state, T, programs, scratch,
                           band_before, out_start, result, result if counts is None else counts,
                           CB=OFFSETS_BLOCK, CHUNKS=-(-programs // OFFSETS_BLOCK),
-                          COUNTS=-(-T // OFFSETS_BLOCK) if count else 0)
-    # the one host synchronisation: the size of the output allocation (and the flag)
-    total, finite = result.tolist()
-    idx = torch.empty(total, dtype=torch.int32, device=x.device)
-    values = torch.empty(total, dtype=x.dtype, device=x.device) if gather else idx
+                          COUNTS=-(-T // OFFSETS_BLOCK) if count else 0, BAD=slots is not None)
+    if slots is not None:                # the slots: no size to read back, the flag stays
+        total, finite, counts = slots.total, result[1:], slots.table[1]
+        idx = slots.fill.clone()
+        values = torch.zeros(total, dtype=x.dtype, device=x.device)
+    else:
+        # the one host synchronisation: the size of the output allocation (and the flag)
+        total, finite = result.tolist()
+        finite = bool(finite)
+        idx = torch.empty(total, dtype=torch.int32, device=x.device)
+        values = torch.empty(total, dtype=x.dtype, device=x.device) if gather else idx
     if total:
         count_launch("band_write")
         # 8 warps: the one scan of both counts holds 194 registers a thread with 4
         # (sm_90, Triton 3.6), 85 with 8, so that as many warps fit on an SM as before it
         kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, state, T, above,
-                                  band_before, out_start, idx, values, WRITE=True,
+                                  band_before, out_start, idx, values, blocks.first,
+                                  above if slots is None else slots.table, WRITE=True,
                                   BLOCK=blocks.block, ALIGN=blocks.align, GATHER=gather,
-                                  ZERO=zero, num_warps=BAND_WRITE_WARPS)
-    return (idx, bool(finite), values, counts) if gather else (idx, bool(finite))
+                                  ZERO=zero, PADDED=slots is not None,
+                                  num_warps=BAND_WRITE_WARPS)
+    return (idx, finite, values, counts) if gather else (idx, finite)

@@ -2,7 +2,7 @@
 on the host: error feedback's "no poisoning" rule (a bucket holding NaN/Inf keeps the
 residuals it had) with no host synchronisation.
 
-``copy_if_flagged(dst, src, flags)``: ``dst[:] = src`` when any of the int32 ``flags`` is
+``copy_if_flagged(dst, src, flags)``: ``dst[:] = src`` when any of the integer ``flags`` is
 non-zero, else nothing; in place on ``dst``.  The kernel reads the flags in every
 program and masks its loads and stores with them, so in the common case (no flag) it
 moves no data: one launch, no pass over the buffer; where a flag is set, one read of
@@ -45,8 +45,8 @@ def copy_if_flagged_reference(dst, src, flags):
 
 def copy_if_flagged(dst, src, flags, backend=None, block=BLOCK):
     """:func:`copy_if_flagged_reference` in one launch (kernel on CUDA), ``dst`` and
-    ``src`` contiguous, of one dtype and size; ``flags`` int32 (a few thousand at most:
-    every program reads them all)."""
+    ``src`` contiguous, of one dtype and size; ``flags`` int32 or int64, any other dtype
+    converted to int32 (a few thousand at most: every program reads them all)."""
     if pick_backend(dst, backend) == "torch":
         return copy_if_flagged_reference(dst, src, flags)
     if src.dtype != dst.dtype or src.numel() != dst.numel():
@@ -56,7 +56,8 @@ def copy_if_flagged(dst, src, flags, backend=None, block=BLOCK):
     if n == 0:
         return dst
     triton, kernel = _kernels()
-    flags = flags.reshape(-1).to(torch.int32).contiguous()
+    flags = flags.reshape(-1)
+    flags = (flags if flags.dtype == torch.int64 else flags.to(torch.int32)).contiguous()
     count_launch("copy_if_flagged")
     kernel[(triton.cdiv(n, block),)](dst, src.reshape(-1).contiguous(), flags, n, flags.numel(),
                                      FLAGS=triton.next_power_of_2(max(flags.numel(), 1)),

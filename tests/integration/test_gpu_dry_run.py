@@ -45,13 +45,15 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert ("resnet_small", "laplace_topk:density=0.01,fused=1 (1 bucket)") in schemes
     steps = {(row["model"], row["spec"]) for row in figures["gpu_step"]}
     assert ("gpt2", "laplace_topk:density=0.01") in steps and ("resnet50", "powersgd:rank=4") in steps
+    assert ("gpt2", "laplace_topk:density=0.01,padded=1") in steps
     assert figures["gpu_step_ddp_check"]["status"] == "passed", figures["gpu_step_ddp_check"]
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["run_device"] == "cpu" and len(profile["results"]) >= 9
     breakdown = json.loads(next(tmp_path.glob("gpu_breakdown_tiny_*.json")).read_text())
     assert len(breakdown["compress"]) == 18
     graphs = [(r["what"], r["spec"], r["layout"]) for r in breakdown["graph"]]
-    assert len(graphs) == 5 and ("compress", "twobit", "one") in graphs    # tiny: no resnet
+    assert len(graphs) == 7 and ("compress", "twobit", "one") in graphs    # tiny: no resnet
+    assert ("compress", "laplace_topk:density=0.01,padded=1", "gpt2") in graphs
     assert all(r["equal"] and "graph_ms" not in r for r in breakdown["graph"]), breakdown["graph"]
     assert all(row["wall_ms"] > 0 for row in breakdown["compress"])
     assert [row["layout"] for row in breakdown["topk"]] == ["gpt2", "resnet"]

@@ -139,6 +139,15 @@ def test_tensorflow_selects_the_same_as_torch():
     np.testing.assert_array_equal(np.sort(idx_tf.numpy()), np.sort(idx_torch))
 
 
+@pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
+                                  "laplace_topk:density=0.01,padded=1"])
+def test_tensorflow_refuses_the_fused_search_by_name(spec):
+    import tensorflow as tf
+    c = hvd_compress.from_spec(spec)
+    with pytest.raises(ValueError, match=f"{spec.split(',')[-1]}.*PyTorch tensors only"):
+        c.compress(tf.constant(np.ones(100, np.float32)), "g")
+
+
 def test_tensorflow_in_tf_function_with_error_feedback():
     import tensorflow as tf
     c = hvd_compress.from_spec("laplace_topk:density=0.02")

@@ -223,7 +223,16 @@ def histogram_step(flat, blocks, state, bins, k, slack, buffers, local=False):
                                            local=local)
 
 
-def band_select(flat, blocks, state, gather=False, own=False, count=True):
+def padded_slots(what, layout, sizes, like):
+    """The slots of a padded selection (``band_compact.slot_table``): the list
+    ``sizes()`` of them per tensor of ``layout``, on ``like``'s device, made once per
+    (what, layout, device)."""
+    from ...kernels import band_compact
+    return _per_layout(("slots", what), layout, like.device,
+                       lambda: band_compact.slot_table(layout.numels, sizes(), like.device))
+
+
+def band_select(flat, blocks, state, gather=False, own=False, count=True, slots=None):
     """``(int32 indices, finite)``: above ``HI`` and the first ``QUOTA`` of the band,
     per tensor; ``finite`` a Python bool (one host synchronisation for both).
     ``gather=True``: ``(indices, finite, values, counts, written)``, the values gathered
@@ -232,10 +241,12 @@ def band_select(flat, blocks, state, gather=False, own=False, count=True):
     ``own=True`` (error feedback's residuals updated in place in ``flat``) that launch
     also writes ``flat - sent`` over ``flat`` (+0.0 at the sent entries) where ``flat``
     is contiguous 1-D float32: ``written`` is ``flat`` then, else None (``flat`` left as
-    it was)."""
+    it was).  ``slots`` (:func:`padded_slots`, with ``gather``): padded, no host
+    synchronisation; ``finite`` is then a flag on the device, int64 ``[1]``, non-zero
+    where the bucket is *not* finite, and ``counts`` the slots' sizes."""
     from ...kernels import band_compact
     if not gather:
         return band_compact.band_select(flat, blocks, state)
     zero = own and _flat32(flat)
-    return (*band_compact.band_select(flat, blocks, state, gather=True, zero=zero, count=count),
-            flat if zero else None)
+    return (*band_compact.band_select(flat, blocks, state, gather=True, zero=zero, count=count,
+                                      slots=slots), flat if zero else None)
