@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
 SPECS = ["none", "topk:density=0.01", "laplace_topk:density=0.01",
          "laplace_topk:density=0.01,fused=1", "laplace_topk:density=0.01,fused=1,values=rangefloat8",
          "laplace_topk:density=0.01,padded=1", "laplace_topk:density=0.01,padded=1,values=rangefloat8",
+         "dct:density=0.01,padded=1",
          "topk:density=0.01,values=rangefloat8", "dct:density=0.01", "twobit",
          "rangefloat:bits=8", "qsgd", "terngrad", "onebit", "signsgd", "randomk:density=0.01",
          "threshold:threshold=2.5"]

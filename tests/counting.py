@@ -108,6 +108,7 @@ BUCKET_SYNCS = {
     "rangefloat:bits=8": (0, 0, 1),
     # the band count; the indices' range and the headers, deferred
     "dct:density=0.01": (1, 0, 1),
+    "dct:density=0.01,padded=1": (0, 0, 1),       # its slots: nothing read back
     # the NaN/Inf check; whether the draws held k distinct indices for every tensor
     "randomk:density=0.01": (2, 0, 1),
     "randomk:density=0.6": (1, 0, 1),            # k > n / 2: the smallest keys, no check

@@ -33,6 +33,7 @@ Imports: the standard library, ``hvd_compress.buckets``; on first use,
 import functools
 
 from ..buckets import layout as _layout
+from ..memory import NonFinite
 from .base import register
 from .laplace import LaplaceTopK, select_histogram
 from .sparse import DensitySparsifier
@@ -59,18 +60,29 @@ def padded_layout(lay, block):
 @register
 class DCTSparse(DensitySparsifier):
     """Keep the largest DCT coefficients (``density`` of all, padding included), values
-    as ``bits``-bit range-based floats; error feedback on by default."""
+    as ``bits``-bit range-based floats; error feedback on by default.
+
+    ``padded=1`` (PyTorch, ``agg`` local): the selection is laplace_topk's fused search
+    with a payload of fixed size on every device (``laplace_topk:padded=1``: each
+    tensor's coefficients in ``min(n, k + floor(k / 100))`` slots, padding 0.0 at its
+    first coefficient), so compress reads nothing back; a gradient holding NaN/Inf sends
+    NaN in every slot.  Elsewhere the selection's count is read back (one host
+    synchronisation where the kernels run)."""
 
     name = "dct"
     sparse_residual = False   # indices are of coefficients; the residual is in the gradient domain
     finds_nonfinite = True    # encode_checked says whether the gradient held NaN/Inf
 
-    def __init__(self, density=0.01, block=256, bits=8, ef=None, agg=None, beta=None, hint=None):
+    def __init__(self, density=0.01, block=256, bits=8, ef=None, agg=None, beta=None, hint=None,
+                 padded=None):
         local = agg in (None, "local")   # summed coefficients (agg!=local) travel as floats
         super().__init__(density=density, ef=ef, values=f"rangefloat{bits}" if local else None,
                          agg=agg, beta=beta, hint=hint)
         self.block, self.bits = check_dct_block(block), int(bits)
-        self._select = LaplaceTopK(density=self.density, ef=False)
+        self.padded = None if padded is None else bool(int(padded))
+        if self.padded and not local:
+            raise ValueError(f"padded=1 sends each rank's own pairs (agg=local); got agg={agg}")
+        self._select = LaplaceTopK(density=self.density, ef=False, padded=self.padded)
 
     @property
     def segmented(self):
@@ -108,10 +120,17 @@ class DCTSparse(DensitySparsifier):
         """``(payload, finite)``; ``finite`` (the gradient held no NaN/Inf) only when
         ``check`` or where the fused search finds it anyway."""
         coefs, cctx = self.to_domain(flat, ctx, ops)
-        if self.fused_here(coefs, ops):    # (the values and their counts from its write)
+        if self.padded and not ops.histogram_search_supported():
+            raise ValueError(f"{self.spec}: padded=1 (laplace_topk's fused search) runs on "
+                             "PyTorch tensors only; leave padded unset for TensorFlow")
+        if self.padded or self.fused_here(coefs, ops):   # (values, counts from its write)
+            slots = self._select.slots(cctx.layout, ops, coefs) if self.padded else None
             idx, finite, values, counts, _ = select_histogram(self._select, coefs, cctx.layout,
-                                                              ops, gather=True)
-            return self._payload(coefs, idx, cctx, ops, values, counts), finite
+                                                              ops, gather=True, slots=slots)
+            if slots is not None:          # (finite: the device's flag, 1 where not)
+                finite, counts = NonFinite(finite), None
+            return self._payload(coefs, idx, cctx, ops, values, counts,
+                                 lengths=None if slots is None else slots.sizes), finite
         finite = (ops.all_finite(flat) if ctx.finite is None else ctx.finite) if check else None
         idx = ops.cond(ops.all_finite(coefs),          # coefficients may overflow
                        lambda: self.select(coefs, cctx, ops, step),

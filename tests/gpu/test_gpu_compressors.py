@@ -48,7 +48,7 @@ APPROX = ["laplace_topk:density=0.01", "laplace_topk:density=0.001,tol=0.05",
           "dgc:density=0.01", "gaussian_k:density=0.01", "sidco_exp:density=0.01",
           "sidco_exp:density=0.001,stages=3",
           "twobit", "twobit:scale=2",
-          "dct:density=0.01", "dct:density=0.05,block=64,bits=12"]
+          "dct:density=0.01", "dct:density=0.05,block=64,bits=12", "dct:density=0.01,padded=1"]
 
 
 #: the peer baselines, tested in test_gpu_peers.py

@@ -140,7 +140,8 @@ def test_tensorflow_selects_the_same_as_torch():
 
 
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
-                                  "laplace_topk:density=0.01,padded=1"])
+                                  "laplace_topk:density=0.01,padded=1",
+                                  "dct:density=0.01,padded=1"])
 def test_tensorflow_refuses_the_fused_search_by_name(spec):
     import tensorflow as tf
     c = hvd_compress.from_spec(spec)

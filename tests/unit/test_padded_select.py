@@ -174,7 +174,55 @@ def test_a_lone_tensor_compressed_padded(monkeypatch):
 def test_padded_spec_errors_name_the_argument():
     with pytest.raises(ValueError, match="padded=1.*fused=0"):
         hvd_compress.from_spec("laplace_topk:padded=1,fused=0")
-    with pytest.raises(ValueError, match="padded=1.*agg=union"):
-        hvd_compress.from_spec("laplace_topk:padded=1,agg=union")
+    for name in ("laplace_topk", "dct"):
+        with pytest.raises(ValueError, match="padded=1.*agg=union"):
+            hvd_compress.from_spec(f"{name}:padded=1,agg=union")
     c = hvd_compress.from_spec("laplace_topk:density=0.01,padded=1")
     assert hvd_compress.from_spec(c.spec).spec == c.spec
+
+
+# -- dct: the same selection over each tensor's coefficients -------------------------------
+
+def test_padded_dct_equals_dct_where_both_run_the_fused_search(monkeypatch):
+    """Where the kernels run, dct selects by the fused search; ``padded=1`` gives the same
+    aggregate and residual bits, in slots (the selection's count per tensor + 1%)."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    lay = layout([f"t{i}" for i in range(len(SIZES))], [(n,) for n in SIZES])
+    c = [hvd_compress.from_spec(s) for s in ("dct:density=0.05,block=32",
+                                             "dct:density=0.05,block=32,padded=1")]
+    for step in range(2):
+        g = laplace(lay.total, seed=step)
+        (pa, ca), (pb, cb) = (x.compress_bucket(g.clone(), lay) for x in c)
+        assert pb[-1].numel() == sum(min(n, k + k // 100) for n, k in (
+            (m, c[1]._select.k(m)) for m in (-(-n // 32) * 32 for n in SIZES)))
+        da, db = c[0].decompress_bucket(pa, ca), c[1].decompress_bucket(pb, cb)
+        assert torch.equal(da.view(torch.int32), db.view(torch.int32))
+        for name in lay.names:
+            assert torch.equal(c[0].residual(name).view(torch.int32),
+                               c[1].residual(name).view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_dct_conserves_the_gradient_and_flags_nan(monkeypatch, backend):
+    """On both backends (the CPU's dct selects tensor by tensor, ``padded=1`` by the fused
+    search): what one rank sent plus its residual is what it had to send, every step; a
+    NaN gradient makes the aggregate NaN and keeps the residuals; the payload's size
+    never changes."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    lay = layout([f"t{i}" for i in range(len(SIZES))], [(n,) for n in SIZES])
+    c = hvd_compress.from_spec("dct:density=0.05,block=32,padded=1")
+    total_in, total_out, sizes = torch.zeros(lay.total), torch.zeros(lay.total), set()
+    for step in range(3):
+        g = laplace(lay.total, seed=step)
+        total_in += g
+        payload, ctx = c.compress_bucket(g.clone(), lay)
+        sizes.add(tuple(t.numel() for t in payload))
+        total_out += c.decompress_bucket(payload, ctx)
+    residual = torch.cat([c.residual(n) for n in lay.names])
+    assert len(sizes) == 1 and torch.allclose(total_out + residual, total_in, atol=1e-4)
+    g = laplace(lay.total, seed=9)
+    g[100] = float("nan")
+    payload, ctx = c.compress_bucket(g, lay)
+    assert bool(torch.isnan(c.decompress_bucket(payload, ctx)).any())
+    assert tuple(t.numel() for t in payload) in sizes
+    assert torch.equal(torch.cat([c.residual(n) for n in lay.names]), residual)
