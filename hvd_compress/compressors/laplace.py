@@ -81,11 +81,13 @@ class LaplaceTopK(DensitySparsifier):
     the search's count may reach): its selection, then padding (its first index, value
     0.0, which adds nothing where decompress and error feedback sum it).  The payload's
     size is then known before the search, so the collective needs no read-back, and
-    the compress is the same launches every step (what a CUDA graph can capture).  It
-    costs at most ``tol`` more pairs (1% by default; none with ``exact=1``, where every
-    count is k).  A bucket holding NaN/Inf sends NaN as every value (each tensor's
-    first slots), so the aggregate is non-finite wherever any rank's bucket was, and
-    the residuals stay as they were (flagged on the device, ``memory.NonFinite``).
+    the compress is the same launches every step (what a CUDA graph can capture).  A
+    tensor sends at most ``tol * k`` pairs more than k (1% by default, none with
+    ``exact=1``); one with fewer than k nonzero entries pads its slots, where
+    ``fused=1`` sends only those.  A bucket holding NaN/Inf sends NaN as every value
+    (each tensor's first slots), so the aggregate is non-finite wherever any rank's
+    bucket was, and the residuals stay as they were (flagged on the device,
+    ``memory.NonFinite``).  Not with ``agg=``, ``momentum=`` or ``warmup_steps=``.
     """
 
     name = "laplace_topk"
@@ -111,6 +113,10 @@ class LaplaceTopK(DensitySparsifier):
             if self.agg is not None:
                 raise ValueError(f"padded=1 sends each rank's own pairs (agg=local); got "
                                  f"agg={self.agg}")
+            if self.momentum or self.warmup_steps:
+                raise ValueError("padded=1 keeps its payload's size fixed: it cannot take "
+                                 "momentum= (DGC's momentum masking reads the sent indices, "
+                                 "padding repeats one) or warmup_steps= (k changes each step)")
             self.fused = True
 
     #: select_checked finds NaN/Inf itself where it can: the fused search in its first

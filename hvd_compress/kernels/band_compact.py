@@ -177,10 +177,12 @@ def slot_table(numels, sizes, device):
     offsets = [0]
     for n in numels[:-1]:
         offsets.append(offsets[-1] + n)
-    table = torch.tensor([starts, sizes], dtype=torch.int64).to(device)
+    table = torch.tensor([starts, sizes], dtype=torch.int64)
     fill = torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int32),
-                                   torch.tensor(sizes, dtype=torch.int64)).to(device)
-    return Slots(table, fill, sizes, sum(sizes))
+                                   torch.tensor(sizes, dtype=torch.int64))
+    if torch.device(device).type == "cuda":          # (copied without blocking the host)
+        table, fill = (t.pin_memory().to(device, non_blocking=True) for t in (table, fill))
+    return Slots(table.to(device), fill.to(device), sizes, sum(sizes))
 
 
 def band_select_reference(x, blocks, state, gather=False, zero=False, count=True, slots=None):

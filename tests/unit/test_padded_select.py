@@ -115,6 +115,14 @@ SPECS = ["laplace_topk:density=0.02", "laplace_topk:density=0.02,exact=1",
          "laplace_topk:density=0.02,values=rangefloat8", "laplace_topk:density=0.02,ef=0"]
 
 
+def with_sparse_tensors(g, lay):
+    """``g`` with its second tensor all zero and its last one 3 nonzero entries short of
+    k: tensors whose slots are all, or mostly, padding."""
+    g[lay.offsets[1]:lay.offsets[1] + lay.numels[1]] = 0.0
+    g[lay.offsets[5] + 3:lay.offsets[5] + lay.numels[5]] = 0.0
+    return g
+
+
 def exchange(c, lay, grads, dtype):
     """Both ranks' compress (each its own compressor state), the aggregate decompressed
     by rank 0; ``(aggregate, payloads, residuals of rank 0)``."""
@@ -142,7 +150,8 @@ def test_padded_equals_the_fused_search_bit_for_bit(monkeypatch, backend, spec, 
     tol = 0.0 if "exact=1" in spec else 0.01
     slots = sum(min(n, padded[0].k(n) + int(tol * padded[0].k(n))) for n in SIZES)
     for step in range(3):
-        grads = [laplace(lay.total, seed=10 * step + r) for r in range(2)]
+        grads = [with_sparse_tensors(laplace(lay.total, seed=10 * step + r), lay)
+                 for r in range(2)]
         if step == 2:
             grads[1][20500] = float("nan")
         want, _, want_r = exchange(fused, lay, grads, dtype)
@@ -161,7 +170,7 @@ def test_padded_equals_the_fused_search_bit_for_bit(monkeypatch, backend, spec, 
             assert bool(torch.isfinite(got[rest]).all())
 
 
-def test_a_lone_tensor_compressed_padded(monkeypatch):
+def test_a_lone_tensor_compressed_padded():
     """``compress`` of one tensor (the glue's tensor-by-tensor path): slots of that tensor."""
     x = laplace(5000).reshape(50, 100)
     a = hvd_compress.from_spec("laplace_topk:density=0.01,fused=1,ef=0")
@@ -177,6 +186,10 @@ def test_padded_spec_errors_name_the_argument():
     for name in ("laplace_topk", "dct"):
         with pytest.raises(ValueError, match="padded=1.*agg=union"):
             hvd_compress.from_spec(f"{name}:padded=1,agg=union")
+    for extra in ("momentum=0.9", "momentum=0.9,mask=0", "warmup_steps=5"):
+        with pytest.raises(ValueError, match=f"padded=1.*{extra.split('=')[0]}="):
+            hvd_compress.from_spec(f"laplace_topk:padded=1,{extra}")
+    hvd_compress.from_spec("laplace_topk:padded=1,clip=1.0")          # no indices read
     c = hvd_compress.from_spec("laplace_topk:density=0.01,padded=1")
     assert hvd_compress.from_spec(c.spec).spec == c.spec
 

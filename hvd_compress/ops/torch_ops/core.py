@@ -238,13 +238,15 @@ def subtract(a, b, inplace=False):
 
 def subtract_at(a, idx, values, inplace=False):
     """``a - cast(scatter_sum(len(a), idx, values))`` for *distinct* ``idx`` (int32 or
-    int64), touching only those entries: the same bits, as ``0.0 + v`` is what the
+    int64; or repeats whose values are 0.0, a padded payload's padding, which adds -0.0),
+    touching only those entries: the same bits, as ``0.0 + v`` is what the
     scatter into zeros holds and ``x - w`` is ``x + (-1) w`` in IEEE arithmetic (signed
     zeros and rounding included), so it is one ``index_add_`` of ``0.0 + v`` with
     ``alpha=-1`` (two ops).  On CUDA a
     float32 add is an atomic, which flushes subnormal inputs and results to zero (PTX
     ``atom.add.f32``, as in the decompress's ``scatter_sum``): there a sent entry's
-    float32 residual below 1.2e-38 in magnitude becomes 0."""
+    float32 residual below 1.2e-38 in magnitude becomes 0, and so does a padded tensor's
+    unsent first entry's."""
     out = a if inplace else a.clone()
     if idx.numel():
         out.index_add_(0, _index_vector(idx), (0.0 + values.float()).to(a.dtype), alpha=-1)
