@@ -153,6 +153,12 @@ def summary(args):
             dict({k: v for k, v in r.items() if k != "per_bucket"}, model=data.get("model"))
             for r in data.get("rows", []))
         out["figures"].setdefault("gpu_step_targets", {}).update(data.get("targets") or {})
+    for path in sorted(res.glob("gpu_breakdown*.json"))[-1:]:   # the host's costs, graphs
+        data = load_json(path) or {}
+        out["figures"]["breakdown_launch"] = data.get("launch") or {}
+        out["figures"]["breakdown_graph"] = [
+            {k: r[k] for k in ("what", "spec", "layout", "eager_ms", "graph_ms", "equal", "error")
+             if k in r} for r in data.get("graph") or []]
     bad_steps = [s["step"] for s in steps if s["status"].startswith(("failed", "timed out"))]
     unfinished = [s["step"] for s in steps if s["status"] == "skipped: budget spent"]
     dry_run = bool(getattr(args, "dry_run", False))
@@ -206,6 +212,16 @@ def summary(args):
                   f"goal 8), count/k {t['count_over_k']:.3f}")
     for name, t in out["figures"].get("gpu_step_targets", {}).items():
         print(f"GPT-2 small step, {name}: {t['codec_over_backward']:.1%} of backward")
+    launch = out["figures"].get("breakdown_launch") or {}
+    if any(k.endswith("_us") for k in launch):
+        print("host per call: " + ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f} us"
+                                            for k, v in launch.items() if k.endswith("_us")))
+    for r in out["figures"].get("breakdown_graph", []):
+        if "graph_ms" in r:              # (CUDA only: the dry run issues the calls eagerly)
+            print(f"graph {r['what']} {r['spec']} ({r['layout']}): eager {r['eager_ms']:.3f} ms, "
+                  f"replayed {r['graph_ms']:.3f} ms, equal {r.get('equal')}")
+        elif "error" in r:
+            print(f"graph {r['what']} {r['spec']} ({r['layout']}): {r['error'][:120]}")
     if out["sync_counts"]:
         print(f"host synchronisations recorded for {len(out['sync_counts'])} calls (sync_counts)")
     if dry_run:
