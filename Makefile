@@ -14,7 +14,7 @@ setup:
 	@bash ci/setup.sh
 
 test: setup
-	$(PY) -m pytest -ra tests
+	$(PY) -m pytest -ra --durations=25 tests
 
 test-fast: setup
 	$(PY) -m pytest -ra tests/unit

@@ -110,6 +110,10 @@ class Compressor:
                                #: per-tensor semantics (:meth:`compress_bucket`)
     finds_nonfinite = False    #: :meth:`encode_checked` finds NaN/Inf itself, in the host
                                #: synchronisation it needs anyway (no separate check)
+    fixed_size = False         #: the payload's shapes depend only on the spec and the
+                               #: tensor's shape (a bucket's layout), never on its values:
+                               #: the same on every rank, so an allgather needs no
+                               #: lengths first (``Transport.allgather_fixed``)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)

@@ -83,6 +83,7 @@ class DCTSparse(DensitySparsifier):
         if self.padded and not local:
             raise ValueError(f"padded=1 sends each rank's own pairs (agg=local); got agg={agg}")
         self._select = LaplaceTopK(density=self.density, ef=False, padded=self.padded)
+        self.fixed_size = bool(self.padded)
 
     @property
     def segmented(self):

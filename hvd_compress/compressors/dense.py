@@ -54,6 +54,7 @@ class BF16(Compressor):
     collective = "allgather"
     payload_is_copy = False    # a bf16 gradient's payload is a view of it
     segmented = True
+    fixed_size = True
 
     def encode(self, flat, ctx, ops, step):
         return (ops.bitcast(ops.cast(flat, ops.bfloat16), ops.int16),)

@@ -39,6 +39,7 @@ class CodesAndScales(Compressor):
     collective = "allgather"
     segmented = True
     finds_nonfinite = True     #: where the bucket kernels run (encode_bucket); else one check
+    fixed_size = True          #: :meth:`sizes` per tensor, NaN/Inf included
 
     def sizes(self, n):
         """``(code words, scales)`` in the payload of a tensor of ``n`` values."""

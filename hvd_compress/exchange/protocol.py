@@ -82,6 +82,12 @@ class Transport:
         """Each tensor of ``tensors`` concatenated over the ranks in rank order."""
         raise NotImplementedError
 
+    def allgather_fixed(self, tensors, name):
+        """:meth:`allgather` of tensors whose shapes are the same on every rank (a
+        ``fixed_size`` compressor's payload), which a transport may gather without
+        first gathering their lengths.  Default: :meth:`allgather`."""
+        return (yield from _collective(self.allgather(tensors, name)))
+
     def reducescatter(self, tensor, name, sizes):
         """This rank's piece of the sum over the ranks of the 1-D ``tensor``, cut into
         contiguous pieces of ``sizes`` (one per rank, in rank order; the hierarchical
@@ -271,9 +277,10 @@ class Exchange:
             if c.collective == "allreduce":
                 agg, self.sent, self.received = yield from _collective(
                     t.allreduce(payload, wire, inplace_of=self.tensor if self.inplace else None))
-            else:
+            else:                          # (shapes equal on every rank: no lengths)
+                gather = t.allgather_fixed if c.fixed_size else t.allgather
                 agg, self.sent, self.received = yield from _collective(
-                    t.allgather(tuple(payload), wire))
+                    gather(tuple(payload), wire))
             self.received_local = self.received
             with t.ops.deferred_checks(self.checks):
                 out = c.decompress_bucket(agg, ctx) if bucket else c.decompress(agg, ctx)

@@ -45,19 +45,34 @@ class TorchDistributed(Transport):
     def allgather(self, tensors, name):
         """Each tensor of ``tensors`` concatenated over the ranks in rank order (first
         dimensions may differ between ranks), as Horovod's allgather: the parts travel as
-        one byte buffer, padded to the longest rank's.  Sent and received bytes count
-        the padded buffer and the lengths."""
+        one byte buffer, padded to the longest rank's, whose lengths are gathered first
+        (and read on the host).  Sent and received bytes count the padded buffer and the
+        lengths."""
+        return (yield from self._allgather(tensors, fixed=False))
+
+    def allgather_fixed(self, tensors, name):
+        """:meth:`allgather` of tensors of the same shapes on every rank (a ``fixed_size``
+        compressor's payload): one collective, the byte buffers alone; no lengths
+        gathered, nothing read back on the host."""
+        return (yield from self._allgather(tensors, fixed=True))
+
+    def _allgather(self, tensors, fixed):
         size, group = self.size, self.group
         parts = [t.contiguous() for t in tensors]
         device = parts[0].device
         raw = [t.reshape(-1).view(torch.uint8) for t in parts]
-        lengths = torch.tensor([r.numel() for r in raw], dtype=torch.int64, device=device)
-        everyone = [torch.empty_like(lengths) for _ in range(size)]
-        yield Wait(dist.all_gather(everyone, lengths, group=group, async_op=True).wait)
-        table = torch.stack(everyone).tolist()         # [rank][part] bytes: to the host
+        if fixed:
+            lengths, table = None, [[r.numel() for r in raw]] * size
+        else:
+            lengths = torch.tensor([r.numel() for r in raw], dtype=torch.int64, device=device)
+            everyone = [torch.empty_like(lengths) for _ in range(size)]
+            yield Wait(dist.all_gather(everyone, lengths, group=group, async_op=True).wait)
+            table = torch.stack(everyone).tolist()     # [rank][part] bytes: to the host
         longest = max(sum(row) for row in table)
         own = sum(r.numel() for r in raw)
-        mine = torch.cat(raw + [torch.zeros(longest - own, dtype=torch.uint8, device=device)])
+        pad = [torch.zeros(longest - own, dtype=torch.uint8, device=device)] \
+            if longest > own else []
+        mine = torch.cat(raw + pad)
         gathered = [torch.empty_like(mine) for _ in range(size)]
         yield Wait(dist.all_gather(gathered, mine, group=group, async_op=True).wait)
         out = []
@@ -67,7 +82,7 @@ class TorchDistributed(Transport):
                 at = sum(table[r][:i])
                 pieces.append(gathered[r][at:at + table[r][i]])
             out.append(torch.cat(pieces).view(t.dtype).reshape(-1, *t.shape[1:]))
-        sent = longest + lengths.numel() * 8
+        sent = longest + (0 if lengths is None else lengths.numel() * 8)
         return tuple(out), sent, (size - 1) * sent
 
     def divide(self, out, size):

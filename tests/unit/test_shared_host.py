@@ -294,3 +294,30 @@ def test_a_worker_that_cannot_make_its_files_keeps_the_whole_host_on_horovods(mo
     assert errors == [None, None], errors
     assert [type(o).__name__ for o in out] == ["LocalTransport", "LocalTransport"]
     assert "not available on every worker" in caplog.text
+
+
+@pytest.mark.parametrize("spec", ["bf16", "twobit", "laplace_topk:density=0.05,padded=1"])
+def test_a_fixed_size_payload_through_shared_memory(spec):
+    """A ``fixed_size`` compressor's flat exchange gathers with ``allgather_fixed``: one
+    payload tensor (bf16) through shared memory, several through the base transport;
+    both ranks get the in-process exchange's aggregate, bit for bit."""
+    import hvd_compress
+    from hvd_compress import buckets
+    from hvd_compress.exchange import Driver
+    from hvd_compress.stats import Stats
+    lay = buckets.layout(["a", "b"], [(40, 30), (7,)])
+
+    def exchange(r, t):
+        d = Driver(t, Stats(), average=False)
+        ex = d.launch(hvd_compress.from_spec(spec), lay, flat=_data(r, 0, lay.total))
+        d.finish([ex])
+        d.end_step()
+        return ex.result.numpy().copy()
+
+    shared, errors = _run(2, exchange)
+    assert errors == [None, None], errors
+    world = World(2, torch_ops, timeout=30)
+    plain, errors = run_ranks(2, lambda r: exchange(r, world.transport(r)), timeout=60)
+    assert errors == [None, None], errors
+    for a, b in zip(shared, plain):
+        assert np.array_equal(a.view(np.int32), b.view(np.int32))
