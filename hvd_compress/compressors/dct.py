@@ -33,9 +33,8 @@ Imports: the standard library, ``hvd_compress.buckets``; on first use,
 import functools
 
 from ..buckets import layout as _layout
-from ..memory import NonFinite
 from .base import register
-from .laplace import LaplaceTopK, select_histogram
+from .laplace import LaplaceTopK, fused_payload
 from .sparse import DensitySparsifier
 
 
@@ -121,17 +120,8 @@ class DCTSparse(DensitySparsifier):
         """``(payload, finite)``; ``finite`` (the gradient held no NaN/Inf) only when
         ``check`` or where the fused search finds it anyway."""
         coefs, cctx = self.to_domain(flat, ctx, ops)
-        if self.padded and not ops.histogram_search_supported():
-            raise ValueError(f"{self.spec}: padded=1 (laplace_topk's fused search) runs on "
-                             "PyTorch tensors only; leave padded unset for TensorFlow")
         if self.padded or self.fused_here(coefs, ops):   # (values, counts from its write)
-            slots = self._select.slots(cctx.layout, ops, coefs) if self.padded else None
-            idx, finite, values, counts, _ = select_histogram(self._select, coefs, cctx.layout,
-                                                              ops, gather=True, slots=slots)
-            if slots is not None:          # (finite: the device's flag, 1 where not)
-                finite, counts = NonFinite(finite), None
-            return self._payload(coefs, idx, cctx, ops, values, counts,
-                                 lengths=None if slots is None else slots.sizes), finite
+            return fused_payload(self, self._select, coefs, cctx, ops)[:2]
         finite = (ops.all_finite(flat) if ctx.finite is None else ctx.finite) if check else None
         idx = ops.cond(ops.all_finite(coefs),          # coefficients may overflow
                        lambda: self.select(coefs, cctx, ops, step),

@@ -135,10 +135,7 @@ class LaplaceTopK(DensitySparsifier):
                 found = top_k_checked(self, flat, ctx, ops, drop_zeros=True)
             # not finite: every index; else without zeros (on CUDA read back together)
             return found if found is not None else super().select_checked(flat, ctx, ops, step)
-        if not ops.histogram_search_supported():
-            raise ValueError(f"{self.spec}: fused=1 (the fused histogram search, which "
-                             "padded=1 implies) runs on PyTorch tensors only; leave fused "
-                             "and padded unset for TensorFlow")
+        torch_only(self, ops)
         return select_histogram(self, flat, ctx.layout, ops, add=ctx.add)
 
     def adds_residual(self, flat, ctx, ops):
@@ -169,14 +166,8 @@ class LaplaceTopK(DensitySparsifier):
         if not (self.fused and self.writes_residual and ops.histogram_search_supported()):
             return super().encode_checked(flat, ctx, ops, step)
         coded = self.codec is not None         # (per-tensor counts for its exponent ranges)
-        slots = self.slots(ctx.layout, ops, flat) if self.padded else None
-        idx, finite, values, counts, written = select_histogram(
-            self, flat, ctx.layout, ops, add=ctx.add, gather=True, own=own and not coded,
-            count=coded, slots=slots)
-        if slots is not None:                  # (finite: the device's flag, 1 where not)
-            finite, counts = NonFinite(finite), None
-        payload = self._payload(flat, idx, ctx, ops, values, counts,
-                                lengths=None if slots is None else slots.sizes)
+        payload, finite, written = fused_payload(self, self, flat, ctx, ops, add=ctx.add,
+                                                 own=own and not coded, count=coded)
         return (payload if written is None else OwnPayload(payload, residual=written)), finite
 
     def slots(self, lay, ops, like):
@@ -261,6 +252,33 @@ class LaplaceTopK(DensitySparsifier):
                                t_cand, abs_max,
                                passes=exact_passes(grid) if self.exact else self.passes,
                                tol=tol, grid=grid)
+
+
+def torch_only(sparsifier, ops):
+    """ValueError naming ``sparsifier``'s spec where ``ops`` cannot run the fused search
+    (TensorFlow)."""
+    if not ops.histogram_search_supported():
+        raise ValueError(f"{sparsifier.spec}: fused=1 (the fused histogram search, which "
+                         "padded=1 implies) runs on PyTorch tensors only; leave fused and "
+                         "padded unset for TensorFlow")
+
+
+def fused_payload(sparsifier, selector, flat, ctx, ops, **kw):
+    """``(payload, finite, written)``: ``sparsifier``'s payload of the entries that the
+    fused search of ``selector`` (a LaplaceTopK; its ``padded`` decides) selects in
+    ``flat`` (``ctx``: its Ctx), values and counts from the write pass
+    (:func:`select_histogram` with ``gather``; ``kw``: ``add``, ``own``, ``count``).
+    ``padded=1``: in ``selector``'s slots, ``finite`` a device flag
+    (:class:`~hvd_compress.memory.NonFinite`) and the codec's counts the host's."""
+    torch_only(sparsifier, ops)
+    slots = selector.slots(ctx.layout, ops, flat) if selector.padded else None
+    idx, finite, values, counts, written = select_histogram(
+        selector, flat, ctx.layout, ops, gather=True, slots=slots, **kw)
+    if slots is not None:                      # (finite: the device's flag, 1 where not)
+        finite, counts = NonFinite(finite), None
+    payload = sparsifier._payload(flat, idx, ctx, ops, values, counts,
+                                  lengths=None if slots is None else slots.sizes)
+    return payload, finite, written
 
 
 def bucket_constants(self, lay, tol, ops, like):

@@ -288,16 +288,17 @@ class SharedHost(Transport):
         out = self.from_numpy(out)
         return (out,) + standard_traffic(self.ops, "reducescatter", tensor, out, self.size)
 
-    def allgather_fixed(self, tensors, name):
-        # through shared memory as any allgather; else the base transport's, without lengths
-        if len(tensors) == 1 and self.to_numpy(tensors[0]) is not None:
-            return (yield from self.allgather(tensors, name))
-        return (yield from _collective(self.base.allgather_fixed(tensors, name)))
-
     def allgather(self, tensors, name):
+        return (yield from self._allgather(tensors, name, self.base.allgather))
+
+    def allgather_fixed(self, tensors, name):
+        # (shared memory as any allgather; else the base transport's, without lengths)
+        return (yield from self._allgather(tensors, name, self.base.allgather_fixed))
+
+    def _allgather(self, tensors, name, fallback):
         arrays = [self.to_numpy(t) for t in tensors]
         if len(tensors) != 1 or arrays[0] is None:
-            return (yield from _collective(self.base.allgather(tensors, name)))
+            return (yield from _collective(fallback(tensors, name)))
         a = arrays[0]
         # first dimensions may differ between workers: gather the lengths first
         lengths, q = self._round(np.array([a.shape[0] if a.ndim else 1], np.int64))

@@ -218,12 +218,11 @@ def _padded_reference(x, idx, seg, state, zero, slots):
     rank = torch.arange(idx.numel(), device=x.device) - (torch.cumsum(per, 0) - per)[s]
     keep = rank < slots.table[1][s]
     idx, at = idx[keep], slots.table[0][s[keep]] + rank[keep]
-    finite = state[FINITE, 0] != 0
     bad = 1 - state[FINITE, :1]
     out = slots.fill.clone()
     out[at] = idx.to(torch.int32)
     values = torch.zeros(slots.total, dtype=x.dtype, device=x.device)
-    values[at] = torch.where(finite, x.reshape(-1)[idx], float("nan")).to(x.dtype)
+    values[at] = torch.where(bad[0] == 0, x.reshape(-1)[idx], float("nan")).to(x.dtype)
     if zero:
         x.reshape(-1).index_fill_(0, idx, 0.0)
     return out, bad, values, slots.table[1]

@@ -70,9 +70,7 @@ class TorchDistributed(Transport):
             table = torch.stack(everyone).tolist()     # [rank][part] bytes: to the host
         longest = max(sum(row) for row in table)
         own = sum(r.numel() for r in raw)
-        pad = [torch.zeros(longest - own, dtype=torch.uint8, device=device)] \
-            if longest > own else []
-        mine = torch.cat(raw + pad)
+        mine = torch.cat(raw + [torch.zeros(longest - own, dtype=torch.uint8, device=device)])
         gathered = [torch.empty_like(mine) for _ in range(size)]
         yield Wait(dist.all_gather(gathered, mine, group=group, async_op=True).wait)
         out = []

@@ -246,7 +246,7 @@ def band_select(flat, blocks, state, gather=False, own=False, count=True, slots=
     where the bucket is *not* finite, and ``counts`` the slots' sizes."""
     from ...kernels import band_compact
     if not gather:
-        return band_compact.band_select(flat, blocks, state)
+        return band_compact.band_select(flat, blocks, state, slots=slots)
     zero = own and _flat32(flat)
     return (*band_compact.band_select(flat, blocks, state, gather=True, zero=zero, count=count,
                                       slots=slots), flat if zero else None)
