@@ -13,11 +13,23 @@ HVDRUN := $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo
 setup:
 	@bash ci/setup.sh
 
+# make test runs in two parts: first, on 2 workers (pytest-xdist), the tests that each run
+# in one process (tests/unit, the GPU tests, and the two long one-process integration
+# tests: the GPU dry run and the sm_90 compile check); then, one at a time, the
+# integration tests that launch horovodrun or torchrun jobs (each job already uses 2
+# processes, and some time their link).  Both parts always run; either failing fails it.
+PARALLEL_TESTS := tests/integration/test_gpu_dry_run.py tests/integration/test_kernels_compile.py \
+	tests/unit tests/gpu
+PYTEST := $(PY) -m pytest -ra --durations=25
+
 test: setup
-	$(PY) -m pytest -ra --durations=25 tests
+	@rc=0; \
+	$(PYTEST) -n 2 --dist worksteal $(PARALLEL_TESTS) || rc=$$?; \
+	$(PYTEST) tests/integration $(patsubst %,--ignore=%,$(filter tests/integration/%,$(PARALLEL_TESTS))) || rc=$$?; \
+	exit $$rc
 
 test-fast: setup
-	$(PY) -m pytest -ra tests/unit
+	$(PY) -m pytest -ra -n 2 --dist worksteal tests/unit
 
 demo: setup
 	$(HVDRUN) $(PY) examples/pytorch_mnist.py --compression topk:density=0.01

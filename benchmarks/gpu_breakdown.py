@@ -23,11 +23,11 @@ tensor.  ``--tiny`` divides every size by 1000.
    be equal.  Layouts where ``segment_abs_topk`` leaves the work to a torch.topk per
    tensor (one tensor) are skipped.
 3. **graph**: laplace_topk ``fused=1``'s passes before its read-back
-   (``laplace.histogram_search``), and the whole bucket compress of
+   (``fused_search.histogram_search``), and the whole bucket compress of
    ``laplace_topk:padded=1``, ``twobit`` and ``rangefloat:bits=8`` (no host
    synchronisation in them), issued eagerly against replayed from a CUDA graph
    (``GRAPH_CASES``; the CPU dry run runs the calls only).
-4. **search**: laplace_topk ``fused=1``'s whole selection (``laplace.select_histogram``)
+4. **search**: laplace_topk ``fused=1``'s whole selection (``fused_search.select_histogram``)
    with its passes as now (a coarse first pass of 62 bins counted per block, then three
    of 2046 with an atomic per entry in the bracket) against four passes of 2046 (before
    2026-11-26's second stop), and ``torch.topk`` per tensor; ``exact=1`` indices must be
@@ -130,7 +130,8 @@ def compress_rows(args, cuda):
                 def call(c=c, lay=lay):
                     turn[0] += 1
                     return c.compress_bucket(scratch[turn[0] % 2].copy_(flat), lay)
-            wall = common.timeit(torch, call, args.repeat, args.device, warmup=2)
+            wall = common.timeit(torch, call, args.repeat, args.device,
+                                 warmup=1 if args.tiny else 2)
             count, busy, top = device_kernels(call, cuda)
             rows.append({"layout": lname, "tensors": len(lay.numels), "numel": lay.total,
                          "spec": spec, "wall_ms": 1e3 * wall, "kernels": count, "device_ms": busy,
@@ -188,7 +189,7 @@ def graph_case(what, spec, lay, flat):
     """``fn()``: the case's launches issued once, returning what they compute (the
     search's state, or the compress's payload)."""
     import hvd_compress
-    from hvd_compress.compressors.laplace import histogram_search
+    from hvd_compress.compressors.fused_search import histogram_search
     from hvd_compress.ops import torch_ops
     c = hvd_compress.from_spec(spec)
     if what == "search":
@@ -263,7 +264,7 @@ def search_rows(args):
     fine passes (one atomic per entry in the bracket, the first over about 10% of a
     Laplace tensor), and a torch.topk per tensor."""
     import hvd_compress
-    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES, select_histogram
     from hvd_compress.ops import torch_ops
     variants = {"coarse_then_fine": HISTOGRAM_PASSES, "fine_only": (2046,) * 4}
     rows = []

@@ -20,7 +20,7 @@ def aligned_rows(args, make_layout, density):
     2026-11-26's fourth stop): ``segment_abs_sum_max``, the twobit bucket compress, the
     fused selection."""
     import hvd_compress
-    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES, select_histogram
     from hvd_compress.kernels import segmented
     from hvd_compress.ops import torch_ops
     real = segmented.alignment
@@ -59,7 +59,7 @@ def aligned_rows(args, make_layout, density):
 def warps_rows(args, make_layout, density):
     """The fused selection at each (histogram, band-write) warps pair."""
     import hvd_compress
-    from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES, select_histogram
     from hvd_compress.kernels import band_compact as B
     from hvd_compress.kernels import histogram_select as H
     from hvd_compress.ops import torch_ops

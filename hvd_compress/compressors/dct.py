@@ -22,7 +22,7 @@ padded offset + ``j``); it decodes to the tensor-by-tensor aggregate.
 Where the kernels run (CUDA; ``HVD_COMPRESS_BACKEND=triton``) a compress is a fixed number
 of launches whatever the number of tensors, for one tensor as for a bucket: one DCT launch
 reading the unpadded bucket (``ops.dct_segments``), laplace_topk's fused search over the
-coefficients of every tensor (:func:`~.laplace.select_histogram`: one host synchronisation,
+coefficients of every tensor (:func:`~.fused_search.select_histogram`: one host synchronisation,
 which also finds NaN/Inf), the bucket rangefloat codec, and one inverse DCT launch in
 decode.  Elsewhere (CPU, TensorFlow) the transform and selection go tensor by tensor as
 before (laplace_topk's selection per tensor, the framework's top-k below ``small``).
@@ -34,7 +34,8 @@ import functools
 
 from ..buckets import layout as _layout
 from .base import register
-from .laplace import LaplaceTopK, fused_payload
+from .fused_search import fused_payload
+from .laplace import LaplaceTopK
 from .sparse import DensitySparsifier
 
 

@@ -49,8 +49,8 @@ Imports: the standard library; and modules of its own package.
 """
 import math
 
-from ..memory import NonFinite
 from .base import OwnPayload, register
+from .fused_search import bucket_constants, fused_payload, select_histogram, torch_only
 from .sparse import DensitySparsifier, per_segment, top_k_checked
 
 
@@ -70,8 +70,8 @@ class LaplaceTopK(DensitySparsifier):
     is off, up to the passes that collapse the bracket); ``exact=1``: exactly k entries (the k largest, ties
     by lowest index).  Error feedback is on by default (``ef=0`` turns it off).
 
-    ``fused=1`` (PyTorch): the fused search of :func:`select_histogram` instead -- every
-    tensor of a bucket at once in a fixed number of passes, decided on the device, one
+    ``fused=1`` (PyTorch): the fused search of :func:`~.fused_search.select_histogram`
+    instead -- every tensor of a bucket at once in a fixed number of passes, decided on the device, one
     host synchronisation per compress (the payload's length, with the NaN/Inf check;
     ``values=rangefloat*`` adds the codec's).  ``passes`` and ``small`` do not apply to
     it.  Not the default until a GPU measurement says it is faster than torch.topk there.
@@ -254,45 +254,6 @@ class LaplaceTopK(DensitySparsifier):
                                tol=tol, grid=grid)
 
 
-def torch_only(sparsifier, ops):
-    """ValueError naming ``sparsifier``'s spec where ``ops`` cannot run the fused search
-    (TensorFlow)."""
-    if not ops.histogram_search_supported():
-        raise ValueError(f"{sparsifier.spec}: fused=1 (the fused histogram search, which "
-                         "padded=1 implies) runs on PyTorch tensors only; leave fused and "
-                         "padded unset for TensorFlow")
-
-
-def fused_payload(sparsifier, selector, flat, ctx, ops, **kw):
-    """``(payload, finite, written)``: ``sparsifier``'s payload of the entries that the
-    fused search of ``selector`` (a LaplaceTopK; its ``padded`` decides) selects in
-    ``flat`` (``ctx``: its Ctx), values and counts from the write pass
-    (:func:`select_histogram` with ``gather``; ``kw``: ``add``, ``own``, ``count``).
-    ``padded=1``: in ``selector``'s slots, ``finite`` a device flag
-    (:class:`~hvd_compress.memory.NonFinite`) and the codec's counts the host's."""
-    torch_only(sparsifier, ops)
-    slots = selector.slots(ctx.layout, ops, flat) if selector.padded else None
-    idx, finite, values, counts, written = select_histogram(
-        selector, flat, ctx.layout, ops, gather=True, slots=slots, **kw)
-    if slots is not None:                      # (finite: the device's flag, 1 where not)
-        finite, counts = NonFinite(finite), None
-    payload = sparsifier._payload(flat, idx, ctx, ops, values, counts,
-                                  lengths=None if slots is None else slots.sizes)
-    return payload, finite, written
-
-
-def bucket_constants(self, lay, tol, ops, like):
-    """Per-tensor ``k``, ``slack = floor(tol * k)`` (int64) and ``n`` (float32) of the
-    bucket ``lay`` on ``like``'s device, made once per (density, tol, layout, device)."""
-    k_t = ops.layout_constant(("k", self.density), lay,
-                              lambda: [self.k(n) for n in lay.numels], ops.int64, like)
-    slack = ops.layout_constant(("slack", self.density, tol), lay,
-                                lambda: [int(math.floor(tol * self.k(n))) for n in lay.numels],
-                                ops.int64, like)
-    n_t = ops.layout_constant("numels", lay, lambda: lay.numels, ops.float32, like)
-    return k_t, slack, n_t
-
-
 def search_segments(ops, a, idx, seg, T, k_t, slack, lo, hi, passes, tol, grid):
     """:func:`search_exact_k` for ``T`` tensors at once: ``a`` (magnitudes of candidates
     at bucket indices ``idx``, tensor ``seg`` ascending), ``k_t`` and ``slack`` (the
@@ -375,71 +336,3 @@ def search_exact_k(ops, a, idx, k, lo, hi, passes, tol, grid):
     band_rank = ops.cumsum(ops.cast(band, c_lo.dtype))
     take = above_hi | (band & (band_rank <= target - c_hi))
     return ops.gather(idx, ops.mask_indices(take))
-
-
-HISTOGRAM_BINS = 2046   #: window bins per tensor and pass (a row of 2048 counters)
-#: the fused search's passes, the bins of each: a coarse first one (62 bins, counted per
-#: block, so no atomic per entry), then fine ones over its narrow bracket; 62 x 2046^3
-#: parts collapse any float32 bracket (< 2^31 bit patterns) to one value
-HISTOGRAM_PASSES = (62, HISTOGRAM_BINS, HISTOGRAM_BINS, HISTOGRAM_BINS)
-COARSE_BINS = 62        #: passes with at most this many bins count per block (``local``)
-
-
-def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, gather=False,
-                     own=False, count=True, slots=None):
-    """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
-    fixed number of passes, with no host synchronisation but the output's length.
-
-    1. one pass: ``sum|g|`` and ``max|g|`` per tensor (with error feedback, ``g`` is
-       ``c = g + r``, written by this same pass: ``add``); the bracket starts at
-       ``(t0 / 2, max|g|]``, ``t0 = mean|g| ln(1/density)`` (the Laplace fit), set on
-       the device by one launch;
-    2. histogram passes (kernel ``histogram_select.segment_histogram``) count, per
-       tensor, the entries above ``bins + 2`` thresholds: 0, and the bracket cut into
-       ``bins`` equal parts in float32 bit space.  The new bracket is the part where the
-       count crosses k (``count(> lo) >= k > count(> hi)``), chosen on the device; when
-       fewer than k entries lie above ``t0 / 2`` (data far from Laplace) it is
-       ``(0, t0 / 2]``.  ``passes`` gives each pass's bins: by default a coarse pass of
-       62 bins, counted per block (about 10% of a Laplace tensor lies above ``t0 / 2``:
-       one atomic per such entry queued on the counters), then three passes of 2046
-       bins, which collapse any float32 bracket to one value, even after a miss of the
-       fit, while their atomics are only for the entries of the narrowed bracket.  A
-       pass counts only the tensors still off (count outside ``tol * k`` and a bracket
-       wider than one float); the others' entries are not read, so on Laplace-like
-       data, where the second pass lands within about 1% of k, the later ones cost a
-       launch each and no reads;
-    3. the count: the closer end of the bracket within ``tol * k`` of ``k``, else exactly
-       ``k`` (``exact=1`` always): everything above ``hi`` plus the first entries (in index
-       order) of the band ``(lo, hi]`` (kernel ``band_compact.band_select``: a count
-       pass, one program for the offsets, the read-back, a write pass).
-
-    ``exact=1`` gives the same indices as the grid search (the k largest, ties by lowest
-    index); in tolerance mode no unsent magnitude exceeds a sent one either.  A tensor
-    with fewer than k nonzero entries sends them all.
-
-    ``gather=True``: the write pass also gathers the values, counted per tensor by the
-    offsets program (``count``), and with ``own=True`` (error feedback, residuals updated
-    in place in ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices,
-    finite, values, counts, written)`` (``ops.band_select``); ``slots`` (with
-    ``gather``): padded (``padded=1``), no synchronisation at all.
-    """
-    blocks, state = histogram_search(self, flat, lay, ops, passes, add)
-    return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count,
-                           slots=slots)
-
-
-def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):
-    """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
-    launch on the device and no host synchronisation, shapes fixed by the layout (so
-    the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
-    times that).  ``add``: error feedback's residuals, added to ``flat`` by the first
-    pass (:meth:`LaplaceTopK.adds_residual`)."""
-    k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
-    blocks = ops.bucket_blocks(lay, flat)
-    abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add)
-    state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density))
-    buffers = {}
-    for bins in passes:
-        state = ops.histogram_step(flat, blocks, state, bins, k_t, slack, buffers,
-                                   local=bins <= COARSE_BINS)
-    return blocks, state

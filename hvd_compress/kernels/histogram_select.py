@@ -1,6 +1,6 @@
 """Per-tensor top-k selection over a whole *bucket* in a fixed number of passes: the
 kernels of laplace_topk's fused search (``laplace_topk:fused=1``, the algorithm in
-:func:`hvd_compress.compressors.laplace.select_histogram`).
+:func:`hvd_compress.compressors.fused_search.select_histogram`).
 
 A bucket holds ``T`` tensors end to end.  The search keeps a *state* on the device, int64
 ``[7, T]`` (rows ``LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE``): tensor ``s``'s bracket

@@ -12,7 +12,7 @@ import torch
 import hvd_compress
 from hvd_compress.buckets import layout
 from hvd_compress.compressors.dct import padded_layout
-from hvd_compress.compressors.laplace import HISTOGRAM_PASSES
+from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES
 
 import counting  # tests/counting.py
 

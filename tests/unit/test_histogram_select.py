@@ -11,8 +11,8 @@ import torch
 
 from hvd_compress import kernels as K
 from hvd_compress.buckets import layout
-from hvd_compress.compressors.laplace import (COARSE_BINS, HISTOGRAM_BINS, HISTOGRAM_PASSES,
-                                              select_histogram)
+from hvd_compress.compressors.fused_search import (COARSE_BINS, HISTOGRAM_BINS, HISTOGRAM_PASSES,
+                                                   select_histogram)
 from hvd_compress.kernels import band_compact as B
 from hvd_compress.kernels import histogram_select as H
 from hvd_compress.ops import torch_ops

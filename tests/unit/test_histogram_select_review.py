@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvd_compress.buckets import layout
-from hvd_compress.compressors.laplace import HISTOGRAM_PASSES, select_histogram
+from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES, select_histogram
 from hvd_compress.kernels import band_compact as B
 from hvd_compress.kernels import histogram_select as H
 from hvd_compress.ops import torch_ops
@@ -190,7 +190,7 @@ def test_every_pass_leaves_the_shared_counts_zero(monkeypatch, fold):
     pick, or with ``FOLD_PICK`` each tensor's last block) the whole buffer is zero again,
     with tensors that stop being searched after the first passes and a bucket with an
     Inf (no tensor searched)."""
-    from hvd_compress.compressors.laplace import histogram_search
+    from hvd_compress.compressors.fused_search import histogram_search
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     monkeypatch.setattr(H, "FOLD_PICK", fold)
     step, seen = torch_ops.histogram_step, []
@@ -223,7 +223,7 @@ def test_pick_folded_into_the_histogram_launch_searches_the_same(monkeypatch, sp
     state after every pass and the selection are those of a separate pick launch, for
     tensors of several blocks (block 4096) and of a single value, a bucket with an Inf,
     and the edge cases above (the counters are left zero for the next compress)."""
-    from hvd_compress.compressors.laplace import histogram_search
+    from hvd_compress.compressors.fused_search import histogram_search
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     rng = np.random.default_rng(3)
     parts = [rng.laplace(size=9000), [2.0], rng.laplace(size=4097) * 1e-3]
