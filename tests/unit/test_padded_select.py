@@ -180,6 +180,24 @@ def test_a_lone_tensor_compressed_padded():
     assert torch.equal(a.decompress(pa, ca), b.decompress(pb, cb))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_fused_search_on_its_torch_references_warns_once(monkeypatch, caplog, backend):
+    """fused=1/padded=1 where the kernels do not run (CPU tensors, the torch references):
+    one warning that it is for CUDA, once per process; none where the kernels run."""
+    from hvd_compress.ops.torch_ops import segments
+    monkeypatch.setattr(segments, "_SAID_REFERENCE", [])
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    x = laplace(5000)
+    for spec in ("laplace_topk:density=0.01,padded=1", "laplace_topk:density=0.01,fused=1"):
+        hvd_compress.from_spec(spec).compress(x, "w")
+    said = [r for r in caplog.records if "torch references" in r.getMessage()]
+    if backend == "torch" and DEVICE == "cpu":
+        assert len(said) == 1 and said[0].levelname == "WARNING", caplog.text
+        assert "leave fused and padded unset on the CPU" in said[0].getMessage()
+    else:
+        assert said == [], caplog.text
+
+
 def test_padded_spec_errors_name_the_argument():
     with pytest.raises(ValueError, match="padded=1.*fused=0"):
         hvd_compress.from_spec("laplace_topk:padded=1,fused=0")

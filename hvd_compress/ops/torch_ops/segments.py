@@ -6,7 +6,7 @@ On CUDA tensors the per-segment passes dispatch to the Triton kernels of
 :mod:`hvd_compress.kernels.segmented`.
 
 May import: torch, :mod:`.core`, :mod:`hvd_compress.ops._cpu_topk` (numpy); lazily,
-:mod:`hvd_compress.kernels`.
+:mod:`hvd_compress.kernels` and :mod:`hvd_compress.log`.
 """
 import numpy as _np
 import torch as _torch
@@ -204,11 +204,24 @@ def bucket_blocks(layout, like):
     return segmented.block_table(layout.numels, like.device)
 
 
+#: whether this process has said that the fused search runs its torch references
+_SAID_REFERENCE = []
+
+
 def search_start(abs_sum, abs_max, n, factor):
     """The fused search's state, every tensor's bracket ``(bits(sum|x| / n * factor),
     bits(max|x|)]`` (one launch on CUDA); every entry selected when the bucket holds a
-    NaN or Inf (from its ``sum|x|`` and ``max|x|``)."""
-    from ...kernels import histogram_select
+    NaN or Inf (from its ``sum|x|`` and ``max|x|``).  Where the kernels do not run (CPU
+    tensors), a warning once per process: the search is then its torch references."""
+    from ...kernels import histogram_select, pick_backend
+    if not _SAID_REFERENCE and pick_backend(abs_sum) == "torch":
+        from ...log import logger
+        _SAID_REFERENCE.append(True)
+        logger.warning("hvd_compress: fused=1/padded=1 on %s tensors runs the fused search's "
+                       "torch references, many times slower than the default search there "
+                       "(55-1,400 ms against 1.9-14 ms at 1M-4M values on 2 CPU cores); it "
+                       "is for CUDA: leave fused and padded unset on the CPU",
+                       abs_sum.device.type)
     return histogram_select.search_from_fit(abs_sum, abs_max, n, factor)
 
 
