@@ -71,8 +71,8 @@ class LaplaceTopK(DensitySparsifier):
     by lowest index).  Error feedback is on by default (``ef=0`` turns it off).
 
     ``fused=1`` (PyTorch): the fused search of :func:`~.fused_search.select_histogram`
-    instead -- every tensor of a bucket at once in a fixed number of passes, decided on the device, one
-    host synchronisation per compress (the payload's length, with the NaN/Inf check;
+    instead -- every tensor of a bucket at once in a fixed number of passes, decided on
+    the device, one host synchronisation per compress (the payload's length, with the NaN/Inf check;
     ``values=rangefloat*`` adds the codec's).  ``passes`` and ``small`` do not apply to
     it.  Not the default until a GPU measurement says it is faster than torch.topk there.
 
