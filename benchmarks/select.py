@@ -14,6 +14,9 @@ writes JSON and a PNG plot.
     python benchmarks/select.py --sizes 1M,25M --repeat 3
     python benchmarks/select.py --framework tensorflow --sizes 1M,4M   # eager TF, CPU
     python benchmarks/select.py --framework tensorflow --graph          # in tf.function
+    python benchmarks/select.py --sizes 1.28M,6.4M --inputs gaussian,embedding \
+        --methods torch_topk,topk --out benchmarks/results/select_cpu_zeros.json
+                                      # "embedding": 2/3 of its 256-wide rows zero
 
 With ``--framework tensorflow`` the same compressors run on TensorFlow tensors (eagerly,
 or each call traced once into a ``tf.function`` with ``--graph``, as Keras' ``fit`` runs
@@ -55,6 +58,9 @@ METHODS = {
     "sidco_exp": "sidco_exp:density={d},ef=0",
 }
 SYNTHETIC = ("laplace", "gaussian", "student_t2")
+#: inputs that are not in the default set: "embedding", an embedding's gradient (Laplace
+#: values, 2/3 of the 256-wide rows zero: the tokens that were not in the batch)
+EXTRA = ("embedding",)
 
 
 def parse_size(text):
@@ -71,6 +77,9 @@ def make_input(kind, n, device, seed=0):
         a = r.standard_normal(n)
     elif kind == "student_t2":
         a = r.standard_t(2, n)
+    elif kind == "embedding":
+        a = r.laplace(size=n)
+        a[np.repeat(r.random(-(-n // 256)) < 2 / 3, 256)[:n]] = 0.0
     else:
         raise ValueError(kind)
     return torch.from_numpy(a.astype(np.float32)).to(device)

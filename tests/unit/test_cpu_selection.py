@@ -38,6 +38,59 @@ def test_topk_indices_with_nan_ranks_it_highest_as_torch_does():
     assert set(ops.topk_indices(x, 2).tolist()) == {1, 4}     # NaN, then Inf
 
 
+def with_zeros(n, frac, seed, rows=1):
+    """Laplace values with about ``frac`` of them zero, in runs of ``rows`` (an
+    embedding's gradient: whole rows of tokens that were not in the batch)."""
+    rng = np.random.default_rng(seed)
+    x = rng.laplace(size=n).astype(np.float32)
+    runs = -(-n // rows)
+    x[np.repeat(rng.random(runs) < frac, rows)[:n]] = 0.0
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.05, 0.4, 0.67, 0.995, 1.0])
+@pytest.mark.parametrize("signed", [False, True])
+def test_topk_indices_with_many_zeros(frac, signed):
+    """At least 1/16 zeros in the sample: the k smallest of -x (the zeros tie on top);
+    the same sets, ties at 0 by lowest index (k beyond the nonzeros included)."""
+    from hvd_compress.ops import _cpu_topk
+    n = 3 * NUMPY_CHUNK + 17
+    x = with_zeros(n, frac, seed=int(frac * 1000), rows=256)
+    x = x if signed else x.abs()
+    if frac == 0.0 or frac >= 0.4:                      # (5%: either order)
+        assert _cpu_topk._many_zeros(x.numpy()) == (frac >= 0.4)
+    nonzero = int((x != 0).sum())
+    for k in sorted({1, n // 100, max(1, nonzero), min(n - 1, nonzero + 5), n - 1}):
+        got = ops.topk_indices(x, k)
+        assert np.array_equal(np.sort(got.numpy()), lowest_index_topk(x, k)), (frac, k)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_many_zeros_find_nan_and_inf_anywhere(bad):
+    """The negated order puts NaN last (not among the k): found by the max instead."""
+    x = with_zeros(NUMPY_CHUNK + 100, 0.9, seed=7)
+    for where in (0, 777, NUMPY_CHUNK + 99):
+        y = x.clone()
+        y[where] = bad
+        for t in (y, y.to(torch.float16)):
+            idx, finite = ops.segment_abs_topk(t, (t.numel(),), (3,))
+            assert finite is False and np.array_equal(idx.numpy(), np.arange(t.numel()))
+        got = set(ops.topk_indices(y, 2).tolist())
+        assert got == set(torch.topk(y, 2).indices.tolist()) or bad == -float("inf")
+        if bad != bad or bad > 0:                       # NaN and +Inf rank highest
+            assert where in got
+
+
+def test_segment_abs_topk_with_an_embedding_like_tensor():
+    numels = (5000 * 16, 300, 1000)
+    x = torch.cat([with_zeros(numels[0], 0.67, seed=8, rows=16),
+                   with_zeros(numels[1], 0.0, seed=9), torch.zeros(numels[2])])
+    ks = (800, 3, 10)
+    idx, finite = ops.segment_abs_topk(x, numels, ks)
+    assert finite is True
+    assert np.array_equal(idx.numpy(), brute_segments(x, numels, ks))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_topk_indices_of_other_float_dtypes(dtype):
     x = torch.from_numpy(np.random.default_rng(1).laplace(size=5000).astype(np.float32))
