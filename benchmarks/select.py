@@ -167,14 +167,20 @@ def plot(results, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    # the synthetic inputs, Laplace alone when it ran (the default run: one line a method)
+    kinds = [k for k in SYNTHETIC + EXTRA if any(r["input"] == k for r in results)]
+    kinds = ["laplace"] if "laplace" in kinds else kinds
+    styles = ["o-", "s--", "^:", "d-."]
     for density, ax in zip(sorted({r["density"] for r in results}), axes):
-        for method in METHODS:
-            pts = sorted((r["n"], r["methods"][method]["seconds"]) for r in results
-                         if r["density"] == density and r["input"] == "laplace"
-                         and method in r["methods"])
-            if pts:
-                ax.loglog([p[0] for p in pts], [1e3 * p[1] for p in pts], "o-", label=method)
-        ax.set_title(f"Laplace input, density {density}")
+        for kind, style in zip(kinds, styles):
+            for method in METHODS:
+                pts = sorted((r["n"], r["methods"][method]["seconds"]) for r in results
+                             if r["density"] == density and r["input"] == kind
+                             and method in r["methods"])
+                if pts:
+                    ax.loglog([p[0] for p in pts], [1e3 * p[1] for p in pts], style,
+                              label=method if len(kinds) == 1 else f"{method}, {kind}")
+        ax.set_title(f"{' and '.join(kinds)} input, density {density}")
         ax.set_xlabel("elements")
         ax.set_ylabel("median ms per call")
         ax.grid(True, which="both", alpha=0.3)
