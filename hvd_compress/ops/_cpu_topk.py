@@ -15,16 +15,17 @@ module does the whole selection around it:
    anywhere in ``s`` is among those k (or fills them): their finiteness is the whole
    tensor's, read in O(k).
    **Many zeros** (at least 1/16 of a strided sample): numpy's introselect slows down
-   10-40x when a large share of the values tie at the *bottom* of the order, which is
+   about 18x when a large share of the values tie at the *bottom* of the order, which is
    where the zeros of ``|s|`` lie: an embedding's gradient (the rows of tokens not in
    the batch), dead ReLU units, masked weights.  Measured here (2026-11-27, k = 1%,
    ``benchmarks/select.py --inputs gaussian,embedding``): 161 ms for 1.28M values with
    2/3 of the 256-wide rows zero, 871 ms for 6.4M, against 9 and 49 ms for Gaussian
    values; erratically from about 40% zeros up.  Then ``w = -|s|`` (the sign bit set,
-   one pass) and ``w.partition(k - 1)``: the zeros tie at the top, ``v = -w[k - 1]``
-   and ``w[:k]`` are the k largest (7 and 43 ms); NaN, which numpy orders last either
-   way, is found by one ``max`` (NaN propagates).  Not always: with no zeros that order
-   is 20-30% slower;
+   one pass; ``-s`` for scores with no negative value in the sample: where scores are
+   signed the zeros are not at the bottom) and ``w.partition(k - 1)``: the zeros tie at
+   the top, ``v = -w[k - 1]`` and ``w[:k]`` are the k largest (7 and 43 ms); NaN, which
+   numpy orders last either way, is found by one ``max`` (NaN propagates).  Not always:
+   with no zeros that order was 0-30% slower, varying between runs;
 3. one pass of ``|s| >= v`` in 64K-value chunks (in cache) into a reused mask; its
    indices are the k largest plus any extra ties at ``v``, of which the lowest-index ones
    are kept.
@@ -55,10 +56,13 @@ _SIGN = _np.uint32(0x80000000)
 _SAMPLE_STRIDE = 61
 
 
-def _many_zeros(s):
+def _many_zeros(s, absolute=True):
     """Whether at least 1/16 of a strided sample of ``s`` (1 value in 61, at least the
-    first) is zero: then :func:`largest` partitions ``-|s|`` (see the module's step 2)."""
+    first) is zero, and, unless ``absolute``, none of it negative: then :func:`largest`
+    partitions ``-|s|`` or ``-s`` (see the module's step 2)."""
     sample = s[::_SAMPLE_STRIDE]
+    if not absolute and not sample.min() >= 0:          # (NaN: False as well)
+        return False
     return (sample.size - _np.count_nonzero(sample)) * 16 >= sample.size
 
 
@@ -72,7 +76,7 @@ def largest(s, k, absolute):
     when ``s`` holds NaN or +-Inf anywhere."""
     n = s.size
     work, mask = _scratch(n)
-    if _many_zeros(s):                 # the k smallest of -|s| (-s): the zeros on top
+    if _many_zeros(s, absolute):       # the k smallest of -|s| (-s): the zeros on top
         if absolute:
             _np.bitwise_or(s.view(_np.uint32), _SIGN, out=work.view(_np.uint32))
         else:

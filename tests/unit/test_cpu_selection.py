@@ -51,14 +51,19 @@ def with_zeros(n, frac, seed, rows=1):
 @pytest.mark.parametrize("frac", [0.0, 0.05, 0.4, 0.67, 0.995, 1.0])
 @pytest.mark.parametrize("signed", [False, True])
 def test_topk_indices_with_many_zeros(frac, signed):
-    """At least 1/16 zeros in the sample: the k smallest of -x (the zeros tie on top);
-    the same sets, ties at 0 by lowest index (k beyond the nonzeros included)."""
+    """At least 1/16 zeros in the sample of non-negative scores: the k smallest of -x
+    (the zeros tie on top); the same sets, ties at 0 by lowest index (k beyond the
+    nonzeros included)."""
     from hvd_compress.ops import _cpu_topk
     n = 3 * NUMPY_CHUNK + 17
     x = with_zeros(n, frac, seed=int(frac * 1000), rows=256)
     x = x if signed else x.abs()
+    x[::3] = torch.where(x[::3] == 0, -0.0, x[::3])   # -0.0 and +0.0 tie
     if frac == 0.0 or frac >= 0.4:                      # (5%: either order)
-        assert _cpu_topk._many_zeros(x.numpy()) == (frac >= 0.4)
+        # signed scores keep numpy's order: their zeros are not at the bottom
+        assert _cpu_topk._many_zeros(x.numpy(), absolute=False) == \
+            (frac >= 0.4 and (not signed or frac == 1.0))
+        assert _cpu_topk._many_zeros(x.numpy(), absolute=True) == (frac >= 0.4)
     nonzero = int((x != 0).sum())
     for k in sorted({1, n // 100, max(1, nonzero), min(n - 1, nonzero + 5), n - 1}):
         got = ops.topk_indices(x, k)
@@ -73,8 +78,9 @@ def test_many_zeros_find_nan_and_inf_anywhere(bad):
         y = x.clone()
         y[where] = bad
         for t in (y, y.to(torch.float16)):
-            idx, finite = ops.segment_abs_topk(t, (t.numel(),), (3,))
-            assert finite is False and np.array_equal(idx.numpy(), np.arange(t.numel()))
+            for k in (1, 3):
+                idx, finite = ops.segment_abs_topk(t, (t.numel(),), (k,))
+                assert finite is False and np.array_equal(idx.numpy(), np.arange(t.numel()))
         got = set(ops.topk_indices(y, 2).tolist())
         assert got == set(torch.topk(y, 2).indices.tolist()) or bad == -float("inf")
         if bad != bad or bad > 0:                       # NaN and +Inf rank highest
