@@ -181,7 +181,7 @@ def _bucket_run(spec, mb, steps=3, eager=False):
         return tape.gradient(loss, variables)
 
     # named functions, not two lambdas on one line: autograph cannot find a lambda's
-    # source there, and each failed attempt (a warning) cost ~13% of this scenario
+    # source there, and its failed attempts (warnings) cost 12% of this scenario
     def with_late(*gs):
         return one(gs, True)
 
