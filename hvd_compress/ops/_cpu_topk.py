@@ -1,12 +1,27 @@
-"""Top-k of CPU tensors in numpy: one introselect in a reused buffer, one compare pass.
+"""Top-k of CPU tensors in numpy: a sampled threshold, one compare pass and an exact
+top-k of the few values above it; else one introselect in a reused buffer.
 
 Shared by both frameworks' primitives (``torch_ops`` and ``tf_ops`` hand it numpy views
 of their CPU tensors).
 
 ``torch.topk`` on the CPU took 109-120 ms for k = 63K of 6.3M float32 values on one core
 here (2026-11-25); ``np.partition`` finds the same k-th largest value in 8-11 ms.  This
-module does the whole selection around it:
+module does the whole selection around it.
 
+0. **A sampled threshold first** (tensors of at least ``PREFILTER_MIN`` values, ``k`` at
+   most a quarter of them): ``t`` = the ``r``-th largest of a strided sample (1 value in
+   61), ``r`` a few standard deviations above the sample's expected share of the k
+   (:func:`sample_rank`).  One pass of ``|s| >= t`` gives the candidates (about
+   ``1.1 k``), and steps 2-3 run on them alone.  Exact: when at least ``k`` values are at
+   or above ``t``, the k largest are among them; when fewer are (an unlucky sample) or
+   ``t`` is 0 (mostly zeros), the steps below run on the whole tensor.  NaN is never a
+   candidate, so one ``max`` looks for it (NaN propagates).  This is the hierarchical
+   selection of DGC (Lin et al., "Deep Gradient Compression", ICLR 2018), made exact.
+   Measured here (2026-11-28, one thread, median of 7): 6.3M Gaussian values at k = 1%,
+   42.8 -> 7.5 ms; at 0.1%, 40.5 -> 5.3 ms; 1.31M at 1%, 7.8 -> 1.0 ms; 262K at 1%,
+   1.7 -> 0.22 ms; an embedding's gradient (2/3 of its rows zero), 6.3M at 1%,
+   35.8 -> 7.3 ms.  TensorFlow's graph path does the same in TensorFlow ops
+   (``tf_ops.selection``), with this module's sample and rank;
 1. ``w = |s|`` (or ``s``) written into a float32 buffer kept per thread, so the pages of
    a tensor-sized allocation are not faulted in again every step (the cost: 5 bytes per
    value of the largest tensor seen, float32 work and bool mask, held per thread);
@@ -33,6 +48,7 @@ module does the whole selection around it:
 Indices come in index order, ties broken by lowest index.  May import: numpy; lazily,
 :mod:`hvd_compress.kernels.compact` (its chunked compare).  No framework.
 """
+import math
 import threading
 
 import numpy as _np
@@ -53,14 +69,74 @@ def _scratch(n):
 _SIGN = _np.uint32(0x80000000)
 #: every how many values :func:`_many_zeros` looks at (a prime: the zero rows of an
 #: embedding's gradient are whole multiples of its width)
-_SAMPLE_STRIDE = 61
+SAMPLE_STRIDE = 61
+
+
+#: tensors of at least this many values take the sampled threshold first (step 0)
+PREFILTER_MIN = 1 << 14
+
+
+def prefilter(n, k):
+    """Does a top-k of ``k`` of ``n`` values take the sampled threshold first?"""
+    return n >= PREFILTER_MIN and 0 < k and 4 * k <= n
+
+
+def sample_rank(m, n, k):
+    """The rank ``r`` (1 = the largest) in a sample of ``m`` of ``n`` values whose value is
+    the threshold of step 0: the sample's expected count above the k-th largest,
+    ``mu = k m / n``, plus ``4 sqrt(mu) + 8``, so that fewer than ``k`` values are at or
+    above it only for a sample far from its expectation."""
+    mu = k * m / n
+    return max(1, min(m, math.ceil(mu + 4.0 * math.sqrt(mu) + 8)))
+
+
+def _sampled(s, k, absolute, work, mask):
+    """Step 0: ``(indices, finite)`` as :func:`largest`, or None when the whole tensor
+    must be partitioned (fewer than ``k`` at or above the sample's threshold, or that
+    threshold 0 or NaN)."""
+    sample = _np.abs(s[::SAMPLE_STRIDE]) if absolute else s[::SAMPLE_STRIDE].copy()
+    m = sample.size
+    r = sample_rank(m, s.size, k)
+    sample.partition(m - r)
+    t = sample[m - r]
+    if not (t > 0 if absolute else _np.isfinite(t)):
+        return None
+    if absolute:
+        from ..kernels.compact import NUMPY_CHUNK, abs_above_cpu
+        abs_above_cpu(s, t, inclusive=True, out=mask, buf=work[:NUMPY_CHUNK])
+    else:
+        _np.greater_equal(s, t, out=mask)
+    idx = _np.flatnonzero(mask)
+    if idx.size < k:
+        return None
+    if _np.isnan(s.max()):             # NaN ranks above every number (step 2)
+        return None, False
+    picked = _np.abs(s[idx]) if absolute else s[idx]
+    w = _np.negative(picked)           # the candidates' ties at t on top (step 2)
+    w.partition(k - 1)
+    v = -w[k - 1]
+    finite = bool(_np.isfinite(w[:k]).all())
+    if absolute and not finite:
+        return None, False
+    at_least = picked >= v
+    return _keep_k(idx[at_least], picked[at_least], v, k), finite
+
+
+def _keep_k(idx, picked, v, k):
+    """``idx`` (index order; ``picked``: their values, all ``>= v``) less its
+    highest-index ties at ``v`` beyond ``k`` in all."""
+    if len(idx) <= k:
+        return idx
+    keep = picked > v
+    keep[_np.flatnonzero(~keep)[:k - int(keep.sum())]] = True
+    return idx[keep]
 
 
 def _many_zeros(s, absolute=True):
     """Whether at least 1/16 of a strided sample of ``s`` (1 value in 61, at least the
     first) is zero, and, unless ``absolute``, none of it negative: then :func:`largest`
     partitions ``-|s|`` or ``-s`` (see the module's step 2)."""
-    sample = s[::_SAMPLE_STRIDE]
+    sample = s[::SAMPLE_STRIDE]
     if not absolute and not sample.min() >= 0:          # (NaN: False as well)
         return False
     return (sample.size - _np.count_nonzero(sample)) * 16 >= sample.size
@@ -76,6 +152,10 @@ def largest(s, k, absolute):
     when ``s`` holds NaN or +-Inf anywhere."""
     n = s.size
     work, mask = _scratch(n)
+    if prefilter(n, k):
+        got = _sampled(s, k, absolute, work, mask)
+        if got is not None:
+            return got
     if _many_zeros(s, absolute):       # the k smallest of -|s| (-s): the zeros on top
         if absolute:
             _np.bitwise_or(s.view(_np.uint32), _SIGN, out=work.view(_np.uint32))
@@ -104,10 +184,7 @@ def largest(s, k, absolute):
         _np.greater_equal(s, v, out=mask)
     idx = _np.flatnonzero(mask)
     if len(idx) > k:                   # more ties at v than places left for them
-        picked = _np.abs(s[idx]) if absolute else s[idx]
-        keep = picked > v
-        keep[_np.flatnonzero(~keep)[:k - int(keep.sum())]] = True
-        idx = idx[keep]
+        idx = _keep_k(idx, _np.abs(s[idx]) if absolute else s[idx], v, k)
     return idx, finite
 
 

@@ -1,15 +1,27 @@
 """The CPU selection paths in numpy (``ops.topk_indices`` and ``ops.segment_abs_topk``:
-``np.partition``, the latter also finding NaN/Inf; ``kernels.compact.abs_above_cpu``
+a sampled threshold then ``np.partition`` of the candidates, or ``np.partition`` of the
+whole tensor, the latter also finding NaN/Inf; ``kernels.compact.abs_above_cpu``
 behind the compaction and count references) against
 brute force in torch: the same sets, ties by lowest index, NaN and Inf, half precision,
-and sizes across numpy's 64K-value chunks."""
+and sizes across numpy's 64K-value chunks.  Every test runs twice: with every top-k
+taking the sampled threshold first where ``4 k <= n`` (whatever ``n``), and with none
+taking it (TensorFlow's graph path too)."""
 import numpy as np
 import pytest
 import torch
 
 from hvd_compress import kernels as K
 from hvd_compress.kernels.compact import NUMPY_CHUNK, abs_above_cpu
+from hvd_compress.ops import _cpu_topk
 from hvd_compress.ops import torch_ops as ops
+
+
+@pytest.fixture(autouse=True, params=["sampled", "whole"])
+def sampled_threshold(request, monkeypatch):
+    """``sampled``: every top-k with ``4 k <= n`` takes the sampled threshold first;
+    ``whole``: none does."""
+    monkeypatch.setattr(_cpu_topk, "PREFILTER_MIN", 1 if request.param == "sampled" else 2**62)
+    return request.param
 
 
 def lowest_index_topk(scores, k):
@@ -28,6 +40,51 @@ def test_topk_indices_are_the_k_largest_ties_by_lowest_index(n, ties):
         got = ops.topk_indices(x, k)
         assert got.dtype == torch.int32 and got.numel() == k
         assert np.array_equal(np.sort(got.numpy()), lowest_index_topk(x, k)), (n, k)
+
+
+def misled(n, seed):
+    """Laplace magnitudes whose strided sample (every 61st value) holds the largest
+    values: the sample's threshold has fewer than k of 1% at or above it."""
+    x = np.abs(np.random.default_rng(seed).laplace(size=n)).astype(np.float32)
+    x[::_cpu_topk.SAMPLE_STRIDE] = 1000 + np.arange(x[::_cpu_topk.SAMPLE_STRIDE].size)
+    return torch.from_numpy(x)
+
+
+def test_sampled_threshold_is_taken_and_a_misleading_sample_falls_back(monkeypatch,
+                                                                       sampled_threshold):
+    """Step 0 of _cpu_topk selects where it runs (None: the whole partition instead) and
+    gives way when the sample misleads; both answers are the k largest."""
+    calls, real = [], _cpu_topk._sampled
+    monkeypatch.setattr(_cpu_topk, "_sampled", lambda *a: calls.append(real(*a)) or calls[-1])
+    n = 3 * NUMPY_CHUNK + 17
+    typical = torch.from_numpy(np.random.default_rng(3).laplace(size=n).astype(np.float32))
+    for x in (typical, misled(n, 4)):
+        for scores in (x, x.abs()):
+            got = ops.topk_indices(scores, n // 100)
+            assert np.array_equal(np.sort(got.numpy()), lowest_index_topk(scores, n // 100))
+        idx, finite = ops.segment_abs_topk(x, (n,), (n // 100,))
+        assert finite and np.array_equal(idx.numpy(), lowest_index_topk(x.abs(), n // 100))
+    if sampled_threshold == "sampled":
+        assert [c is not None for c in calls] == [True] * 3 + [False] * 3
+    else:
+        assert calls == []
+
+
+def test_tf_graph_sampled_threshold_falls_back_on_a_misleading_sample_and_nan():
+    """TensorFlow's step 0 inside tf.function: the same sets as a stable sort, also when
+    the sample misleads, and tf.math.top_k's when a NaN lies outside the sample."""
+    tf = pytest.importorskip("tensorflow")
+    from hvd_compress.ops import tf_ops
+    n = NUMPY_CHUNK + 3
+    fn = tf.function(lambda t: tf_ops.topk_indices(t, 655))
+    for x in (misled(n, 5), torch.from_numpy(np.random.default_rng(6).laplace(size=n)
+                                             .astype(np.float32))):
+        got = fn(tf.constant(x.numpy()))
+        assert np.array_equal(np.sort(got.numpy()), lowest_index_topk(x, 655))
+    x = np.abs(np.random.default_rng(6).laplace(size=n)).astype(np.float32)
+    x[1] = np.nan
+    want = tf.math.top_k(tf.constant(x), k=655, sorted=False).indices.numpy()
+    assert np.array_equal(np.sort(fn(tf.constant(x)).numpy()), np.sort(want))
 
 
 def test_topk_indices_with_nan_ranks_it_highest_as_torch_does():
@@ -54,7 +111,6 @@ def test_topk_indices_with_many_zeros(frac, signed):
     """At least 1/16 zeros in the sample of non-negative scores: the k smallest of -x
     (the zeros tie on top); the same sets, ties at 0 by lowest index (k beyond the
     nonzeros included)."""
-    from hvd_compress.ops import _cpu_topk
     n = 3 * NUMPY_CHUNK + 17
     x = with_zeros(n, frac, seed=int(frac * 1000), rows=256)
     x = x if signed else x.abs()
