@@ -7,7 +7,7 @@ the distinct indices of the aggregation-aware exchange.
 May import: tensorflow, :mod:`.core`, :mod:`hvd_compress.ops._cpu_topk` (numpy).  Never
 torch or :mod:`hvd_compress.kernels`.
 """
-import functools
+import functools as _functools
 
 import tensorflow as _tf
 
@@ -45,7 +45,7 @@ def _graph_on_cpu(t):
     return not _tf.executing_eagerly() and "GPU" not in t.device and not _gpus()
 
 
-@functools.lru_cache(maxsize=None)
+@_functools.lru_cache(maxsize=None)
 def _gpus():
     return bool(_tf.config.list_logical_devices("GPU"))
 
