@@ -35,11 +35,11 @@ A nonzero tensor always yields between 1 and n entries; an all-zero tensor none.
 Small tensors: fitting and searching cost a fixed few passes and host decisions (about
 1 ms on the CPU) that an exact top-k of a small tensor does not.  Below ``small`` values
 (default: the framework's crossover, ``ops.small_topk_below``: with PyTorch on the CPU,
-whose top-k there is numpy's partition on one thread, 2^25 = 33,554,432 values when torch
-runs one thread (the partition was faster than the search at density 0.01 up to 25M
-values, and over both densities together) and 2^22 = 4,194,304 with more (the search's
-torch ops use them); 262,144 for TensorFlow; 2^27 on CUDA, where torch.topk was faster
-than the search up to 25M values and even at 100M on an H100), the k largest come from
+whose top-k there is a sampled threshold and numpy's partition of the candidates,
+2^27 = 134,217,728 values (it was 1.3-4.3x faster than the search at every size measured,
+2M to 128M, on one thread and two); with TensorFlow on the CPU 2^25, eagerly and inside
+``tf.function``, and 262,144 on GPUs; 2^27 on CUDA, where torch.topk was faster than the
+search up to 25M values and even at 100M on an H100), the k largest come from
 the framework's top-k instead, zeros dropped, so the contract above holds (exactly k, or
 every nonzero entry when there are fewer; ties broken by the framework, not by index; on
 the CPU with PyTorch by lowest index).  ``exact=1``

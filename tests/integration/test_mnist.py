@@ -65,7 +65,7 @@ def test_topk_within_one_point_of_uncompressed(framework):
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
 def test_laplace_topk_within_one_point_of_topk(framework):
     # small=0: every tensor through the seed-000 search.  By default tensors below the
-    # framework's crossover take its exact top-k (PyTorch on the CPU: 2^25 values, every
+    # framework's crossover take its exact top-k (PyTorch on the CPU: 2^27 values, every
     # tensor of this net), and the run would be topk's, bit for bit.
     topk = train(framework, "topk:density=0.01")
     laplace = train(framework, "laplace_topk:density=0.01,small=0")

@@ -146,8 +146,16 @@ def moments(t):
 
 def small_topk_below(t):
     """Tensors smaller than this take the framework's top-k in laplace_topk
-    (:func:`topk_indices`: numpy's partition on eager CPU tensors, else
+    (:func:`topk_indices`: the sampled threshold and numpy's partition on eager CPU
+    tensors, the same in TensorFlow ops inside ``tf.function`` on the CPU, else
     ``tf.math.top_k``).
+
+    Inside ``tf.function`` on the CPU: 2^25.  2 threads, TensorFlow 2.21, 2026-11-28
+    (the same three inputs and two densities, 256K to 25M values; ``benchmarks/select.py
+    --framework tensorflow --graph``, ``select_tf_graph_sampled_2026-11-28.json``): the
+    sampled top-k was faster than the search in 23 of 24 cases (1.03-3.7x); the search
+    was 1.08x faster at 6.3M, density 0.001, Gaussian data; ``tf.math.top_k`` was
+    1.2-8.7x slower than the sampled top-k.
 
     Eager on the CPU: 2^25.  2 threads, TensorFlow 2.21, 2026-11-25 (Laplace, Gaussian
     and Student-t(2) data, densities 0.001 and 0.01, 1M to 25M values;
@@ -155,10 +163,11 @@ def small_topk_below(t):
     ``benchmarks/results/select_tf_cpu_2026-11-25.json``): the partition was faster than
     the search in all 36 cases (1.1-15x).
 
-    Inside ``tf.function`` (and on GPUs): 2^18.  One CPU core, 2026-11-22, density 0.01:
-    ``tf.math.top_k`` 1.1 / 3.4 ms against the search's 3.7 / 5.1 ms at 66k / 235k values;
-    the search won at 1M (10 vs 14 ms) and 4M (25 vs 56 ms)."""
-    return 1 << 25 if _eager_on_cpu(t) else 1 << 18
+    On GPUs: 2^18, as inside ``tf.function`` on the CPU before the sampled threshold (one
+    CPU core, 2026-11-22, density 0.01: ``tf.math.top_k`` 1.1 / 3.4 ms against the
+    search's 3.7 / 5.1 ms at 66k / 235k values; the search won at 1M (10 vs 14 ms) and
+    4M (25 vs 56 ms)); not measured on a GPU."""
+    return 1 << 25 if _eager_on_cpu(t) or _graph_on_cpu(t) else 1 << 18
 
 
 def search_grid(t):

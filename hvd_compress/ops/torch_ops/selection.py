@@ -110,21 +110,18 @@ def moments(t):
 
 def small_topk_below(t):
     """Tensors smaller than this take the framework's top-k in laplace_topk (on the CPU
-    ``segment_abs_topk``: numpy's partition, finiteness included).
+    ``segment_abs_topk``: a sampled threshold, then numpy's partition of the candidates,
+    finiteness included; :mod:`hvd_compress.ops._cpu_topk`).
 
-    CPU, 2026-11-25 (Laplace, Gaussian and Student-t(2) data, densities 0.001 and 0.01,
-    ``benchmarks/select.py``: its ``topk`` against ``laplace_topk`` with ``small=0``).
-    numpy's partition runs on one thread; the search's torch ops on all of torch's:
-
-    - one torch thread, as each worker of ``horovodrun`` on this machine
-      (``select_cpu_crossover_1thread_2026-11-25.json``): at density 0.01 the partition
-      was faster at every size from 2M to 25M (search 0.43-0.97x its speed); at 0.001 the
-      search won 13 of 18 cases from 4M to 25M (up to 1.55x, Gaussian) and lost the
-      Student-t ones below 25M; summed over both densities and the three inputs the partition was
-      faster at every size (25M: 556 against 598 ms).  So 2^25.
-    - two threads (``select_cpu_onepass_2026-11-25.json``, ``select_cpu_crossover_*``):
-      at 2M the partition won all 6 cases, at 4M 4 of 6; the search won 4 of 6 at 6.3M
-      and 5 of 6 at every size from 8M to 25M (up to 2.4x).  So 2^22.
+    CPU: 2^27, with one torch thread or two.  2026-11-28 (Laplace, Gaussian and
+    Student-t(2) data, densities 0.001 and 0.01, ``benchmarks/select.py``: its ``topk``
+    against ``laplace_topk`` with ``small=0``; ``select_cpu_sampled*_2026-11-28.json``):
+    the top-k was faster than the search in all 30 cases from 2M to 128M values on one
+    thread (1.55-4.2x; 25M: 22-33 against 35-84 ms; 128M: 112-232 against 245-568 ms) and
+    in all 24 from 2M to 64M on two (the search's torch ops use both; 1.3-4.3x).  Above
+    2^27 it was not measured: the search.  (Before the sampled threshold, 2026-11-25, the
+    whole partition lost to the search from 2^25 values on one thread and from 2^22 on
+    two, which were the crossovers then.)
 
     CUDA (H100, torch 2.11, the first GPU run, 2026-11-22, benchmarks/results/gpu_*):
     torch.topk took 0.3-0.5 ms at 1M-4M values, 0.8 ms at 25M and 2.6 ms at 100M; the
@@ -134,9 +131,7 @@ def small_topk_below(t):
     search runs only from 2^27 values (134M; or with
     ``small=0`` / ``exact=1``).  An H200 (2026-11-26) measured the same at 25M: the
     search 0.29-0.41x the speed of torch.topk."""
-    if t.is_cuda:
-        return 1 << 27
-    return (1 << 25) if _torch.get_num_threads() == 1 else (1 << 22)
+    return 1 << 27
 
 
 def search_grid(t):
