@@ -317,3 +317,18 @@ def test_powersgd_malformed_aggregates_raise():
     q, rnd = c.agree(p, rnd)
     with pytest.raises(ValueError, match="powersgd.*Q"):
         c.finish(torch.cat([q, q[:1]]), rnd)
+
+
+@pytest.mark.parametrize("transpose", ["", "a", "b"])
+@pytest.mark.parametrize("cols", [1, 4, 16, 17])
+def test_torch_matmul_of_few_columns_is_the_product(transpose, cols):
+    """``ops.matmul`` computes a product with at most 16 columns as ``(b^T a^T)^T`` on the
+    CPU (PowerSGD's ``M Q``, ``M^T P^``): the same product, contiguous, float32."""
+    from hvd_compress.ops import torch_ops
+    g = torch.Generator().manual_seed(cols)
+    a = torch.randn((200, 300) if transpose == "a" else (300, 200), generator=g)
+    b = torch.randn((cols, 200) if transpose == "b" else (200, cols), generator=g)
+    got = torch_ops.matmul(a, b, transpose_a=transpose == "a", transpose_b=transpose == "b")
+    want = (a.t() if transpose == "a" else a).double() @ (b.t() if transpose == "b" else b).double()
+    assert got.shape == (300, cols) and got.is_contiguous() and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
