@@ -101,17 +101,12 @@ def _sampled(s, k, absolute, work, mask):
     t = sample[m - r]
     if not (t > 0 if absolute else _np.isfinite(t)):
         return None
-    if absolute:
-        from ..kernels.compact import NUMPY_CHUNK, abs_above_cpu
-        abs_above_cpu(s, t, inclusive=True, out=mask, buf=work[:NUMPY_CHUNK])
-    else:
-        _np.greater_equal(s, t, out=mask)
-    idx = _np.flatnonzero(mask)
+    idx = _at_least(s, t, absolute, work, mask)
     if idx.size < k:
         return None
     if _np.isnan(s.max()):             # NaN ranks above every number (step 2)
         return None, False
-    picked = _np.abs(s[idx]) if absolute else s[idx]
+    picked = _scores(s, idx, absolute)
     w = _np.negative(picked)           # the candidates' ties at t on top (step 2)
     w.partition(k - 1)
     v = -w[k - 1]
@@ -120,6 +115,23 @@ def _sampled(s, k, absolute, work, mask):
         return None, False
     at_least = picked >= v
     return _keep_k(idx[at_least], picked[at_least], v, k), finite
+
+
+def _at_least(s, t, absolute, work, mask):
+    """Indices (index order) of ``|s| >= t`` (``s >= t`` unless ``absolute``): one pass,
+    into the reused ``mask``; ``work`` holds ``|s|`` chunk by chunk (its values are
+    overwritten)."""
+    if absolute:
+        from ..kernels.compact import NUMPY_CHUNK, abs_above_cpu
+        abs_above_cpu(s, t, inclusive=True, out=mask, buf=work[:NUMPY_CHUNK])
+    else:
+        _np.greater_equal(s, t, out=mask)
+    return _np.flatnonzero(mask)
+
+
+def _scores(s, idx, absolute):
+    """The scores at ``idx``: ``|s[idx]|``, or ``s[idx]`` unless ``absolute``."""
+    return _np.abs(s[idx]) if absolute else s[idx]
 
 
 def _keep_k(idx, picked, v, k):
@@ -177,14 +189,9 @@ def largest(s, k, absolute):
     finite = bool(_np.isfinite(top).all())
     if absolute and not finite:        # the caller sends every index
         return None, False
-    if absolute:                       # (the partitioned values are not needed any more)
-        from ..kernels.compact import NUMPY_CHUNK, abs_above_cpu
-        abs_above_cpu(s, v, inclusive=True, out=mask, buf=work[:NUMPY_CHUNK])
-    else:
-        _np.greater_equal(s, v, out=mask)
-    idx = _np.flatnonzero(mask)
+    idx = _at_least(s, v, absolute, work, mask)    # (the partitioned values are done with)
     if len(idx) > k:                   # more ties at v than places left for them
-        idx = _keep_k(idx, _np.abs(s[idx]) if absolute else s[idx], v, k)
+        idx = _keep_k(idx, _scores(s, idx, absolute), v, k)
     return idx, finite
 
 
