@@ -8,6 +8,12 @@
 Prints tables, writes JSON and a PNG plot (benchmarks/results/).
 
     python benchmarks/dct.py
+    python benchmarks/dct.py --transforms --threads 1,2   # the CPU's product against FFT
+
+``--transforms``: the block DCT and its inverse on the CPU, the product with the DCT-II
+matrix (``x.view(-1, B) @ D^T``) against the real FFT (``kernels.dct.fft_dct_rows``),
+every block size, 1 and 2 threads: where ``kernels.dct.FFT_FROM_BLOCK`` comes from
+(``dct_fft_cpu_<date>.json`` / ``.png``).
 """
 import sys
 from pathlib import Path
@@ -70,6 +76,65 @@ def throughput(sizes, repeat, device, sync):
     return rows
 
 
+def transforms(sizes, repeat, threads):
+    rows = []
+    for t in threads:
+        torch.set_num_threads(t)
+        for n in sizes:
+            x = torch.from_numpy(np.random.default_rng(0).laplace(size=n).astype(np.float32))
+            for block in dct_kernels.BLOCKS:
+                r = dct_kernels._pad(x, block)
+                cases = {"product": lambda: r @ dct_kernels.basis_t(block),
+                         "fft": lambda: dct_kernels.fft_dct_rows(r),
+                         "inverse product": lambda: r @ dct_kernels.basis(block),
+                         "inverse fft": lambda: dct_kernels.fft_idct_rows(r)}
+                for way, fn in cases.items():
+                    rows.append({"threads": t, "n": n, "block": block, "way": way,
+                                 "seconds": timeit(fn, repeat, lambda: None)})
+    return rows
+
+
+def plot_transforms(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = sorted({(r["threads"], r["n"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    for ax, (t, n) in zip(axes[0], keys):
+        for way in dict.fromkeys(r["way"] for r in rows):
+            pts = [(r["block"], 1e3 * r["seconds"]) for r in rows
+                   if (r["threads"], r["n"], r["way"]) == (t, n, way)]
+            ax.plot(*zip(*pts), "o-" if "fft" in way else "s--", label=way)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{n / 1e6:g}M values, {t} thread(s)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main_transforms(args, stamp):
+    rows = transforms([int(s) for s in args.sizes.split(",")], args.repeat,
+                      [int(t) for t in args.threads.split(",")])
+    print(f"\nCPU, torch {torch.__version__}, {stamp}; ms (median of {args.repeat})")
+    print(f"{'threads':>7s} {'n':>10s} {'block':>5s} {'product':>8s} {'fft':>8s} {'x':>6s} "
+          f"{'inv prod':>8s} {'inv fft':>8s} {'x':>6s}")
+    by = {(r["threads"], r["n"], r["block"], r["way"]): 1e3 * r["seconds"] for r in rows}
+    for t, n, b in dict.fromkeys(k[:3] for k in by):
+        f, fi = by[t, n, b, "product"], by[t, n, b, "inverse product"]
+        g, gi = by[t, n, b, "fft"], by[t, n, b, "inverse fft"]
+        print(f"{t:7d} {n:10d} {b:5d} {f:8.2f} {g:8.2f} {f / g:6.2f} {fi:8.2f} {gi:8.2f} "
+              f"{fi / gi:6.2f}")
+    out = ROOT / "benchmarks" / "results" / f"dct_fft_cpu_{stamp}.json"
+    out.write_text(json.dumps({"device": "cpu", "torch": torch.__version__, "date": stamp,
+                               "fft_from_block": dct_kernels.FFT_FROM_BLOCK,
+                               "transforms": rows}, indent=1))
+    plot_transforms(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
 def rate_distortion(arrays):
     configs = [("fp16", "fp16")]
     configs += [(f"rangefloat{b}", f"rangefloat:bits={b}") for b in (4, 6, 8, 12, 16)]
@@ -121,7 +186,12 @@ def main():
     p.add_argument("--sizes", default="4000000,25000000")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--transforms", action="store_true",
+                   help="only the CPU's block DCT: the product against the FFT")
+    p.add_argument("--threads", default="1,2", help="with --transforms: torch threads")
     args = p.parse_args()
+    if args.transforms:
+        return main_transforms(args, datetime.date.today().isoformat())
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
     stamp = datetime.date.today().isoformat()

@@ -15,17 +15,26 @@ launch per direction whatever the number of tensors, no padded copy.  Each row's
 products are those of :func:`dct` of its tensor alone.  The torch reference goes tensor
 by tensor (:func:`dct` of each), bit for bit the single-tensor result.
 
-Imports: the standard library, torch; on first use, Triton; and modules of its own
+On the CPU, blocks from :data:`FFT_FROM_BLOCK` values go through a real FFT instead of
+the product (:func:`fft_dct_rows`: Makhoul's algorithm).
+
+Imports: the standard library, numpy, torch; on first use, Triton; and modules of its own
 package.
 """
 import functools
 import math
+import threading
 
+import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
 
 BLOCKS = (32, 64, 128, 256, 512, 1024)
+#: on the CPU, blocks of at least this many values are transformed through a real FFT
+#: (:func:`fft_dct_rows`), smaller ones by the product, which is faster there (measured:
+#: benchmarks/results/dct_fft_cpu_2026-11-28.json); GPUs keep the product (unmeasured)
+FFT_FROM_BLOCK = 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,9 +117,121 @@ def _pad(x, block):
     return torch.nn.functional.pad(xf, (0, -xf.numel() % block)).view(-1, block)
 
 
-def _apply(rows, w, backend):
+# -- the CPU path: the same transform through a real FFT ---------------------------------
+
+def _fft_tables_np(block):
+    """``(forward_in, coef_at, pair, inverse_out, forward_twiddle, inverse_twiddle)`` for
+    blocks of ``block`` values (an even number): int64 gathers along a row and complex64
+    factors of length ``block // 2 + 1`` (:func:`fft_dct_rows`).
+
+    - ``forward_in``: the FFT's input ``v'_j = x[forward_in[j]]``;
+    - ``coef_at``: coefficient ``X_k`` at ``[Re Z'_0, Im Z'_0, Re Z'_1, ...][coef_at[k]]``;
+    - ``pair``: the inverse's input ``(X_k, X_{B-k})`` pairs, ``X_0``'s partner to be
+      zeroed (it stands for ``X_B``);
+    - ``inverse_out``: ``x_i = w[inverse_out[i]]``."""
+    if block < 2 or block % 2:
+        raise ValueError(f"block must be an even number >= 2, got {block!r}")
+    half, n = block // 2, np.arange(block)
+    v = np.concatenate([n[0::2], n[1::2][::-1]])          # v_j = x_{v[j]}
+    forward_in = v[(-n) % block]
+    k = np.arange(half + 1)
+    coef_at = np.empty(block, dtype=np.int64)
+    coef_at[:half + 1] = 2 * k                            # X_k = Re Z_k
+    coef_at[half + 1:] = (2 * k[1:half] + 1)[::-1]        # X_{B-k} = -Im Z_k
+    pair = np.stack([k, (block - k) % block], 1).reshape(-1)
+    inverse_out = np.empty(block, dtype=np.int64)
+    inverse_out[v] = (-n) % block                         # x_{v[j]} = w_{-j}
+    w = np.exp(-1j * math.pi * k / (2 * block))
+    scale = np.full(half + 1, math.sqrt(2.0 / block))
+    scale[0] = math.sqrt(1.0 / block)
+    return (forward_in.astype(np.int64), coef_at, pair.astype(np.int64), inverse_out,
+            np.conj(w * scale).astype(np.complex64), (w / scale).astype(np.complex64))
+
+
+@functools.lru_cache(maxsize=None)
+def _fft_tables(block, device="cpu"):
+    """:func:`_fft_tables_np` as torch tensors on ``device``."""
+    return tuple(torch.from_numpy(t).to(device) for t in _fft_tables_np(block))
+
+
+_local = threading.local()
+
+
+def _workspaces(m, b):
+    """Two float32 buffers kept for the thread and grown as needed: ``(m, b)`` and
+    ``(m, b + 2)`` (the spectrum's real view).  The FFT path's intermediates live there:
+    three fresh tensors of a bucket's size per transform, against the product's one, cost
+    their page faults on every call (6.3M values in 256-value blocks: 13-18 ms per gather
+    inside a compress against 2.2 ms in warm memory; measured 2026-11-28)."""
+    need = m * (b + 2)
+    have = getattr(_local, "buffers", None)
+    if have is None or have.numel() < 2 * need:
+        have = _local.buffers = torch.empty(2 * need, dtype=torch.float32)
+    return have[:m * b].view(m, b), have[need:2 * need].view(m, b + 2)
+
+
+def fft_dct_rows(rows, out=None):
+    """The orthonormal DCT-II of each row of ``rows`` (float32, ``(m, B)``) through one
+    real FFT of length ``B``: :func:`dct_reference`'s coefficients up to float32 rounding
+    (written into ``out``, a contiguous ``(m, B)`` float32 tensor, if given).
+
+    For a block ``x`` of ``B`` values (Makhoul, "A fast cosine transform in one and two
+    dimensions", IEEE Trans. ASSP 28(1), 1980):
+
+        v = (x_0, x_2, ..., x_{B-2}, x_{B-1}, ..., x_3, x_1),   V = rfft(v)
+        Z_k = a_k W_k V_k,   W_k = exp(-i pi k / (2B)),   k = 0..B/2
+        X_k = Re Z_k  (k <= B/2),   X_{B-k} = -Im Z_k  (0 < k < B/2)
+
+    is the orthonormal DCT-II, ``X_k = a_k sum_i x_i cos(pi (2i + 1) k / (2B))`` with
+    ``a_0 = sqrt(1/B)``, ``a_k = sqrt(2/B)``: O(B log B) operations per block against the
+    product's O(B^2).  The forward transform computes ``conj(Z) = rfft(v') conj(a W)`` with
+    ``v'`` = ``v`` circularly reversed, whose real and imaginary parts are ``X_k`` and
+    ``X_{B-k}`` as they lie: a gather (``forward_in``), one FFT, one product, a gather
+    (``coef_at``), no sign flip.  The inverse (the orthonormal DCT-III) computes
+    ``w = irfft((X_k + i X_{B-k}) W_k / a_k)`` (``X_B = 0``), the conjugate spectrum of
+    ``V_k = (X_k - i X_{B-k}) / (a_k W_k)``, so ``w`` is ``v`` circularly reversed and one
+    gather (``inverse_out``) undoes both permutations.
+
+    On the CPU the FFT is faster from :data:`FFT_FROM_BLOCK`-value blocks
+    (benchmarks/results/dct_fft_cpu_2026-11-28.json)."""
+    m, b = rows.shape
+    if m == 0:                                            # (MKL's FFT refuses no rows)
+        return rows.float().clone() if out is None else out
+    forward_in, coef_at, _, _, twiddle, _ = _fft_tables(b, str(rows.device))
+    v, spectrum = _workspaces(m, b)
+    torch.index_select(rows, 1, forward_in, out=v)
+    z = torch.view_as_complex(spectrum.view(m, b // 2 + 1, 2))
+    torch.fft.rfft(v, dim=1, out=z)
+    spectrum = torch.view_as_real(z.mul_(twiddle)).reshape(m, b + 2)
+    return torch.index_select(spectrum, 1, coef_at, **({} if out is None else {"out": out}))
+
+
+def fft_idct_rows(coefs, out=None):
+    """The inverse of :func:`fft_dct_rows` (the orthonormal DCT-III) through one inverse
+    real FFT (into ``out`` if given)."""
+    m, b = coefs.shape
+    if m == 0:
+        return coefs.float().clone() if out is None else out
+    _, _, pair, inverse_out, _, twiddle = _fft_tables(b, str(coefs.device))
+    w, spectrum = _workspaces(m, b)
+    torch.index_select(coefs.float(), 1, pair, out=spectrum)
+    u = spectrum.view(m, b // 2 + 1, 2)
+    u[:, 0, 1] = 0.0                                      # X_B = 0
+    torch.fft.irfft(torch.view_as_complex(u).mul_(twiddle), n=b, dim=1, out=w)
+    return torch.index_select(w, 1, inverse_out, **({} if out is None else {"out": out}))
+
+
+def _on_cpu(rows, w, inverse, out=None):
+    """The torch path of one transform of ``rows``: the FFT on the CPU from
+    :data:`FFT_FROM_BLOCK`-value blocks, else the product (into ``out`` if given)."""
+    if rows.device.type == "cpu" and rows.shape[1] >= FFT_FROM_BLOCK:
+        return fft_idct_rows(rows, out) if inverse else fft_dct_rows(rows, out)
+    return rows @ w if out is None else torch.matmul(rows, w, out=out)
+
+
+def _apply(rows, w, backend, inverse=False):
     if pick_backend(rows, backend) == "torch" or rows.numel() == 0:
-        return rows @ w
+        return _on_cpu(rows, w, inverse)
     triton, matmul, _ = _kernels()
     rows, w = rows.contiguous(), w.contiguous()
     m, k = rows.shape
@@ -140,7 +261,8 @@ def dct(x, block, backend=None):
 def idct(coefs, block, backend=None):
     """Inverse of :func:`dct` (the padding is kept; trim it)."""
     check_block(block)
-    return _apply(coefs.reshape(-1, block).float(), basis(block, coefs.device), backend).reshape(-1)
+    return _apply(coefs.reshape(-1, block).float(), basis(block, coefs.device), backend,
+                  inverse=True).reshape(-1)
 
 
 # -- buckets: tensors end to end, each padded to whole blocks ----------------------------
@@ -181,16 +303,38 @@ def _segment_apply(x, numels, block, forward, backend):
     return out
 
 
+def _segments_torch(x, numels, block, forward):
+    """:func:`dct_segments` / :func:`idct_segments` tensor by tensor, each transform
+    written into its place in one output (no concatenation: 6.3M values in 8 tensors,
+    a copy of the bucket and its page faults less per transform)."""
+    numels = [int(n) for n in numels]
+    padded = padded_numels(numels, block)
+    w = basis_t(block, x.device) if forward else basis(block, x.device)
+    x = x.reshape(-1)
+    out = torch.empty(sum(padded) if forward else sum(numels), dtype=torch.float32,
+                      device=x.device)
+    at_in = at_out = 0
+    for n, whole in zip(numels, padded):
+        if forward:
+            _on_cpu(_pad(x[at_in:at_in + n], block), w, False,
+                    out=out[at_out:at_out + whole].view(-1, block))
+        else:
+            rows = x[at_in:at_in + whole].float().view(-1, block)
+            if n == whole:
+                _on_cpu(rows, w, True, out=out[at_out:at_out + n].view(-1, block))
+            else:
+                out[at_out:at_out + n] = _on_cpu(rows, w, True).reshape(-1)[:n]
+        at_in, at_out = at_in + (n if forward else whole), at_out + (whole if forward else n)
+    return out
+
+
 def dct_segments(flat, numels, block, backend=None):
     """Blocked DCT-II of every tensor of a bucket (``numels`` end to end in ``flat``),
     each zero-padded to whole blocks, coefficients end to end (float32): one launch
     (Triton), else :func:`dct` tensor by tensor."""
     check_block(block)
     if pick_backend(flat, backend) == "torch":
-        if len(numels) == 1:
-            return dct(flat, block, "torch")
-        pieces = torch.split(flat.reshape(-1), [int(n) for n in numels])
-        return torch.cat([dct(p, block, "torch") for p in pieces])
+        return _segments_torch(flat, numels, block, True)
     return _segment_apply(flat, numels, block, True, backend)
 
 
@@ -199,8 +343,5 @@ def idct_segments(coefs, numels, block, backend=None):
     padding dropped: one launch (Triton), else :func:`idct` tensor by tensor."""
     check_block(block)
     if pick_backend(coefs, backend) == "torch":
-        if len(numels) == 1:
-            return idct(coefs, block, "torch")[:int(numels[0])]
-        pieces = torch.split(coefs.reshape(-1), list(padded_numels(numels, block)))
-        return torch.cat([idct(p, block, "torch")[:int(n)] for p, n in zip(pieces, numels)])
+        return _segments_torch(coefs, numels, block, False)
     return _segment_apply(coefs, numels, block, False, backend)
