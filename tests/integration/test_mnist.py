@@ -3,7 +3,14 @@ top-k (1%, error feedback), Hylo's per-layer policy and DCT (>= 50x) within one 
 training (test accuracy averaged over the last 5 of 15 epochs), and laplace_topk (1%, every tensor searched) within one point of exact top-k; aggregation-aware selection
 (agg=leader, agg=hint) within one point of agg=local; the hierarchical exchange on 2
 hosts x 2 workers within one point of the flat one; bytes saved are reported; no
-progress bar under horovodrun, a line per epoch instead."""
+progress bar under horovodrun, a line per epoch instead.
+
+TensorFlow trains top-k and laplace_topk here; Hylo, DCT and the aggregation-aware runs
+train on PyTorch only (each run costs 22-31 s of `make test`).  Their TensorFlow parts are
+checked through real horovodrun at the aggregate level instead: the policy's
+kernel_select and twobit, dct in buckets, and every agg= mode on 2 and 3 ranks against a
+numpy reference (test_horovod_tensorflow.py), and the TF codecs against torch bit for bit
+(tests/unit/test_dct*.py, test_hylo.py)."""
 import functools
 import io
 import json
@@ -75,21 +82,21 @@ def test_laplace_topk_within_one_point_of_topk(framework):
     assert final(laplace, "ratio") > 45
 
 
-@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+@pytest.mark.parametrize("framework", ["pytorch"])
 def test_hylo_within_one_point_of_uncompressed(framework):
     dense, hylo = train(framework, "none"), train(framework, "hylo")
     assert late(hylo) >= late(dense) - 0.01, (late(hylo), late(dense))
     assert final(hylo, "ratio") > 5                  # conv2 kernels + 2-bit fc1 on this net
 
 
-@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+@pytest.mark.parametrize("framework", ["pytorch"])
 def test_dct_at_50x_within_one_point_of_uncompressed(framework):
     dense, dct = train(framework, "none"), train(framework, "dct:density=0.01,block=64")
     assert final(dct, "ratio") >= 50
     assert late(dct) >= late(dense) - 0.01, (late(dct), late(dense))
 
 
-@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+@pytest.mark.parametrize("framework", ["pytorch"])
 @pytest.mark.parametrize("agg", ["leader", "hint"])
 def test_aggregation_aware_within_one_point_of_local(framework, agg):
     local, run = train(framework, "topk:density=0.01"), train(framework, f"topk:density=0.01,agg={agg}")
