@@ -162,7 +162,9 @@ def _workspaces(m, b):
     ``(m, b + 2)`` (the spectrum's real view).  The FFT path's intermediates live there:
     three fresh tensors of a bucket's size per transform, against the product's one, cost
     their page faults on every call (6.3M values in 256-value blocks: 13-18 ms per gather
-    inside a compress against 2.2 ms in warm memory; measured 2026-11-28)."""
+    inside a compress against 2.2 ms in warm memory; measured 2026-11-28).  The cost: 8
+    bytes per value of the largest bucket transformed, held per thread (50 MB for 6.3M
+    values)."""
     need = m * (b + 2)
     have = getattr(_local, "buffers", None)
     if have is None or have.numel() < 2 * need:
