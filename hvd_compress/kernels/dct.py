@@ -163,12 +163,14 @@ def _workspaces(m, b):
     three fresh tensors of a bucket's size per transform, against the product's one, cost
     their page faults on every call (6.3M values in 256-value blocks: 13-18 ms per gather
     inside a compress against 2.2 ms in warm memory; measured 2026-11-28).  The cost: 8
-    bytes per value of the largest bucket transformed, held per thread (50 MB for 6.3M
-    values)."""
+    bytes per value of the largest tensor transformed (a bucket goes tensor by tensor),
+    held per thread: 50 MB for a 6.3M-value tensor.  Made outside inference mode, so that
+    a first call under ``torch.inference_mode()`` leaves a buffer later calls may write."""
     need = m * (b + 2)
     have = getattr(_local, "buffers", None)
     if have is None or have.numel() < 2 * need:
-        have = _local.buffers = torch.empty(2 * need, dtype=torch.float32)
+        with torch.inference_mode(False):
+            have = _local.buffers = torch.empty(2 * need, dtype=torch.float32)
     return have[:m * b].view(m, b), have[need:2 * need].view(m, b + 2)
 
 
@@ -225,7 +227,9 @@ def fft_idct_rows(coefs, out=None):
 
 def _on_cpu(rows, w, inverse, out=None):
     """The torch path of one transform of ``rows``: the FFT on the CPU from
-    :data:`FFT_FROM_BLOCK`-value blocks, else the product (into ``out`` if given)."""
+    :data:`FFT_FROM_BLOCK`-value blocks, else the product (into ``out`` if given; no
+    autograd: ``out=`` refuses inputs that require a gradient)."""
+    rows = rows.detach()
     if rows.device.type == "cpu" and rows.shape[1] >= FFT_FROM_BLOCK:
         return fft_idct_rows(rows, out) if inverse else fft_dct_rows(rows, out)
     return rows @ w if out is None else torch.matmul(rows, w, out=out)
@@ -312,7 +316,7 @@ def _segments_torch(x, numels, block, forward):
     numels = [int(n) for n in numels]
     padded = padded_numels(numels, block)
     w = basis_t(block, x.device) if forward else basis(block, x.device)
-    x = x.reshape(-1)
+    x = x.detach().reshape(-1)
     out = torch.empty(sum(padded) if forward else sum(numels), dtype=torch.float32,
                       device=x.device)
     at_in = at_out = 0

@@ -66,3 +66,34 @@ def test_dct_compressor_round_trip_on_the_cpu_path():
     payload, ctx = c.compress(g, "g")
     out = c.decompress(payload, ctx)
     assert float((out - g).norm() / g.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("block", [64, 256])
+def test_cpu_transforms_after_inference_mode_and_on_tensors_that_require_grad(block):
+    """A first call under torch.inference_mode() must not leave a per-thread buffer that
+    later calls cannot write; inputs that require a gradient are transformed as before
+    (the out= paths refuse them unless detached).  Run in a new thread: its own buffers."""
+    import threading
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal(3 * block + 5)
+                         .astype(np.float32))
+    want = D.dct_reference(x, block)
+    got, errors = [], []
+
+    def work():
+        try:
+            with torch.inference_mode():
+                got.append(D.dct(x, block, "torch"))
+            got.append(D.dct(x, block, "torch"))
+            got.append(D.dct_segments(x.clone().requires_grad_(), (x.numel(),), block, "torch"))
+            got.append(D.idct_segments(want.clone().requires_grad_(), (x.numel(),), block,
+                                       "torch"))
+        except Exception as e:          # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    for coefs in got[:3]:
+        np.testing.assert_allclose(coefs.detach().numpy(), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(got[3].numpy(), x.numpy(), atol=1e-5)
