@@ -119,9 +119,10 @@ def _pad(x, block):
 
 # -- the CPU path: the same transform through a real FFT ---------------------------------
 
-def _fft_tables_np(block):
+@functools.lru_cache(maxsize=None)
+def _fft_tables(block, device="cpu"):
     """``(forward_in, coef_at, pair, inverse_out, forward_twiddle, inverse_twiddle)`` for
-    blocks of ``block`` values (an even number): int64 gathers along a row and complex64
+    blocks of ``block`` values, on ``device``: int64 gathers along a row and complex64
     factors of length ``block // 2 + 1`` (:func:`fft_dct_rows`).
 
     - ``forward_in``: the FFT's input ``v'_j = x[forward_in[j]]``;
@@ -129,8 +130,6 @@ def _fft_tables_np(block):
     - ``pair``: the inverse's input ``(X_k, X_{B-k})`` pairs, ``X_0``'s partner to be
       zeroed (it stands for ``X_B``);
     - ``inverse_out``: ``x_i = w[inverse_out[i]]``."""
-    if block < 2 or block % 2:
-        raise ValueError(f"block must be an even number >= 2, got {block!r}")
     half, n = block // 2, np.arange(block)
     v = np.concatenate([n[0::2], n[1::2][::-1]])          # v_j = x_{v[j]}
     forward_in = v[(-n) % block]
@@ -144,14 +143,9 @@ def _fft_tables_np(block):
     w = np.exp(-1j * math.pi * k / (2 * block))
     scale = np.full(half + 1, math.sqrt(2.0 / block))
     scale[0] = math.sqrt(1.0 / block)
-    return (forward_in.astype(np.int64), coef_at, pair.astype(np.int64), inverse_out,
-            np.conj(w * scale).astype(np.complex64), (w / scale).astype(np.complex64))
-
-
-@functools.lru_cache(maxsize=None)
-def _fft_tables(block, device="cpu"):
-    """:func:`_fft_tables_np` as torch tensors on ``device``."""
-    return tuple(torch.from_numpy(t).to(device) for t in _fft_tables_np(block))
+    tables = (forward_in, coef_at, pair, inverse_out,
+              np.conj(w * scale).astype(np.complex64), (w / scale).astype(np.complex64))
+    return tuple(torch.from_numpy(t).to(device) for t in tables)
 
 
 _local = threading.local()
@@ -207,7 +201,7 @@ def fft_dct_rows(rows, out=None):
     z = torch.view_as_complex(spectrum.view(m, b // 2 + 1, 2))
     torch.fft.rfft(v, dim=1, out=z)
     spectrum = torch.view_as_real(z.mul_(twiddle)).reshape(m, b + 2)
-    return torch.index_select(spectrum, 1, coef_at, **({} if out is None else {"out": out}))
+    return torch.index_select(spectrum, 1, coef_at, out=out)
 
 
 def fft_idct_rows(coefs, out=None):
@@ -222,22 +216,22 @@ def fft_idct_rows(coefs, out=None):
     u = spectrum.view(m, b // 2 + 1, 2)
     u[:, 0, 1] = 0.0                                      # X_B = 0
     torch.fft.irfft(torch.view_as_complex(u).mul_(twiddle), n=b, dim=1, out=w)
-    return torch.index_select(w, 1, inverse_out, **({} if out is None else {"out": out}))
+    return torch.index_select(w, 1, inverse_out, out=out)
 
 
-def _on_cpu(rows, w, inverse, out=None):
+def _torch_apply(rows, w, inverse, out=None):
     """The torch path of one transform of ``rows``: the FFT on the CPU from
     :data:`FFT_FROM_BLOCK`-value blocks, else the product (into ``out`` if given; no
     autograd: ``out=`` refuses inputs that require a gradient)."""
     rows = rows.detach()
     if rows.device.type == "cpu" and rows.shape[1] >= FFT_FROM_BLOCK:
         return fft_idct_rows(rows, out) if inverse else fft_dct_rows(rows, out)
-    return rows @ w if out is None else torch.matmul(rows, w, out=out)
+    return torch.matmul(rows, w, out=out)
 
 
 def _apply(rows, w, backend, inverse=False):
     if pick_backend(rows, backend) == "torch" or rows.numel() == 0:
-        return _on_cpu(rows, w, inverse)
+        return _torch_apply(rows, w, inverse)
     triton, matmul, _ = _kernels()
     rows, w = rows.contiguous(), w.contiguous()
     m, k = rows.shape
@@ -322,14 +316,14 @@ def _segments_torch(x, numels, block, forward):
     at_in = at_out = 0
     for n, whole in zip(numels, padded):
         if forward:
-            _on_cpu(_pad(x[at_in:at_in + n], block), w, False,
+            _torch_apply(_pad(x[at_in:at_in + n], block), w, False,
                     out=out[at_out:at_out + whole].view(-1, block))
         else:
             rows = x[at_in:at_in + whole].float().view(-1, block)
             if n == whole:
-                _on_cpu(rows, w, True, out=out[at_out:at_out + n].view(-1, block))
+                _torch_apply(rows, w, True, out=out[at_out:at_out + n].view(-1, block))
             else:
-                out[at_out:at_out + n] = _on_cpu(rows, w, True).reshape(-1)[:n]
+                out[at_out:at_out + n] = _torch_apply(rows, w, True).reshape(-1)[:n]
         at_in, at_out = at_in + (n if forward else whole), at_out + (whole if forward else n)
     return out
 
