@@ -297,6 +297,11 @@ class Compressor:
                 if isinstance(c, Compressor) and c is not self:
                     c.attach_journal(journal)
 
+    def residual_names(self, lay):
+        """The names error feedback keeps the residuals of the tensors of the Layout
+        ``lay`` under (their own; dct's say that they hold coefficients)."""
+        return list(lay.names)
+
     def residual(self, name):
         """Flat residual of tensor ``name`` (None before its first compress)."""
         if self._store is None:

@@ -7,9 +7,23 @@
 
 Gradients are smooth along their memory layout in places (convolution kernels, rows of
 embeddings), so energy concentrates in few low-frequency coefficients there; elsewhere a
-DCT spreads it (see benchmarks/dct.py for where it wins).  Error feedback works in the
-gradient domain: the residual is the compensated gradient minus exactly ``g_hat``, what
-the receivers reconstruct (quantization of the values included).
+DCT spreads it (see benchmarks/dct.py for where it wins).
+
+Error feedback works in the coefficient domain (``agg`` local; since 2026-11-28, before
+in the gradient domain, which cost an inverse DCT of the whole bucket per compress)::
+
+    C = DCT(pad(g)) + R                R: the residual's coefficients (per tensor)
+    R' = P(C - scatter(S, decode(values)))
+
+The DCT is orthonormal, so ``R = DCT(pad(r))`` with ``r`` the gradient-domain residual
+``c - g_hat``: the same algorithm, one transform per compress instead of two.  ``P``
+keeps ``R`` a padded vector's transform (zero padding): only a tensor's last block
+holds padding, so ``P`` is that block's inverse DCT, its padding zeroed, and its DCT,
+for the last blocks of a bucket at once (:func:`project_tails`).  The residual is kept
+under the name ``@dct<block>:<numel>/<tensor name>`` (:func:`residual_name`), so a
+checkpoint says which domain it holds; :meth:`DCTSparse.residual` and ``auto``'s switches
+convert it back, and ``load_state_dict`` converts a gradient-domain checkpoint of an
+earlier version.  ``agg=union|leader|hint`` keep the gradient domain.
 
 Buckets (``segmented``, with ``agg`` local): per-tensor semantics.  Each tensor is padded
 to whole blocks on its own and the padded tensors lie end to end (the *coefficient
@@ -31,8 +45,11 @@ Imports: the standard library, ``hvd_compress.buckets``; on first use,
 ``hvd_compress.kernels``; and modules of its own package.
 """
 import functools
+import logging
+import re
 
 from ..buckets import layout as _layout
+from ..memory import ResidualMemory
 from .base import register
 from .fused_search import fused_payload
 from .laplace import LaplaceTopK
@@ -51,10 +68,59 @@ def check_dct_block(block):
     return value
 
 
+log = logging.getLogger(__name__)
+
+
+def residual_name(block, numel, name):
+    """The name error feedback keeps the DCT coefficients of tensor ``name``'s residual
+    under (``numel``: its values, ``block``: the DCT's)."""
+    return f"@dct{block}:{numel}/{name}"
+
+
+_RESIDUAL_NAME = re.compile(r"@dct(\d+):(\d+)/(.*)", re.DOTALL)
+
+
+def parse_residual_name(name):
+    """``(block, numel, tensor name)`` of a :func:`residual_name`, else None."""
+    m = _RESIDUAL_NAME.fullmatch(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2)), m.group(3))
+
+
+def gradient_residual(name, coefs, ops):
+    """The gradient-domain residual (flat, float32) of the residual ``coefs`` kept under
+    the :func:`residual_name` ``name``."""
+    block, numel, _ = parse_residual_name(name)
+    return ops.idct_segments(coefs, (numel,), block)
+
+
+def project_tails(coefs, lay, block, ops, inplace):
+    """``P(coefs)``: the coefficients (tensors of ``lay``, each padded to whole blocks)
+    of vectors whose padding is zero.  A tensor's last block, where it has padding:
+    ``x = IDCT(c)``, ``c -= DCT(x * pad_mask)``; one gather, two transforms of all such
+    blocks (one launch each where the kernels run) and one scatter, whatever the number
+    of tensors (none: ``coefs``)."""
+    tails = [(at + whole - block, n % block) for at, n, whole in
+             zip(padded_layout(lay, block).offsets, lay.numels, _padded(lay.numels, block))
+             if n % block]
+    if not tails:
+        return coefs
+    idx = ops.layout_constant(("dct_tail_idx", block), lay, lambda: [
+        at + j for at, _ in tails for j in range(block)], ops.int64, coefs)
+    pad = ops.layout_constant(("dct_tail_pad", block), lay, lambda: [
+        float(j >= keep) for _, keep in tails for j in range(block)], ops.float32, coefs)
+    rows = (block,) * len(tails)       # (as tensors of their own: the same bits in a bucket)
+    x = ops.idct_segments(ops.gather(coefs, idx), rows, block)
+    return ops.subtract_at(coefs, idx, ops.dct_segments(x * pad, rows, block), inplace)
+
+
+def _padded(numels, block):
+    return [-(-n // block) * block for n in numels]
+
+
 @functools.lru_cache(maxsize=256)
 def padded_layout(lay, block):
     """The coefficient layout of the bucket ``lay``: each tensor padded to whole blocks."""
-    return _layout(lay.names, [(-(-n // block) * block,) for n in lay.numels])
+    return _layout(lay.names, [(m,) for m in _padded(lay.numels, block)])
 
 
 @register
@@ -70,8 +136,7 @@ class DCTSparse(DensitySparsifier):
     synchronisation where the kernels run)."""
 
     name = "dct"
-    sparse_residual = False   # indices are of coefficients; the residual is in the gradient domain
-    finds_nonfinite = True    # encode_checked says whether the gradient held NaN/Inf
+    sparse_residual = False   # (agg=union|leader|hint) the residual is in the gradient domain
 
     def __init__(self, density=0.01, block=256, bits=8, ef=None, agg=None, beta=None, hint=None,
                  padded=None):
@@ -112,30 +177,82 @@ class DCTSparse(DensitySparsifier):
                 and ops.histogram_search_supported())
 
     def encode(self, flat, ctx, ops, step):
-        return self._encode(flat, ctx, ops, step, False)[0]
-
-    def encode_checked(self, flat, ctx, ops, step):
-        return self._encode(flat, ctx, ops, step, True)
-
-    def _encode(self, flat, ctx, ops, step, check):
-        """``(payload, finite)``; ``finite`` (the gradient held no NaN/Inf) only when
-        ``check`` or where the fused search finds it anyway."""
+        """Without error feedback: the payload of ``flat``'s coefficients."""
         coefs, cctx = self.to_domain(flat, ctx, ops)
+        return self._encode_coefs(coefs, cctx, ops, step)[0]
+
+    def _encode_coefs(self, coefs, cctx, ops, step):
+        """``(payload, finite)`` of the coefficients ``coefs``: the fused search where it
+        runs, else every coefficient where they hold NaN/Inf (a gradient's, or an
+        overflow), the selection where not."""
         if self.padded or self.fused_here(coefs, ops):   # (values, counts from its write)
             return fused_payload(self, self._select, coefs, cctx, ops)[:2]
-        finite = (ops.all_finite(flat) if ctx.finite is None else ctx.finite) if check else None
-        idx = ops.cond(ops.all_finite(coefs),          # coefficients may overflow
-                       lambda: self.select(coefs, cctx, ops, step),
+        finite = ops.all_finite(coefs)
+        idx = ops.cond(finite, lambda: self.select(coefs, cctx, ops, step),
                        lambda: ops.arange(cctx.numel, coefs))
         return self._payload(coefs, idx, cctx, ops), finite
 
-    def subtract_sent(self, compensated, payload, ctx, ops, inplace):
-        """``c - IDCT(scatter(own payload))``: this rank's own payload, decoded with its
-        known count and unchecked indices (no host synchronisation)."""
-        values, idx = self.own_values(payload, ops)
-        coefs = ops.scatter_sum(self.domain_ctx(ctx).numel, idx, values, ops.float32)
-        sent = ops.cast(self.from_domain(coefs, ctx, ops), compensated.dtype)
-        return ops.subtract(compensated, sent, inplace)
+    def _compress_flat(self, flat, ctx, ops, step, parts, own=False):
+        """Error feedback in the coefficient domain (module docstring): ``C = DCT(g) +
+        R``, the payload of ``C``, ``R' = P(C - sent)`` touching the sent entries and the
+        last blocks only; each tensor's ``R`` under :func:`residual_name`."""
+        if not self.ef:
+            return self.encode(flat, ctx, ops, step)
+        coefs, cctx = self.to_domain(flat, ctx, ops)          # a new tensor: ours to write
+        cparts = tuple((residual_name(self.block, n, name), m)
+                       for (name, n), m in zip(parts, cctx.numels))
+        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
+        compensated = memory.compensate_parts(cparts, coefs, own=True)
+        payload, finite = self._encode_coefs(compensated, cctx, ops, step)
+
+        def subtract(c, inplace):
+            values, idx = self.own_values(payload, ops)
+            return project_tails(ops.subtract_at(c, idx, values, inplace), ctx.layout,
+                                 self.block, ops, inplace)
+        memory.update_parts(cparts, compensated, subtract, finite)
+        return payload
+
+    def residual_names(self, lay):
+        """The names error feedback keeps the residuals of the tensors of ``lay`` under."""
+        if not self.ef or self.agg is not None:
+            return super().residual_names(lay)
+        return [residual_name(self.block, n, name) for name, n in zip(lay.names, lay.numels)]
+
+    def residual(self, name):
+        """The gradient-domain residual of ``name`` (flat, its own length): the inverse
+        DCT of its coefficients, padding dropped; None before its first compress."""
+        if self.agg is not None or self._store is None:
+            return super().residual(name)
+        for key in self._store.keys():
+            found = parse_residual_name(key[len(ResidualMemory.PREFIX):]) \
+                if key.startswith(ResidualMemory.PREFIX) else None
+            if found is not None and found[0] == self.block and found[2] == name:
+                coefs = super().residual(key[len(ResidualMemory.PREFIX):])
+                return self._ops.idct_segments(coefs, (found[1],), self.block)
+        return None
+
+    def load_state_dict(self, state_dict, framework="torch", strict=True):
+        """As :meth:`Compressor.load_state_dict`; gradient-domain residuals (a checkpoint
+        of a version before 2026-11-28) are converted to coefficients (``R = DCT(pad(r))``,
+        float32 rounding) and logged."""
+        super().load_state_dict(state_dict, framework, strict)
+        if self.agg is not None:
+            return
+        store, ops, prefix = self._store, self._ops, ResidualMemory.PREFIX
+        old = [k for k in store.keys()
+               if k.startswith(prefix) and parse_residual_name(k[len(prefix):]) is None]
+        renamed = {}
+        for key in old:
+            r = ops.flatten(store.pop(key))
+            n = ops.numel(r)
+            coefs = ops.dct_segments(ops.cast(r, ops.float32), (n,), self.block)
+            renamed[key] = prefix + residual_name(self.block, n, key[len(prefix):])
+            store.get(renamed[key], lambda: coefs)
+        if old:
+            if store.loaded:
+                store.loaded = frozenset(renamed.get(k, k) for k in store.loaded)
+            log.info("%s: %d gradient-domain residuals converted to DCT coefficients",
+                     self.spec, len(old))
 
     def decode(self, payload, ctx, ops):
         lay = ctx.bucket

@@ -385,6 +385,9 @@ def test_the_ddp_hook_refuses_hier_at_construction():
 
 AUTO_SWITCHES = ["topk:density=0.05", "hier:topk:density=0.05", "laplace_topk:density=0.05",
                  "hier:twobit", "none"]
+#: dct keeps its residuals' coefficients (@dct<block>:<n>/<name>): converted when carried
+DCT_SWITCHES = ["dct:density=0.05,block=32", "topk:density=0.05", "hier:dct:density=0.05,block=32",
+                "dct:density=0.05,block=64", "laplace_topk:density=0.05", "none"]
 
 
 def _held(auto, lay, hosts):
@@ -398,16 +401,17 @@ def _held(auto, lay, hosts):
     return out
 
 
-@pytest.mark.parametrize("tensor", [False, True])
-def test_auto_switches_between_flat_and_hier_candidates_and_loses_nothing(tensor):
+@pytest.mark.parametrize("tensor,switches", [(False, AUTO_SWITCHES), (True, AUTO_SWITCHES),
+                                             (False, DCT_SWITCHES)])
+def test_auto_switches_between_flat_and_hier_candidates_and_loses_nothing(tensor, switches):
     """auto with flat and hier: candidates, calibrating one step each (topk, hier:topk,
     laplace_topk, hier:twobit, none): every rank gets the same aggregate each step, and
     after each step what was summed so far plus every residual held anywhere is the sum
     of every worker's gradients (a residual left by one scheme is sent by the next), so
     after the last step (none) nothing is left behind."""
-    sizes, L, steps = [2, 2], 2, len(AUTO_SWITCHES)
+    sizes, L, steps = [2, 2], 2, len(switches)
     lay = LAY if not tensor else buckets.layout(["w"], [(LAY.total,)])
-    comps = [hvd_compress.Auto(candidates=AUTO_SWITCHES, calibrate=steps, trial=0, every=0,
+    comps = [hvd_compress.Auto(candidates=switches, calibrate=steps, trial=0, every=0,
                                verbose=False) for _ in range(4)]
     got = _run(hosts(sizes, torch_ops, timeout=30), comps, steps, lay=lay, tensor=tensor)
     total = np.zeros(lay.total, np.float64)
@@ -415,7 +419,7 @@ def test_auto_switches_between_flat_and_hier_candidates_and_loses_nothing(tensor
     for s in range(steps):
         for r in range(4):
             np.testing.assert_array_equal(got[r][s][0], got[0][s][0])
-        assert got[0][s][1].hierarchical == AUTO_SWITCHES[s].startswith("hier:"), s
+        assert got[0][s][1].hierarchical == switches[s].startswith("hier:"), s
         total += sum(_grad(r, s, lay).astype(np.float64) for r in range(4))
         aggregate += got[0][s][0]
     held = sum(_held(comps[r], lay, (r % L, L, 2)) for r in range(4))

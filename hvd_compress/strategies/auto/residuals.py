@@ -11,7 +11,10 @@ gradient and dropped:
 
 - ``c`` without error feedback (none, fp16): all of them;
 - ``c`` flat: the ``hier:`` pieces;
-- ``c`` ``hier:``: the flat residuals and pieces outside this worker's shard.
+- ``c`` ``hier:``: the flat residuals and pieces outside this worker's shard;
+- and residuals in another domain than ``c``'s: ``dct`` keeps its residuals' DCT
+  coefficients (:func:`~hvd_compress.compressors.dct.residual_name`), converted back to
+  the gradient when moved.
 
 Every exchange (flat or hierarchical) sums over all P workers, so a residual added on
 the worker that holds it reaches the aggregate exactly once: with ``e`` every residual
@@ -21,6 +24,7 @@ worker's gradients through any sequence of switches (tests/unit/test_hierarchica
 Imports: :mod:`hvd_compress.memory` and :mod:`hvd_compress.exchange.hierarchical`
 (framework-free); tensors go through :mod:`hvd_compress.ops`.
 """
+from ...compressors.dct import gradient_residual, parse_residual_name
 from ...exchange.hierarchical import residual_names, residual_places
 from ...memory import ResidualMemory
 
@@ -31,20 +35,22 @@ def carry(store, layout, flat, compressor, ops, hosts=None):
     (module docstring), which are removed from ``store``.  ``hosts``: ``(local rank, L,
     H)`` of this worker where ``hier:`` candidates exist, else None."""
     keep = residual_names(compressor, layout, hosts)
-    have = set(store.keys())
     places = residual_places(layout, hosts)
-    moved = sorted((places[n], ResidualMemory.PREFIX + n) for n in places
-                   if n not in keep and ResidualMemory.PREFIX + n in have)
+    moved = sorted((places[tensor], name) for name, tensor in _held(store, places)
+                   if name not in keep)
     if not moved:
         return flat
     parts, at = [], 0
-    for (offset, numel), key in moved:    # disjoint: one scheme's names at a time
+    for (offset, numel), name in moved:    # disjoint: one scheme's names at a time
         if offset < at:
             raise ValueError(f"auto: overlapping residuals for bucket {layout.key!r} "
-                             f"({key!r}); the error-feedback store is inconsistent")
+                             f"({name!r}); the error-feedback store is inconsistent")
         if offset > at:
             parts.append(ops.zeros(offset - at, flat.dtype, flat))
-        parts.append(ops.cast(ops.flatten(store.pop(key)), flat.dtype))
+        r = ops.flatten(store.pop(ResidualMemory.PREFIX + name))
+        if name not in places:                         # dct's coefficients
+            r = gradient_residual(name, r, ops)
+        parts.append(ops.cast(r, flat.dtype))
         at = offset + numel
     if at < layout.total:
         parts.append(ops.zeros(layout.total - at, flat.dtype, flat))
@@ -52,3 +58,24 @@ def carry(store, layout, flat, compressor, ops, hosts=None):
     if ops.supports_inplace():
         return ops.add_into(flat, r, flat)
     return flat + r
+
+
+def _held(store, places):
+    """``(residual name, tensor or piece name)`` of the residuals in ``store`` of the
+    names in ``places``: their own names, and dct's coefficients of them
+    (:func:`~hvd_compress.compressors.dct.residual_name`)."""
+    prefix = ResidualMemory.PREFIX
+    for key in store.keys():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if name in places:
+            yield name, name
+            continue
+        coefs = parse_residual_name(name)
+        if coefs is not None and coefs[2] in places:
+            if coefs[1] != places[coefs[2]][1]:
+                raise ValueError(f"auto: the residual {name!r} is of {coefs[1]} values, but "
+                                 f"{coefs[2]!r} has {places[coefs[2]][1]}; the error-feedback "
+                                 "store is inconsistent")
+            yield name, coefs[2]
