@@ -41,8 +41,8 @@ which also finds NaN/Inf), the bucket rangefloat codec, and one inverse DCT laun
 decode.  Elsewhere (CPU, TensorFlow) the transform and selection go tensor by tensor as
 before (laplace_topk's selection per tensor, the framework's top-k below ``small``).
 
-Imports: the standard library, ``hvd_compress.buckets``; on first use,
-``hvd_compress.kernels``; and modules of its own package.
+Imports: the standard library, ``hvd_compress.buckets``, ``hvd_compress.memory``; on
+first use, ``hvd_compress.kernels``; and modules of its own package.
 """
 import functools
 import logging
@@ -55,6 +55,7 @@ from .fused_search import fused_payload
 from .laplace import LaplaceTopK
 from .sparse import DensitySparsifier
 
+log = logging.getLogger(__name__)
 
 def check_dct_block(block):
     """``block`` as an int, if the block DCT kernels take it (ValueError otherwise)."""
@@ -66,9 +67,6 @@ def check_dct_block(block):
     if value not in BLOCKS:
         raise ValueError(f"block must be one of {', '.join(map(str, BLOCKS))}, got {block!r}")
     return value
-
-
-log = logging.getLogger(__name__)
 
 
 def residual_name(block, numel, name):
@@ -99,9 +97,7 @@ def project_tails(coefs, lay, block, ops, inplace):
     ``x = IDCT(c)``, ``c -= DCT(x * pad_mask)``; one gather, two transforms of all such
     blocks (one launch each where the kernels run) and one scatter, whatever the number
     of tensors (none: ``coefs``)."""
-    tails = [(at + whole - block, n % block) for at, n, whole in
-             zip(padded_layout(lay, block).offsets, lay.numels, _padded(lay.numels, block))
-             if n % block]
+    tails = _tails(lay, block)
     if not tails:
         return coefs
     idx = ops.layout_constant(("dct_tail_idx", block), lay, lambda: [
@@ -111,6 +107,15 @@ def project_tails(coefs, lay, block, ops, inplace):
     rows = (block,) * len(tails)       # (as tensors of their own: the same bits in a bucket)
     x = ops.idct_segments(ops.gather(coefs, idx), rows, block)
     return ops.subtract_at(coefs, idx, ops.dct_segments(x * pad, rows, block), inplace)
+
+
+@functools.lru_cache(maxsize=256)
+def _tails(lay, block):
+    """``(offset of its last block, values in it)`` of each tensor of ``lay`` that does
+    not fill its last block, in the coefficient layout."""
+    return tuple((at + whole - block, n % block) for at, n, whole in
+                 zip(padded_layout(lay, block).offsets, lay.numels, _padded(lay.numels, block))
+                 if n % block)
 
 
 def _padded(numels, block):

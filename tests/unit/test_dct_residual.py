@@ -52,7 +52,8 @@ def test_coefficient_domain_is_the_gradient_domain_algorithm(monkeypatch, backen
         # the same coefficients chosen (float32 rounding may move a value's code by one)
         assert torch.equal(payload[2], want_payloads[step][2]), step
         got = c.decompress_bucket(payload, ctx)
-        torch.testing.assert_close(got, want[step], rtol=1e-4, atol=1e-5 * float(want[step].abs().max()))
+        torch.testing.assert_close(got, want[step], rtol=1e-4,
+                                   atol=1e-5 * float(want[step].abs().max()))
     resid = torch.cat([c.residual(n) for n in lay.names])
     torch.testing.assert_close(resid, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()))
 

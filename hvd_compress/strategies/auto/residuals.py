@@ -21,8 +21,9 @@ the worker that holds it reaches the aggregate exactly once: with ``e`` every re
 held anywhere, ``sum over steps of the aggregates + sum e`` stays the sum of every
 worker's gradients through any sequence of switches (tests/unit/test_hierarchical.py).
 
-Imports: :mod:`hvd_compress.memory` and :mod:`hvd_compress.exchange.hierarchical`
-(framework-free); tensors go through :mod:`hvd_compress.ops`.
+Imports: :mod:`hvd_compress.memory`, :mod:`hvd_compress.exchange.hierarchical` and
+:mod:`hvd_compress.compressors.dct` (framework-free); tensors go through
+:mod:`hvd_compress.ops`.
 """
 from ...compressors.dct import gradient_residual, parse_residual_name
 from ...exchange.hierarchical import residual_names, residual_places
