@@ -57,6 +57,7 @@ from .sparse import DensitySparsifier
 
 log = logging.getLogger(__name__)
 
+
 def check_dct_block(block):
     """``block`` as an int, if the block DCT kernels take it (ValueError otherwise)."""
     from ..kernels.dct import BLOCKS     # imported here: the kernels import torch
@@ -84,11 +85,34 @@ def parse_residual_name(name):
     return None if m is None else (int(m.group(1)), int(m.group(2)), m.group(3))
 
 
+def coefficient_keys(store):
+    """``{store key: (block, numel, tensor name)}`` of the dct residuals in ``store``."""
+    prefix, out = ResidualMemory.PREFIX, {}
+    for key in store.keys():
+        found = parse_residual_name(key[len(prefix):]) if key.startswith(prefix) else None
+        if found is not None:
+            out[key] = found
+    return out
+
+
 def gradient_residual(name, coefs, ops):
     """The gradient-domain residual (flat, float32) of the residual ``coefs`` kept under
     the :func:`residual_name` ``name``."""
     block, numel, _ = parse_residual_name(name)
     return ops.idct_segments(coefs, (numel,), block)
+
+
+def stored_residual(store, ops, name):
+    """The gradient-domain residual of tensor ``name`` in ``store``: its own, else dct's
+    coefficients of it, converted; None if neither is there."""
+    own = ResidualMemory(store, ops).residual(name)
+    if own is not None:
+        return own
+    for key, (_, _, tensor) in coefficient_keys(store).items():
+        if tensor == name:
+            name = key[len(ResidualMemory.PREFIX):]
+            return gradient_residual(name, ResidualMemory(store, ops).residual(name), ops)
+    return None
 
 
 def project_tails(coefs, lay, block, ops, inplace):
@@ -104,9 +128,8 @@ def project_tails(coefs, lay, block, ops, inplace):
         at + j for at, _ in tails for j in range(block)], ops.int64, coefs)
     pad = ops.layout_constant(("dct_tail_pad", block), lay, lambda: [
         float(j >= keep) for _, keep in tails for j in range(block)], ops.float32, coefs)
-    rows = (block,) * len(tails)       # (as tensors of their own: the same bits in a bucket)
-    x = ops.idct_segments(ops.gather(coefs, idx), rows, block)
-    return ops.subtract_at(coefs, idx, ops.dct_segments(x * pad, rows, block), inplace)
+    x = ops.dct_blocks(ops.gather(coefs, idx), block, inverse=True)   # (each block apart:
+    return ops.subtract_at(coefs, idx, ops.dct_blocks(x * pad, block), inplace)  # same bits)
 
 
 @functools.lru_cache(maxsize=256)
@@ -154,6 +177,7 @@ class DCTSparse(DensitySparsifier):
             raise ValueError(f"padded=1 sends each rank's own pairs (agg=local); got agg={agg}")
         self._select = LaplaceTopK(density=self.density, ef=False, padded=self.padded)
         self.fixed_size = bool(self.padded)
+        self._sized = set()        # buckets whose stored sizes _check_sizes has seen
 
     @property
     def segmented(self):
@@ -183,8 +207,13 @@ class DCTSparse(DensitySparsifier):
 
     def encode(self, flat, ctx, ops, step):
         """Without error feedback: the payload of ``flat``'s coefficients."""
+        return self.encode_checked(flat, ctx, ops, step)[0]
+
+    def encode_checked(self, flat, ctx, ops, step):
+        """``(payload, finite)`` of ``flat``'s coefficients (``finite``: they hold no
+        NaN/Inf); error feedback does not come through here (:meth:`_compress_flat`)."""
         coefs, cctx = self.to_domain(flat, ctx, ops)
-        return self._encode_coefs(coefs, cctx, ops, step)[0]
+        return self._encode_coefs(coefs, cctx, ops, step)
 
     def _encode_coefs(self, coefs, cctx, ops, step):
         """``(payload, finite)`` of the coefficients ``coefs``: the fused search where it
@@ -203,6 +232,8 @@ class DCTSparse(DensitySparsifier):
         last blocks only; each tensor's ``R`` under :func:`residual_name`."""
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
+        self._state(ops)
+        self._check_sizes(parts)
         coefs, cctx = self.to_domain(flat, ctx, ops)          # a new tensor: ours to write
         cparts = tuple((residual_name(self.block, n, name), m)
                        for (name, n), m in zip(parts, cctx.numels))
@@ -228,36 +259,51 @@ class DCTSparse(DensitySparsifier):
         DCT of its coefficients, padding dropped; None before its first compress."""
         if self.agg is not None or self._store is None:
             return super().residual(name)
-        for key in self._store.keys():
-            found = parse_residual_name(key[len(ResidualMemory.PREFIX):]) \
-                if key.startswith(ResidualMemory.PREFIX) else None
-            if found is not None and found[0] == self.block and found[2] == name:
-                coefs = super().residual(key[len(ResidualMemory.PREFIX):])
-                return self._ops.idct_segments(coefs, (found[1],), self.block)
-        return None
+        return stored_residual(self._store, self._ops, name)
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
         """As :meth:`Compressor.load_state_dict`; gradient-domain residuals (a checkpoint
         of a version before 2026-11-28) are converted to coefficients (``R = DCT(pad(r))``,
-        float32 rounding) and logged."""
+        float32 rounding; not journaled) and logged."""
         super().load_state_dict(state_dict, framework, strict)
-        if self.agg is not None:
+        self._sized = set()
+        store, prefix = self._store, ResidualMemory.PREFIX
+        coefs = coefficient_keys(store)
+        old = [] if self.agg is not None else [
+            k for k in store.keys() if k.startswith(prefix) and k not in coefs]
+        if not old:
             return
-        store, ops, prefix = self._store, self._ops, ResidualMemory.PREFIX
-        old = [k for k in store.keys()
-               if k.startswith(prefix) and parse_residual_name(k[len(prefix):]) is None]
-        renamed = {}
+        ops, state = self._ops, store.state_dict()
         for key in old:
-            r = ops.flatten(store.pop(key))
+            r = ops.flatten(ResidualMemory(store, ops).residual(key[len(prefix):]))
             n = ops.numel(r)
-            coefs = ops.dct_segments(ops.cast(r, ops.float32), (n,), self.block)
-            renamed[key] = prefix + residual_name(self.block, n, key[len(prefix):])
-            store.get(renamed[key], lambda: coefs)
-        if old:
-            if store.loaded:
-                store.loaded = frozenset(renamed.get(k, k) for k in store.loaded)
-            log.info("%s: %d gradient-domain residuals converted to DCT coefficients",
-                     self.spec, len(old))
+            del state[key]
+            state[prefix + residual_name(self.block, n, key[len(prefix):])] = \
+                ops.dct_segments(ops.cast(r, ops.float32), (n,), self.block)
+        journal, store.journal = store.journal, None
+        try:
+            for key in old:
+                store.pop(key)
+            super().load_state_dict(dict(state_dict, state=state), framework, strict)
+        finally:
+            store.journal = journal
+        log.info("%s: %d gradient-domain residuals converted to DCT coefficients",
+                 self.spec, len(old))
+
+    def _check_sizes(self, parts):
+        """ValueError where the store holds coefficients of a tensor of ``parts`` saved
+        for another size (a checkpoint of another model; its key names the size, so the
+        memory's own check cannot see it); once per bucket after each load."""
+        if parts in self._sized:
+            return
+        sizes = dict(parts)
+        for block, m, name in coefficient_keys(self._store).values():
+            if name in sizes and (block, m) != (self.block, sizes[name]):
+                raise ValueError(
+                    f"error-feedback residual of {name!r} has {m} values in {block}-value "
+                    f"DCT blocks, but the tensor has {sizes[name]} in {self.block}: the "
+                    "loaded state_dict was saved for another model or configuration")
+        self._sized.add(parts)
 
     def decode(self, payload, ctx, ops):
         lay = ctx.bucket

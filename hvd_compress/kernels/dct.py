@@ -284,6 +284,19 @@ def _rows(numels, block, device):
             torch.tensor(stop, dtype=torch.int64, device=device))
 
 
+def dct_blocks(x, block, inverse=False, backend=None):
+    """The DCT-II (``inverse``: its inverse) of each block of flat ``x`` (whole blocks,
+    float32) computed as a block of its own: the same bits whichever blocks lie beside
+    it.  One launch (Triton, each row apart); else a batched product of one-row matrices
+    (a product of many rows at once rounds differently with their number)."""
+    check_block(block)
+    if pick_backend(x, backend) != "torch" and x.numel():
+        return _segment_apply(x, (block,) * (x.numel() // block), block, not inverse, backend)
+    rows = x.detach().reshape(-1, 1, block).float()
+    w = basis(block, x.device) if inverse else basis_t(block, x.device)
+    return torch.bmm(rows, w.expand(rows.shape[0], block, block)).reshape(-1)
+
+
 def _segment_apply(x, numels, block, forward, backend):
     """The kernel launch of :func:`dct_segments` (``forward``) or :func:`idct_segments`."""
     triton, _, kernel = _kernels()

@@ -136,3 +136,43 @@ def test_tensorflow_coefficient_residuals_and_an_old_checkpoint():
     a, ctx = c.compress(tf.constant(g[3]), "w")
     b, _ = twin.compress(tf.constant(g[3]), "w")
     np.testing.assert_array_equal(a[2].numpy(), b[2].numpy())
+
+
+def test_conversion_survives_a_rolled_back_step_and_sizes_are_checked():
+    """The conversion is not journaled (compressed-momentum Adam may roll back the first
+    step after a restore), and a checkpoint of another size raises, strict or not."""
+    from hvd_compress.memory import Journal
+    lay = layout(["a", "b"], [(100,), (7,)])
+    c = hvd_compress.from_spec("dct:density=0.1,block=32")
+    c.compress_bucket(grads(lay, 0), lay)
+    old = _old_format(c, lay.names)
+    twin, journal = hvd_compress.from_spec(c.spec), Journal()
+    twin.attach_journal(journal)
+    twin.compress_bucket(grads(lay, 5), lay)                 # a step before the restore
+    journal.clear()
+    twin.load_state_dict(old)
+    twin.compress_bucket(grads(lay, 1), lay)
+    journal.rollback()                                        # the step is dropped
+    assert sorted(twin.state_dict()["state"]) == sorted(c.state_dict()["state"])
+    torch.testing.assert_close(twin.residual("b"), c.residual("b"), rtol=1e-5, atol=1e-6)
+    other = layout(["a", "b"], [(100,), (9,)])                # b of another size
+    for strict in (True, False):
+        bad = hvd_compress.from_spec(c.spec)
+        bad.load_state_dict(c.state_dict(), strict=strict)
+        with pytest.raises(ValueError, match="residual of 'b' has 7 values .* the tensor has 9"):
+            bad.compress_bucket(grads(other, 0), other)
+
+
+def test_tensorflow_restore_into_a_compressor_that_has_run():
+    """TensorFlow's store keeps its variables (graphs hold them): a converted checkpoint
+    is assigned to the variable a step already made, and a later state without it
+    resets that variable to zeros."""
+    tf = pytest.importorskip("tensorflow")
+    x = np.random.default_rng(0).laplace(size=300).astype(np.float32)
+    c = hvd_compress.from_spec("dct:density=0.05,block=64")
+    c.compress(tf.constant(x), "w")                          # the variable exists
+    r = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    c.load_state_dict({"spec": c.spec, "state": {"residual/w": r}}, "tensorflow")
+    np.testing.assert_allclose(c.residual("w").numpy(), r, rtol=1e-5, atol=1e-5)
+    c.load_state_dict({"spec": c.spec, "state": {}}, "tensorflow", strict=False)
+    assert not c.residual("w").numpy().any()

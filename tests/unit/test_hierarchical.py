@@ -452,6 +452,28 @@ def test_auto_carries_pieces_and_other_shards_residuals_into_the_gradient():
     assert auto.residual("b/shard1") is None
 
 
+def test_auto_carries_and_reports_dct_coefficient_residuals():
+    """dct keeps its residuals' coefficients (residual/@dct<block>:<numel>/<name>):
+    auto.residual(name) converts them, and another candidate's carry sends them back in
+    the gradient domain, padding dropped."""
+    from hvd_compress.kernels import dct
+    auto = hvd_compress.Auto(candidates=["dct:density=0.5,block=32", "topk:density=0.5"],
+                             calibrate=2, trial=0, verbose=False)
+    _, topk = auto.members
+    lay = buckets.layout(["a", "b"], [(3,), (40,)])
+    r = torch.arange(1.0, 44.0)
+    store = auto._state(torch_ops)
+    store.set("residual/@dct32:3/a", dct.dct(r[:3], 32))
+    store.set("residual/@dct32:40/b", dct.dct(r[3:], 32))
+    torch.testing.assert_close(auto.residual("b"), r[3:])
+    out = auto.carry(lay, torch.zeros(43), topk, torch_ops)
+    torch.testing.assert_close(out, r)
+    assert auto.residual("a") is None and auto.residual("b") is None
+    store.set("residual/@dct32:7/a", torch.zeros(32))     # a's size is 3: inconsistent
+    with pytest.raises(ValueError, match="@dct32:7/a.*is of 7 values"):
+        auto.carry(lay, torch.zeros(43), topk, torch_ops)
+
+
 def test_auto_with_a_hier_candidate_needs_the_hosts():
     world = World(1, torch_ops, timeout=5)
     d = Driver(world.transport(0), Stats(), average=False)

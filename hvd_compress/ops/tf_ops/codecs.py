@@ -192,6 +192,13 @@ def block_idct(coefs, block):
                                   _dct_basis(block)), [-1])
 
 
+def dct_blocks(flat, block, inverse=False):
+    """The block DCT (``inverse``: its inverse) of each block of ``flat`` (whole blocks)
+    on its own (a batched product of one-row matrices)."""
+    rows = _tf.reshape(_tf.cast(flat, _tf.float32), [-1, 1, block])
+    return _tf.reshape(_tf.matmul(rows, _dct_basis(block), transpose_b=not inverse), [-1])
+
+
 def dct_segments(flat, numels, block):
     """:func:`block_dct` of each tensor of a bucket (``numels`` end to end), the padded
     coefficients end to end (tensor by tensor in TensorFlow)."""

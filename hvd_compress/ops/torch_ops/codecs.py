@@ -267,6 +267,14 @@ def idct_segments(coefs, numels, block):
     return dct.idct_segments(coefs, numels, block)
 
 
+def dct_blocks(flat, block, inverse=False):
+    """The block DCT (``inverse``: its inverse) of each block of ``flat`` (whole blocks)
+    on its own: the same bits whichever blocks lie beside it (one launch where the
+    kernels run)."""
+    from ...kernels import dct
+    return dct.dct_blocks(flat, block, inverse)
+
+
 # -- fixed point and modular int32 (coded SGD, hvd_compress.coded) -----------------------
 
 FIXED_MAX = 2 ** 31 - 1

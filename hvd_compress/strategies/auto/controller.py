@@ -65,6 +65,7 @@ import math
 import time
 
 from ...compressors.base import Compressor, register
+from ...compressors.dct import stored_residual
 from ...log import info_rank0
 from . import report, residuals
 from .candidates import DEFAULT_CANDIDATES, label, parse  # noqa: F401 (re-exported)
@@ -409,6 +410,10 @@ class Auto(Compressor):
         ``hier:`` candidates).  The glue calls it before every compress (it also makes
         the candidates share one store)."""
         return residuals.carry(self._state(ops), layout, flat, compressor, ops, hosts)
+
+    def residual(self, name):
+        """Flat residual of ``name`` in the shared store, whichever candidate keeps it."""
+        return None if self._store is None else stored_residual(self._store, self._ops, name)
 
     # -- not a codec itself -------------------------------------------------------------
     def compress(self, tensor, name=None):

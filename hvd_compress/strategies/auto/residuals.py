@@ -25,7 +25,7 @@ Imports: :mod:`hvd_compress.memory`, :mod:`hvd_compress.exchange.hierarchical` a
 :mod:`hvd_compress.compressors.dct` (framework-free); tensors go through
 :mod:`hvd_compress.ops`.
 """
-from ...compressors.dct import gradient_residual, parse_residual_name
+from ...compressors.dct import coefficient_keys, gradient_residual
 from ...exchange.hierarchical import residual_names, residual_places
 from ...memory import ResidualMemory
 
@@ -67,16 +67,12 @@ def _held(store, places):
     (:func:`~hvd_compress.compressors.dct.residual_name`)."""
     prefix = ResidualMemory.PREFIX
     for key in store.keys():
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix):]
-        if name in places:
-            yield name, name
-            continue
-        coefs = parse_residual_name(name)
-        if coefs is not None and coefs[2] in places:
-            if coefs[1] != places[coefs[2]][1]:
-                raise ValueError(f"auto: the residual {name!r} is of {coefs[1]} values, but "
-                                 f"{coefs[2]!r} has {places[coefs[2]][1]}; the error-feedback "
+        if key.startswith(prefix) and key[len(prefix):] in places:
+            yield key[len(prefix):], key[len(prefix):]
+    for key, (_, numel, tensor) in coefficient_keys(store).items():
+        if tensor in places:
+            if numel != places[tensor][1]:
+                raise ValueError(f"auto: the residual {key!r} is of {numel} values, but "
+                                 f"{tensor!r} has {places[tensor][1]}; the error-feedback "
                                  "store is inconsistent")
-            yield name, coefs[2]
+            yield key[len(prefix):], tensor
