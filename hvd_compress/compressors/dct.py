@@ -105,13 +105,14 @@ def gradient_residual(name, coefs, ops):
 def stored_residual(store, ops, name):
     """The gradient-domain residual of tensor ``name`` in ``store``: its own, else dct's
     coefficients of it, converted; None if neither is there."""
-    own = ResidualMemory(store, ops).residual(name)
+    memory = ResidualMemory(store, ops)
+    own = memory.residual(name)
     if own is not None:
         return own
     for key, (_, _, tensor) in coefficient_keys(store).items():
         if tensor == name:
             name = key[len(ResidualMemory.PREFIX):]
-            return gradient_residual(name, ResidualMemory(store, ops).residual(name), ops)
+            return gradient_residual(name, memory.residual(name), ops)
     return None
 
 
@@ -232,12 +233,11 @@ class DCTSparse(DensitySparsifier):
         last blocks only; each tensor's ``R`` under :func:`residual_name`."""
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
-        self._state(ops)
+        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
         self._check_sizes(parts)
         coefs, cctx = self.to_domain(flat, ctx, ops)          # a new tensor: ours to write
         cparts = tuple((residual_name(self.block, n, name), m)
                        for (name, n), m in zip(parts, cctx.numels))
-        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
         compensated = memory.compensate_parts(cparts, coefs, own=True)
         payload, finite = self._encode_coefs(compensated, cctx, ops, step)
 

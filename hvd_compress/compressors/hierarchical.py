@@ -73,6 +73,9 @@ class Hierarchical(Compressor):
     def residual(self, name):
         return self.inner.residual(name)
 
+    def residual_names(self, lay):
+        return self.inner.residual_names(lay)
+
     def state_dict(self):
         return {"spec": self.spec, "state": self.inner.state_dict()["state"]}
 

@@ -124,14 +124,13 @@ def residual_names(compressor, layout, hosts=None):
     H = 1: nothing is compressed), none without error feedback."""
     if not compressor.ef:
         return set()
-    inner = getattr(compressor, "inner", compressor)      # (names: Compressor.residual_names)
     if not getattr(compressor, "hierarchical", False) or hosts is None or hosts[1] == 1:
-        return set(inner.residual_names(layout))
+        return set(compressor.residual_names(layout))
     if hosts[2] == 1:
         return set()
     whole = compressor.inner.name in WHOLE_TENSORS
     lay = plan_shards(layout, hosts[1], whole)[hosts[0]][1]
-    return set(inner.residual_names(lay)) if lay is not None else set()
+    return set(compressor.residual_names(lay)) if lay is not None else set()
 
 
 def _spec_hash(spec):
