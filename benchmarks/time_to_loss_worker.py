@@ -6,7 +6,8 @@ the same processes, and (rank 0) writes validation loss against steps and second
         --methods "none;cm:laplace_topk:density=0.01" --steps 500 --out result.json
 
 A method is a compressor spec; ``cm:<spec>`` sends the compressed *momentum* after a
-dense warm-up (``compressed_momentum=--warmup``), the plain spec compresses gradients.
+dense warm-up (``compressed_momentum=--warmup``), ``cu:<spec>`` each rank's AdamW
+*update* (``compressed_update=True``), the plain spec compresses gradients.
 
 The text: the Python reference documentation that every CPython install carries as plain
 text (``pydoc_data.topics``, what ``help()`` prints: 465 KB of English prose and code
@@ -57,14 +58,15 @@ def make_model(args):
 
 
 def run(method, args, train, val_batch):
-    momentum = method.startswith("cm:")
-    spec = method[3:] if momentum else method
+    momentum, update = method.startswith("cm:"), method.startswith("cu:")
+    spec = method[3:] if momentum or update else method
     model = make_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     schedule = dict(json.loads(args.momentum_args),
                     warmup=int(args.warmup) if args.warmup.isdigit() else args.warmup)
     opt = hct.DistributedOptimizer(opt, model.named_parameters(), compression=spec,
-                                   compressed_momentum=schedule if momentum else None)
+                                   compressed_momentum=schedule if momentum else None,
+                                   compressed_update=update)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def validate():
@@ -101,7 +103,8 @@ def run(method, args, train, val_batch):
                       flush=True)
     stats = opt.stats.as_dict()
     dense = sum(p.numel() * 4 for p in model.parameters())
-    return dict(method=method, spec=spec, compressed_momentum=momentum, curve=curve,
+    return dict(method=method, spec=spec, compressed_momentum=momentum,
+                compressed_update=update, curve=curve,
                 step_s=steps_s, warmup_steps=frozen if momentum else None,
                 total_sent=stats["total_sent"], total_dense=stats["total_dense"],
                 dense_bytes_per_step=dense,

@@ -294,3 +294,18 @@ def coefficients(lr, beta1, beta2, eps, step, variance_step):
     by ``-step_size * m / (sqrt(v) / denominator_scale + eps)``, i.e.
     ``step_size = lr / (1 - b1^t)`` and ``denominator_scale = sqrt(1 - b2^T_v)``."""
     return lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** variance_step), eps
+
+
+def momentum_from_env():
+    """What ``$HVD_COMPRESS_MOMENTUM`` asks for (None: unset or off)."""
+    import os
+    text = os.environ.get("HVD_COMPRESS_MOMENTUM", "").strip().lower()
+    if text in ("", "0", "false", "off", "no"):
+        return None
+    if text in ("1", "true", "on", "yes", "auto"):
+        return "auto" if text == "auto" else True
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("$HVD_COMPRESS_MOMENTUM must be 0/1, 'auto' or a number of warm-up "
+                         f"steps, got {text!r}") from None

@@ -29,7 +29,8 @@ from ..log import logger
 from ..stats import Stats
 from . import collectives, horovod_surface as surface
 from .amp import GradientUnits
-from ..strategies.momentum import MomentumSchedule, adam_defaults
+from .compressed_update import LocalUpdates, check as check_update
+from ..strategies.momentum import MomentumSchedule, adam_defaults, momentum_from_env
 from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc, warmup_entries
 
 
@@ -42,11 +43,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
                  op, process_set, bucket_mb=None, compressed_momentum=None,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
-                 grad_scaler=None):
+                 grad_scaler=None, compressed_update=False):
         super(self.__class__, self).__init__(params)
         self.compression = resolve(compression)
         schedule = MomentumSchedule.build(compressed_momentum)
-        if schedule is None and isinstance(self, ADAM_FAMILY):
+        update = check_update(compressed_update, schedule, grad_scaler, self.compression)
+        if schedule is None and not update and isinstance(self, ADAM_FAMILY):
             adam_defaults(self.compression, type(self).__name__)
         check_dgc(self.compression, self, schedule)
         self.op = surface.check_op(op, hvd)
@@ -114,6 +116,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               if process_set.included() else None)
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         self._momentum = None
+        self._update = LocalUpdates(self._params) if update else None
         if schedule is not None:
             self._momentum = AdamMomentum(self, schedule, self.compression,
                                           process_set.rank)
@@ -135,7 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "accumulate gradients locally.")
             self._delay[p] -= 1
             b = self._bucket_of.get(p)
-            if self._delay[p] == 0 and b is not None:
+            if self._delay[p] == 0 and b is not None and self._update is None:
                 self._waiting[b] -= 1
                 if self._waiting[b] == 0:    # the bucket's last gradient: launch it now
                     self._handles[b] = self._launch(b)
@@ -145,7 +148,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._checked:
             return
         layout = ";".join(f"{self._names[p]}:{tuple(p.shape)}:{p.dtype}" for p in self._params)
-        momentum = self._momentum.spec if self._momentum is not None else ""
+        momentum = self._momentum.spec if self._momentum is not None else \
+            "compressed_update" if self._update is not None else ""
         plan = buckets.describe(self.bucket_mb, self._buckets) if self._groups is None else \
             surface.describe_groups(self._groups, self._buckets)
         collectives.check_same_config(f"{self.compression.spec} op={self.op} {momentum} "
@@ -215,7 +219,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- Horovod's API ----------------------------------------------------------------
     def synchronize(self):
-        """Wait for every bucket's collective and write the aggregates into ``p.grad``."""
+        """Wait for every bucket's collective and write the aggregates into ``p.grad``
+        (with ``compressed_update=True``: nothing; ``step()`` exchanges the updates)."""
+        if self._update is not None:
+            self._synchronized = True
+            return
+        self._exchange()
+
+    def _exchange(self):
         if not self.process_set.included():
             self._synchronized = True
             return
@@ -298,6 +309,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not self._synchronized:
                 self.synchronize()
         self._synchronized = False
+        if self._update is not None:         # this rank's step, then its update exchanged
+            saved = self._update.local_step(super(self.__class__, self).step, closure)
+            self._exchange()
+            self._synchronized = False
+            return self._update.apply(saved)
         dense = self._driver_now() is not self._driver
         self._step_driver = None
         if self._momentum is None:
@@ -341,7 +357,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set,
-                         bucket_mb=None, compressed_momentum=None, grad_scaler=None):
+                         bucket_mb=None, compressed_momentum=None, grad_scaler=None,
+                         compressed_update=False):
     """Wrap ``optimizer`` so that ``step()`` uses compressed, aggregated gradients.
 
     Arguments follow ``horovod.torch.DistributedOptimizer`` (0.28.1), in its order, and
@@ -377,6 +394,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     arguments (``warmup``, ``refresh``, ``tol``, ...).  Default: ``$HVD_COMPRESS_MOMENTUM``
     (same values), else off.
 
+    ``compressed_update=True`` (any optimizer; measured with AdamW): each rank runs the
+    wrapped optimizer on its own gradients and the *parameter update* goes through
+    ``compression`` with error feedback, ``p <- p_0 + mean_i C(u_i + e_i)``
+    (:mod:`hvd_compress.torch.compressed_update`: formula, paper, what changes).
+
     **Mixed precision** (Horovod's recipe, with any compressor)::
 
         scaler = torch.amp.GradScaler("cuda")
@@ -405,27 +427,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     before each ``backward()`` (or when ``s`` changes) does the same; ``None`` stops.
     """
     if compressed_momentum is None:
-        compressed_momentum = _momentum_from_env()
+        compressed_momentum = momentum_from_env()
     groups = surface.groups_from(num_groups, groups, bucket_mb)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, CompressedOptimizer),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, process_set, bucket_mb, compressed_momentum,
-               gradient_predivide_factor, groups, sparse_as_dense, grad_scaler)
-
-
-def _momentum_from_env():
-    import os
-    text = os.environ.get("HVD_COMPRESS_MOMENTUM", "").strip().lower()
-    if text in ("", "0", "false", "off", "no"):
-        return None
-    if text in ("1", "true", "on", "yes", "auto"):
-        return "auto" if text == "auto" else True
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError("$HVD_COMPRESS_MOMENTUM must be 0/1, 'auto' or a number of warm-up "
-                         f"steps, got {text!r}") from None
+               gradient_predivide_factor, groups, sparse_as_dense, grad_scaler,
+               compressed_update)
 
 
 from . import elastic as _elastic  # noqa: E402  (needs CompressedOptimizer, defined above)

@@ -1,0 +1,125 @@
+"""Compressed updates: every rank runs the wrapped optimizer on its *own* gradients, and
+the parameter change it would make goes through the compressor with error feedback.
+
+Why: error-compensated *gradient* compression assumes an optimizer linear in the
+gradient.  Adam is not: a coordinate that a sparsifier sends once every ``T`` steps
+arrives as about ``T g`` (the residual it piled up), so Adam's ``m`` receives ``T g``
+once and its ``v`` about ``T g^2`` per step on average; the coordinate then moves by
+about ``T g / sqrt(T g^2) = sqrt(T)`` learning rates where dense Adam moves ``T``.  At a
+density of 1% most coordinates learn several times more slowly, and the run falls behind
+(``docs/adam-adamw.md``).  The *update* of Adam is already normalised (each coordinate
+moves about ``lr`` a step): piled up over ``T`` steps and sent once, it moves the
+coordinate ``T lr``, as dense Adam would.
+
+The rule, every rank ``i``, every step (any ``torch.optim`` optimizer)::
+
+    p_0 = p                                        (the same on every rank)
+    the wrapped optimizer's own step on g_i        (its state m_i, v_i: this rank's)
+    u_i = p - p_0                                  (with AdamW's decay, clipping, ...)
+    U   = (1/P) sum_i D(C(u_i + e_i))              (any compressor; buckets as gradients')
+    e_i = u_i + e_i - D(C(u_i + e_i))              (error feedback, per rank)
+    p   = p_0 + U                                  (the same on every rank)
+
+This is the worker side of Efficient-Adam (Chen, Shen, Liu and Luo, "Efficient-Adam:
+Communication-Efficient Distributed Adam", arXiv:2205.14473, 2022: each worker's Adam
+step on its own gradient, quantised with error feedback), without its server: the ranks'
+payloads are aggregated by the same exchange as gradients, so the sum arrives exact.
+
+What differs from dense training, and what a user sees:
+
+- Each rank keeps the optimizer state of its own gradients (``opt.state_dict()`` is this
+  rank's); the parameters stay the same on every rank.  ``hvd.broadcast_optimizer_state``
+  still makes every rank start from rank 0's.  The residuals are in
+  ``opt.compression.state_dict()``, under the parameters' names, as for gradients.
+- The exchange starts after the local step, so nothing of it overlaps backward.
+- ``synchronize()`` exchanges nothing (gradient clipping acts on the local gradients);
+  ``step()`` always exchanges, also inside ``skip_synchronize()``.
+- A rank whose gradients hold NaN/Inf skips its local step (its optimizer state stays
+  as it was, a warning says so), sends no update of its own (its residual still goes
+  out, nothing is lost) and takes the others' average: no rank waits, and the
+  parameters stay equal everywhere.
+
+Imports: torch, ``hvd_compress.log``.
+"""
+import torch
+
+from ..log import logger
+
+
+def check(compressed_update, schedule, grad_scaler, compression):
+    """ValueError for what ``compressed_update=True`` cannot be combined with: compressed
+    momentum (``schedule`` not None), a ``grad_scaler`` (the update carries no loss
+    scale) and DGC's momentum correction (``momentum=``: it would add momentum to
+    updates).  Returns ``compressed_update`` as a bool."""
+    if not isinstance(compressed_update, bool):
+        raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
+    if not compressed_update:
+        return False
+    if schedule is not None:
+        raise ValueError("compressed_update=True and compressed_momentum: use one of them "
+                         "(compressed_update sends the whole update, momentum included)")
+    if grad_scaler is not None:
+        raise ValueError("compressed_update=True does not take grad_scaler: the update "
+                         "carries no loss scale; call scaler.unscale_(opt) before "
+                         "opt.step() and pass grad_scaler=None")
+    dgc = [c for c in compression.compressors() if getattr(c, "momentum", None)]
+    if dgc:
+        raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
+                         "SGD's momentum inside the exchange (momentum=); drop momentum= "
+                         "(the wrapped optimizer's own momentum is in the update)")
+    return True
+
+
+class LocalUpdates:
+    """The tensor side of the rule (module docstring) for ``params``.  The glue calls,
+    per step::
+
+        saved = updates.local_step(step, closure)   # p.grad <- u_i, p back to p_0
+        <exchange every p.grad with the compressor> # p.grad <- U
+        updates.apply(saved)                        # p <- p_0 + U; p.grad back to g_i
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.start = None            #: p_0 of each parameter (buffers kept between steps)
+        self.skipped = 0             #: steps this rank skipped for NaN/Inf gradients
+        self.loss = None
+
+    def local_step(self, step, closure=None):
+        """Run ``step(closure)`` (the wrapped optimizer's) on this rank's gradients unless
+        one holds NaN/Inf; put each parameter's update into its ``.grad`` and the
+        parameter back where the step began.  Returns the gradients to give back."""
+        params = self.params
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = not grads or bool(torch.stack([torch.isfinite(
+            g.coalesce().values() if g.is_sparse else g).all() for g in grads]).all())
+        with torch.no_grad():
+            if self.start is None:
+                self.start = [torch.empty_like(p) for p in params]
+            for s, p in zip(self.start, params):
+                s.copy_(p)
+        if finite:
+            self.loss = step(closure)
+        else:
+            self.skipped += 1
+            logger.warning("hvd_compress: compressed_update: this rank's gradients hold "
+                           "NaN/Inf; its optimizer step is skipped (%d so far) and it "
+                           "sends no update of its own this step", self.skipped)
+            with torch.enable_grad():
+                self.loss = closure() if closure is not None else None
+        saved = [p.grad for p in params]
+        with torch.no_grad():
+            for s, p in zip(self.start, params):
+                update = p.detach() - s
+                p.copy_(s)
+                p.grad = update
+        return saved
+
+    def apply(self, saved):
+        """``p <- p_0 + U`` (``U`` in ``p.grad`` after the exchange); ``p.grad`` gets this
+        rank's gradient back.  Returns the loss of the local step's closure."""
+        with torch.no_grad():
+            for p, g in zip(self.params, saved):
+                p.add_(p.grad)
+                p.grad = g
+        return self.loss

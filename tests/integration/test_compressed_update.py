@@ -1,0 +1,138 @@
+"""Compressed updates (``compressed_update=True``) through real ``horovodrun -np 2
+--gloo`` (hvd_compress.torch.DistributedOptimizer): one launch of
+tests/workers/compressed_update_worker.py.
+
+Each step is checked against a numpy reference of the rule written here
+(:func:`reference_rule`) from the update a plain ``torch.optim.AdamW`` makes of each
+rank's own gradient (recorded by the worker).
+"""
+import numpy as np
+import pytest
+
+from launch import ROOT, horovodrun, load_ranks
+from reference import topk_mask
+
+WORKER = ROOT / "tests/workers/compressed_update_worker.py"
+STEPS, DENSITY = 6, 0.3
+#: the MLP's tensors in parameter order, and their sizes
+SIZES = {"fc1.weight": 96, "fc1.bias": 16, "fc2.weight": 48, "fc2.bias": 3}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compressed_update")
+    rc, log = horovodrun([WORKER], out)
+    assert rc == 0, log[-3000:]
+    return load_ranks(out, "update")
+
+
+def split(flat):
+    out, at = {}, 0
+    for name, n in SIZES.items():
+        out[name] = flat[at:at + n]
+        at += n
+    return out
+
+
+def reference_rule(ranks):
+    """u_i = this rank's AdamW update from the step's start; c_i = u_i + e_i;
+    s_i = topk(c_i) per tensor; e_i = c_i - s_i; p = start + mean(s_i)."""
+    e = [np.zeros_like(ranks[0]["trace/1/start"]) for _ in ranks]
+    expected = {}
+    for t in range(1, STEPS + 1):
+        sent = []
+        for i, r in enumerate(ranks):
+            parts = split(r[f"trace/{t}/update"] + e[i])
+            s = np.concatenate([np.where(topk_mask(parts[n], DENSITY), parts[n], 0)
+                                for n in SIZES])
+            e[i] = np.concatenate([parts[n] for n in SIZES]) - s
+            sent.append(s)
+        param = ranks[0][f"trace/{t}/start"] + sum(sent) / len(ranks)
+        residual = [np.concatenate([split(x)[n] for n in sorted(SIZES)]) for x in e]
+        expected[t] = param, residual
+    return expected
+
+
+def test_every_step_matches_the_numpy_reference(ranks):
+    for t, (param, residuals) in reference_rule(ranks).items():
+        for r, e in zip(ranks, residuals):
+            np.testing.assert_allclose(r[f"trace/{t}/param"], param, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(r[f"trace/{t}/residual"], e, rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_agree_and_each_rank_keeps_its_own_optimizer_state(ranks):
+    for t in range(1, STEPS + 1):
+        assert np.array_equal(ranks[0][f"trace/{t}/param"], ranks[1][f"trace/{t}/param"])
+        # the wrapped AdamW stepped on this rank's gradient, as the plain one did
+        for r in ranks:
+            assert np.array_equal(r[f"trace/{t}/exp_avg"], r[f"trace/{t}/ref_exp_avg"])
+        assert not np.array_equal(ranks[0][f"trace/{t}/exp_avg"], ranks[1][f"trace/{t}/exp_avg"])
+    for t in range(2, STEPS + 1):
+        assert not np.array_equal(ranks[0][f"trace/{t}/param"], ranks[0][f"trace/{t-1}/param"])
+    # top-k at 30% of the updates: values and indices, well under the dense bytes
+    assert 0 < int(ranks[0]["trace/sent"]) < 0.7 * int(ranks[0]["trace/dense"])
+
+
+def test_checkpoint_resumes_bit_for_bit(ranks):
+    for r in ranks:
+        assert np.array_equal(r["resume/param"], r[f"trace/{STEPS}/param"])
+        assert np.array_equal(r["resume/residual"], r[f"trace/{STEPS}/residual"])
+
+
+def test_a_rank_with_nan_gradients_skips_its_step_and_loses_nothing(ranks):
+    r0, r1 = ranks
+    assert int(r1["nan/skipped"]) == 1 and int(r0["nan/skipped"]) == 0
+    # rank 1's optimizer state did not move; rank 0's did
+    assert np.array_equal(r1["nan/state_before"], r1["nan/state_after"])
+    assert not np.array_equal(r0["nan/state_before"], r0["nan/state_after"])
+    assert float(r1["nan/step_count"]) == 2 and float(r0["nan/step_count"]) == 3
+    # rank 1 sent its residual only: what left it is gone from its residual, none added
+    sent1 = r1["nan/residual_before"] - r1["nan/residual_after"]
+    assert np.isfinite(r1["nan/residual_after"]).all() and np.abs(sent1).max() > 0
+    for key in ("nan/param", "nan/next_param"):
+        assert np.isfinite(r0[key]).all()
+        assert np.array_equal(r0[key], r1[key])
+    assert not np.array_equal(r0["nan/param"], r0["nan/start"])
+
+
+def test_clipping_between_synchronize_and_step_still_exchanges_the_update(ranks):
+    assert np.array_equal(ranks[0]["clip/param"], ranks[1]["clip/param"])
+    assert int(ranks[0]["clip/sent"]) > 0
+    assert not np.array_equal(ranks[0]["clip/param"], ranks[0][f"trace/{3}/param"])
+
+
+SPECS = ["laplace_topk:density=0.1", "dct:density=0.1", "twobit", "powersgd:rank=2",
+         "auto:candidates=none|topk:density=0.1"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_compressor_trains_and_ranks_agree(ranks, spec):
+    assert np.array_equal(ranks[0][f"spec/{spec}/param"], ranks[1][f"spec/{spec}/param"])
+    assert np.isfinite(ranks[0][f"spec/{spec}/loss"]).all()
+    assert np.isfinite(ranks[0][f"spec/{spec}/param"]).all()
+
+
+def test_transformers_gpt2_learns_its_batch_at_a_seventh_of_the_bytes(ranks):
+    assert np.array_equal(ranks[0]["gpt2/param"], ranks[1]["gpt2/param"])
+    for r in ranks:
+        loss = r["gpt2/loss"]
+        assert loss[-1] < 0.95 * loss[0] and (np.diff(loss) < 0).sum() >= 6, loss
+    sent, dense = ranks[0]["gpt2/sent"], int(ranks[0]["gpt2/dense"])
+    assert all(0 < s < 0.15 * dense for s in sent), (sent, dense)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("momentum", ["compressed_momentum", "one of them"]),
+    ("scaler", ["grad_scaler"]),
+    ("dgc", ["momentum=0.9", "drop momentum="]),
+    ("value", ["compressed_update", "'yes'"])])
+def test_what_it_cannot_be_combined_with_gets_a_clear_error(ranks, case, words):
+    for r in ranks:
+        msg = str(r[f"errors/{case}"])
+        assert msg and all(w in msg for w in words), msg
+
+
+def test_ranks_that_differ_get_a_clear_error(ranks):
+    for r in ranks:
+        msg = str(r["mismatch/error"])
+        assert "configured differently" in msg and "compressed_update" in msg, msg
