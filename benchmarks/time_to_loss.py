@@ -10,7 +10,9 @@ method, on plain loopback and on two hosts joined by 1 Gbit/s and 100 Mbit/s lin
 Methods: a compressor spec compresses the gradients (what AdamW users get from plain
 gradient compression); ``cm:<spec>`` is compressed-momentum Adam
 (``compressed_momentum=``: dense warm-up, frozen variance, momentum through the
-compressor with error feedback; hvd_compress/strategies/momentum.py).  Every method of a
+compressor with error feedback; hvd_compress/strategies/momentum.py); ``cu:<spec>``
+sends each rank's AdamW *update* through the compressor (``compressed_update=True``;
+hvd_compress/torch/compressed_update.py).  Every method of a
 link runs in one launch, one after the other on the same processes
 (benchmarks/time_to_loss_worker.py: the text, the batches and the clock).
 

@@ -28,33 +28,13 @@ import time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))      # last: benchmarks/select.py is no stdlib
 
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 import hvd_compress.torch as hct  # noqa: E402
-
-
-def corpus():
-    """The text as a uint8 tensor: (train, validation)."""
-    import pydoc_data.topics as topics
-    data = "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode()
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    cut = int(0.9 * t.numel())
-    return t[:cut], t[cut:]
-
-
-def windows(text, starts, seq):
-    return torch.stack([text[s:s + seq + 1] for s in starts.tolist()])
-
-
-def make_model(args):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.width,
-                        n_layer=args.layers, n_head=4, bos_token_id=0, eos_token_id=0,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+from gpt2_text import corpus, make_model, windows  # noqa: E402
 
 
 def run(method, args, train, val_batch):

@@ -14,6 +14,15 @@ def topk_mask(g, density):
     return mask.reshape(g.shape)
 
 
+def split_sizes(flat, sizes):
+    """``flat`` cut into ``{name: part}`` by ``sizes`` (``{name: numel}``, in order)."""
+    out, at = {}, 0
+    for name, n in sizes.items():
+        out[name] = flat[at:at + n]
+        at += n
+    return out
+
+
 def to_bf16(g):
     import torch
     return torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).bfloat16().float().numpy()

@@ -280,12 +280,15 @@ def adam_defaults(compression, optimizer_name):
     from .auto.candidates import ADAM_CANDIDATES, for_adam
     if for_adam(compression):
         logger.info("hvd_compress: %s sends gradients: auto chooses among %s (pass "
-                    "compressed_momentum=True to let it compress the momentum)",
+                    "compressed_momentum=True, or compressed_update=True to "
+                    "hvd_compress.torch.DistributedOptimizer, to compress the momentum or "
+                    "the update)",
                     optimizer_name, "|".join(ADAM_CANDIDATES))
     elif compression.name not in ("none", "fp16", "bf16", "auto", "powersgd"):
         logger.warning("hvd_compress: %s with lossy gradient compression (%s) may converge "
-                       "more slowly than dense Adam; see the README's 'Adam and AdamW' for "
-                       "what was measured (powersgd on the gradients, or compressed_momentum)",
+                       "more slowly than dense Adam; hvd_compress.torch.DistributedOptimizer("
+                       "..., compressed_update=True) sends each rank's update instead; see "
+                       "docs/adam-adamw.md for what was measured",
                        optimizer_name, compression.spec)
 
 

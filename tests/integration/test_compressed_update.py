@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from launch import ROOT, horovodrun, load_ranks
-from reference import topk_mask
+from reference import split_sizes, topk_mask
 
 WORKER = ROOT / "tests/workers/compressed_update_worker.py"
 STEPS, DENSITY = 6, 0.3
@@ -27,11 +27,7 @@ def ranks(tmp_path_factory):
 
 
 def split(flat):
-    out, at = {}, 0
-    for name, n in SIZES.items():
-        out[name] = flat[at:at + n]
-        at += n
-    return out
+    return split_sizes(flat, SIZES)
 
 
 def reference_rule(ranks):

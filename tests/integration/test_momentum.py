@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from launch import ROOT, horovodrun, load_ranks, torchrun
-from reference import topk_mask
+from reference import split_sizes, topk_mask
 
 WORKER = ROOT / "tests/workers/momentum_worker.py"
 STEPS, WARMUP, DENSITY = 7, 3, 0.3
@@ -33,11 +33,7 @@ def ranks(request, tmp_path_factory):
 
 
 def split(flat):
-    out, at = {}, 0
-    for name, n in SIZES.items():
-        out[name] = flat[at:at + n]
-        at += n
-    return out
+    return split_sizes(flat, SIZES)
 
 
 def sorted_residual(parts):

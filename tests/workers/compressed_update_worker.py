@@ -19,6 +19,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_compress.torch as hc
+from tiny_mlp import Net, batch, flat
 
 hvd.init()
 RANK = hvd.rank()
@@ -27,26 +28,6 @@ STEPS = 6
 SPEC = "topk:density=0.3"
 OUT = {}
 ADAMW = dict(lr=0.05, betas=(0.9, 0.99), weight_decay=0.1)
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = torch.nn.Linear(6, 16)
-        self.fc2 = torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def batch(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-def flat(tensors):
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors]).numpy()
 
 
 def build(spec=SPEC, saved=None, **kwargs):

@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import torch
 
+from tiny_mlp import Net, batch, flat
+
 HOROVOD = "HOROVOD_RANK" in os.environ
 if HOROVOD:
     import horovod.torch as hvd
@@ -36,26 +38,6 @@ torch.set_num_threads(1)
 STEPS, WARMUP = 7, 3
 SPEC = "topk:density=0.3"
 OUT = {}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = torch.nn.Linear(6, 16)
-        self.fc2 = torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def batch(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-def flat(tensors):
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors]).numpy()
 
 
 def build(spec=SPEC, warmup=WARMUP, saved=None, model=None):
