@@ -33,11 +33,16 @@ What differs from dense training, and what a user sees:
   ``opt.compression.state_dict()``, under the parameters' names, as for gradients.
 - The exchange starts after the local step, so nothing of it overlaps backward.
 - ``synchronize()`` exchanges nothing (gradient clipping acts on the local gradients);
-  ``step()`` always exchanges, also inside ``skip_synchronize()``.
+  ``step()`` always exchanges, also inside ``skip_synchronize()``.  ``step(closure)``
+  evaluates the closure once, before the step (LBFGS is refused).
 - A rank whose gradients hold NaN/Inf skips its local step (its optimizer state stays
-  as it was, a warning says so), sends no update of its own (its residual still goes
-  out, nothing is lost) and takes the others' average: no rank waits, and the
-  parameters stay equal everywhere.
+  as it was, a warning says so) and sends no update of its own, only its residual (so
+  nothing is lost); every rank applies the mean of what the ranks sent: no rank waits,
+  and the parameters stay equal everywhere.  With a GradScaler: ``scaler.unscale_(opt)``,
+  ``opt.step()``, ``scaler.update()`` (``scaler.step`` would skip the exchange on the
+  overflowing rank alone, and the others would wait for it).
+- Only ``op=hvd.Average``; no ``grad_scaler``/``set_loss_scale``; ``$HVD_COMPRESS_MOMENTUM``
+  is ignored.
 
 Imports: torch, ``hvd_compress.log``.
 """
@@ -46,11 +51,13 @@ import torch
 from ..log import logger
 
 
-def check(compressed_update, schedule, grad_scaler, compression):
+def check(compressed_update, schedule, grad_scaler, compression, average=True, optimizer=None):
     """ValueError for what ``compressed_update=True`` cannot be combined with: compressed
     momentum (``schedule`` not None), a ``grad_scaler`` (the update carries no loss
-    scale) and DGC's momentum correction (``momentum=``: it would add momentum to
-    updates).  Returns ``compressed_update`` as a bool."""
+    scale), DGC's momentum correction (``momentum=``: it would add momentum to updates),
+    ``op=hvd.Sum`` (``average`` False: P ranks' updates summed would move the parameters
+    P times as far) and LBFGS (its step calls the closure several times; the rule needs
+    the gradients before the step).  Returns ``compressed_update`` as a bool."""
     if not isinstance(compressed_update, bool):
         raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
     if not compressed_update:
@@ -60,8 +67,16 @@ def check(compressed_update, schedule, grad_scaler, compression):
                          "(compressed_update sends the whole update, momentum included)")
     if grad_scaler is not None:
         raise ValueError("compressed_update=True does not take grad_scaler: the update "
-                         "carries no loss scale; call scaler.unscale_(opt) before "
-                         "opt.step() and pass grad_scaler=None")
+                         "carries no loss scale; with a GradScaler call scaler.unscale_(opt), "
+                         "then opt.step() (not scaler.step(opt), which would skip the "
+                         "exchange on an overflowing rank only), then scaler.update()")
+    if not average:
+        raise ValueError("compressed_update=True needs op=hvd.Average: the ranks' updates "
+                         "are averaged (op=hvd.Sum would move the parameters size() times "
+                         "as far)")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("compressed_update=True does not take LBFGS (its step evaluates "
+                         "the closure several times)")
     dgc = [c for c in compression.compressors() if getattr(c, "momentum", None)]
     if dgc:
         raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
@@ -86,10 +101,14 @@ class LocalUpdates:
         self.loss = None
 
     def local_step(self, step, closure=None):
-        """Run ``step(closure)`` (the wrapped optimizer's) on this rank's gradients unless
-        one holds NaN/Inf; put each parameter's update into its ``.grad`` and the
-        parameter back where the step began.  Returns the gradients to give back."""
-        params = self.params
+        """Run ``step()`` (the wrapped optimizer's) on this rank's gradients unless one
+        holds NaN/Inf (a ``closure`` is evaluated first, once, and its gradients checked);
+        put each parameter's update into its ``.grad`` and the parameter back where the
+        step began.  Returns the gradients to give back."""
+        params, self.loss = self.params, None
+        if closure is not None:           # the gradients the step will use, checked below
+            with torch.enable_grad():
+                self.loss = closure()
         grads = [p.grad for p in params if p.grad is not None]
         finite = not grads or bool(torch.stack([torch.isfinite(
             g.coalesce().values() if g.is_sparse else g).all() for g in grads]).all())
@@ -99,14 +118,14 @@ class LocalUpdates:
             for s, p in zip(self.start, params):
                 s.copy_(p)
         if finite:
-            self.loss = step(closure)
+            loss = step()
+            if closure is None:
+                self.loss = loss
         else:
             self.skipped += 1
             logger.warning("hvd_compress: compressed_update: this rank's gradients hold "
                            "NaN/Inf; its optimizer step is skipped (%d so far) and it "
                            "sends no update of its own this step", self.skipped)
-            with torch.enable_grad():
-                self.loss = closure() if closure is not None else None
         saved = [p.grad for p in params]
         with torch.no_grad():
             for s, p in zip(self.start, params):

@@ -47,7 +47,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self.compression = resolve(compression)
         schedule = MomentumSchedule.build(compressed_momentum)
-        update = check_update(compressed_update, schedule, grad_scaler, self.compression)
+        update = check_update(compressed_update, schedule, grad_scaler, self.compression,
+                              op == hvd.Average, self)
         if schedule is None and not update and isinstance(self, ADAM_FAMILY):
             adam_defaults(self.compression, type(self).__name__)
         check_dgc(self.compression, self, schedule)
@@ -290,6 +291,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tensor; None: no scale), for a loss scaler other than a ``torch.amp.GradScaler``
         passed as ``grad_scaler``.  Call it before ``backward()``; see
         :func:`DistributedOptimizer`, "Mixed precision"."""
+        if self._update is not None and scale is not None:
+            raise ValueError("set_loss_scale: compressed_update=True exchanges updates, "
+                             "which carry no loss scale; unscale the gradients before step()")
         self._units.set_loss_scale(scale)
 
     @property
@@ -299,6 +303,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._units.overflow_steps
 
     def step(self, closure=None):
+        if self._update is not None:         # this rank's step, then its update exchanged
+            saved = self._update.local_step(super(self.__class__, self).step, closure)
+            self._exchange()
+            self._synchronized = False
+            return self._update.apply(saved)
         if self._should_synchronize:
             if self._synchronized and not self._warned:
                 logger.warning("optimizer.step() called without optimizer.skip_synchronize() "
@@ -309,11 +318,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not self._synchronized:
                 self.synchronize()
         self._synchronized = False
-        if self._update is not None:         # this rank's step, then its update exchanged
-            saved = self._update.local_step(super(self.__class__, self).step, closure)
-            self._exchange()
-            self._synchronized = False
-            return self._update.apply(saved)
         dense = self._driver_now() is not self._driver
         self._step_driver = None
         if self._momentum is None:
@@ -426,7 +430,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     mixes residuals of different scales.  Another loss scaler: ``opt.set_loss_scale(s)``
     before each ``backward()`` (or when ``s`` changes) does the same; ``None`` stops.
     """
-    if compressed_momentum is None:
+    if compressed_momentum is None and compressed_update is not True:
         compressed_momentum = momentum_from_env()
     groups = surface.groups_from(num_groups, groups, bucket_mb)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, CompressedOptimizer),

@@ -63,6 +63,8 @@ def test_parameters_agree_and_each_rank_keeps_its_own_optimizer_state(ranks):
         for r in ranks:
             assert np.array_equal(r[f"trace/{t}/exp_avg"], r[f"trace/{t}/ref_exp_avg"])
         assert not np.array_equal(ranks[0][f"trace/{t}/exp_avg"], ranks[1][f"trace/{t}/exp_avg"])
+        for r in ranks:          # after step(), p.grad is this rank's own gradient again
+            assert np.array_equal(r[f"trace/{t}/grad"], r[f"trace/{t}/ref_grad"])
     for t in range(2, STEPS + 1):
         assert not np.array_equal(ranks[0][f"trace/{t}/param"], ranks[0][f"trace/{t-1}/param"])
     # top-k at 30% of the updates: values and indices, well under the dense bytes
@@ -97,6 +99,23 @@ def test_clipping_between_synchronize_and_step_still_exchanges_the_update(ranks)
     assert not np.array_equal(ranks[0]["clip/param"], ranks[0][f"trace/{3}/param"])
 
 
+def test_a_closure_trains_as_the_plain_loop_and_its_nan_skips_one_rank(ranks):
+    for r in ranks:
+        assert np.array_equal(r["closure/param"], r["trace/3/param"])
+        assert np.isfinite(r["closure/loss"]).all()
+        assert np.isfinite(r["closure/poisoned_param"]).all()
+    assert [int(r["closure/skipped"]) for r in ranks] == [0, 1]
+    assert np.array_equal(ranks[0]["closure/poisoned_param"], ranks[1]["closure/poisoned_param"])
+
+
+def test_gradscaler_recipe_with_an_overflow_on_one_rank_does_not_hang(ranks):
+    assert [int(r["scaler/skipped"]) for r in ranks] == [0, 1]
+    assert np.array_equal(ranks[0]["scaler/param"], ranks[1]["scaler/param"])
+    assert np.isfinite(ranks[0]["scaler/param"]).all()
+    # each rank's scaler saw its own overflow: rank 1's scale was halved
+    assert float(ranks[1]["scaler/scale"]) < float(ranks[0]["scaler/scale"])
+
+
 SPECS = ["laplace_topk:density=0.1", "dct:density=0.1", "twobit", "powersgd:rank=2",
          "auto:candidates=none|topk:density=0.1"]
 
@@ -121,11 +140,19 @@ def test_transformers_gpt2_learns_its_batch_at_a_seventh_of_the_bytes(ranks):
     ("momentum", ["compressed_momentum", "one of them"]),
     ("scaler", ["grad_scaler"]),
     ("dgc", ["momentum=0.9", "drop momentum="]),
-    ("value", ["compressed_update", "'yes'"])])
+    ("value", ["compressed_update", "'yes'"]),
+    ("sum", ["op=hvd.Average", "op=hvd.Sum"]),
+    ("lbfgs", ["LBFGS"]),
+    ("loss_scale", ["set_loss_scale", "compressed_update=True"])])
 def test_what_it_cannot_be_combined_with_gets_a_clear_error(ranks, case, words):
     for r in ranks:
         msg = str(r[f"errors/{case}"])
         assert msg and all(w in msg for w in words), msg
+
+
+def test_the_compressed_momentum_environment_variable_does_not_refuse_it(ranks):
+    for r in ranks:
+        assert str(r["errors/environment"]) == ""
 
 
 def test_ranks_that_differ_get_a_clear_error(ranks):

@@ -8,6 +8,7 @@ gradient makes it, parameters and residuals after), ``resume`` (a checkpoint aft
 3, restored into fresh objects), ``nan`` (rank 1's gradient NaN at step 3), ``clip``
 (synchronize, clip, skip_synchronize: the update still goes), ``spec/<compressor>``,
 ``gpt2`` (a transformers model), ``errors`` (what it cannot be combined with),
+``closure`` and ``scaler`` (step(closure), the GradScaler recipe, NaN/Inf on rank 1),
 ``mismatch`` (one rank with compressed updates, one without).
 """
 import io
@@ -78,6 +79,8 @@ def trace():
         OUT[f"trace/{step}/start"] = start
         OUT[f"trace/{step}/update"] = flat(ref.parameters()) - start
         one_step(model, opt, step)
+        OUT[f"trace/{step}/grad"] = flat(p.grad for p in model.parameters())
+        OUT[f"trace/{step}/ref_grad"] = flat(p.grad for p in ref.parameters())
         OUT[f"trace/{step}/param"] = flat(model.parameters())
         OUT[f"trace/{step}/residual"] = residuals(opt)
         OUT[f"trace/{step}/exp_avg"] = flat(opt.state[p]["exp_avg"] for p in model.parameters())
@@ -137,6 +140,45 @@ def clip():
     OUT["clip/sent"] = np.array(opt.stats.as_dict()["total_sent"])
 
 
+def closure_and_scaler():
+    """``step(closure)`` (the closure computes the gradients) trains as the plain loop
+    does; a closure whose gradients are NaN on rank 1 skips rank 1's step only.  The
+    GradScaler recipe (unscale_, step, update) with an overflow on rank 1 does not hang."""
+    model, opt = build()
+
+    def closure_for(step, poison=False):
+        def closure():
+            x, y = batch(step, RANK)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = loss * float("nan") if poison else loss
+            loss.backward()
+            return loss
+        return closure
+
+    losses = [float(opt.step(closure_for(step))) for step in range(1, 4)]
+    OUT["closure/param"] = flat(model.parameters())
+    OUT["closure/loss"] = np.array(losses)
+    opt.step(closure_for(4, poison=RANK == 1))
+    OUT["closure/skipped"] = np.array(opt._update.skipped)
+    OUT["closure/poisoned_param"] = flat(model.parameters())
+    model, opt = build()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(1, 4):
+        x, y = batch(step, RANK)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == 2 and RANK == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        opt.step()
+        scaler.update()
+    OUT["scaler/param"] = flat(model.parameters())
+    OUT["scaler/skipped"] = np.array(opt._update.skipped)
+    OUT["scaler/scale"] = np.array(float(scaler.get_scale()))
+
+
 def each_spec():
     for spec in ("laplace_topk:density=0.1", "dct:density=0.1", "twobit",
                  "powersgd:rank=2", "auto:candidates=none|topk:density=0.1"):
@@ -176,16 +218,24 @@ def errors():
     cases = {"momentum": dict(compressed_momentum=3),
              "scaler": dict(grad_scaler=torch.amp.GradScaler("cpu")),
              "dgc": dict(compression="topk:density=0.1,momentum=0.9"),
-             "value": dict(compressed_update="yes")}
+             "value": dict(compressed_update="yes"), "sum": dict(op=hvd.Sum),
+             "lbfgs": dict(optimizer=torch.optim.LBFGS), "loss_scale": dict(loss_scale=8.0),
+             "environment": dict(environment="3")}
     for name, kwargs in cases.items():
         model = Net()
         kwargs = dict(dict(compression=SPEC, compressed_update=True), **kwargs)
+        make = kwargs.pop("optimizer", torch.optim.AdamW)
+        scale = kwargs.pop("loss_scale", None)
+        os.environ["HVD_COMPRESS_MOMENTUM"] = kwargs.pop("environment", "")
         try:
-            hc.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
-                                    model.named_parameters(), **kwargs)
+            opt = hc.DistributedOptimizer(make(model.parameters()), model.named_parameters(),
+                                          **kwargs)
+            if scale is not None:
+                opt.set_loss_scale(scale)
             OUT[f"errors/{name}"] = np.array("")
         except ValueError as e:
             OUT[f"errors/{name}"] = np.array(str(e))
+    del os.environ["HVD_COMPRESS_MOMENTUM"]
 
 
 def mismatch():
@@ -205,6 +255,7 @@ if __name__ == "__main__":
     resume()
     nan()
     clip()
+    closure_and_scaler()
     each_spec()
     gpt2()
     errors()
