@@ -13,6 +13,8 @@ directions through one bucket, so it is about 2x slower per byte than these.
                                                   # nn.TransformerEncoder, 4.5M parameters
     python benchmarks/step_time.py --specs "none;topk:density=0.01@0;topk:density=0.01"
                                                   # "@0": bucket_mb=0 (tensor by tensor)
+    python benchmarks/step_time.py --specs "none;laplace_topk:density=0.01;cu:laplace_topk:density=0.01"
+                                                  # "cu:": compressed_update=True
     python benchmarks/step_time.py --np 3 --links 1gbit --name step_time_agg \
         --specs "none;topk:density=0.01;topk:density=0.01,agg=leader"   # 3 workers
     python benchmarks/step_time.py --links 1gbit,1gbit-2host --models cnn_mlp_large

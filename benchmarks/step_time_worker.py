@@ -15,6 +15,10 @@ Split of a step (PyTorch glue timers, see hvd_compress.stats):
   decompress   decoding the aggregates
   other        the rest of synchronize() (launching late collectives, copying into .grad)
 
+With ``cu:<spec>`` (``compressed_update=True``, SGD-momentum's local step and its update
+compressed) the exchange runs inside ``step()``: compute is forward + backward + the
+local step and the update's bookkeeping; compress, communicate and decompress as above.
+
 On the harness's hosts (step_time.py ``-2host`` links), ``host_tx`` is the median of the
 bytes each host sent per step through its link to the other hosts (the device's
 counter, headers included), averaged over the hosts.
@@ -120,12 +124,15 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
     model, shape = make_model(model_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     spec, _, mb = spec.partition("@")    # "topk:density=0.01@0": with bucket_mb=0
+    update = spec.startswith("cu:")      # "cu:<spec>": compressed_update=True
+    spec = spec[3:] if update else spec
     if spec == "horovod":        # Horovod's own optimizer, no compression: the baseline
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     else:
         opt = hct.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=build_compression(spec, model),
-                                       bucket_mb=float(mb) if mb else None)
+                                       bucket_mb=float(mb) if mb else None,
+                                       compressed_update=update)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     # auto: the warm-up lasts until its first decision
     auto = getattr(getattr(opt, "_driver", None), "auto", None)
@@ -166,9 +173,13 @@ def measure(model_name, spec, steps, warmup, batch, index=0, phase_dir=None,
             st = opt.stats.as_dict()
         compress, wait, decomp = st["last_compress_s"], st["last_wait_s"], st["last_decompress_s"]
         late = st["last_compress_late_s"]          # compress seconds in synchronize()
-        rows.append(dict(total=t3 - t0, compute=(t1 - t0) - (compress - late) + (t3 - t2),
-                         compress=compress, communicate=wait, decompress=decomp,
-                         other=max(0.0, (t2 - t1) - wait - decomp - late), sent=st["last_sent"],
+        if update:               # the whole exchange runs in step(), after the local step
+            compute, other = (t1 - t0) + (t3 - t2) - compress - wait - decomp, t2 - t1
+        else:
+            compute = (t1 - t0) - (compress - late) + (t3 - t2)
+            other = max(0.0, (t2 - t1) - wait - decomp - late)
+        rows.append(dict(total=t3 - t0, compute=compute, compress=compress, communicate=wait,
+                         decompress=decomp, other=other, sent=st["last_sent"],
                          dense=st["last_dense"]))
         if tx0 is not None:        # the host's link: every worker of the host, both sides
             rows[-1]["host_tx"] = float(slow_link_bytes() - tx0)

@@ -89,22 +89,26 @@ class LocalUpdates:
     """The tensor side of the rule (module docstring) for ``params``.  The glue calls,
     per step::
 
-        saved = updates.local_step(step, closure)   # p.grad <- u_i, p back to p_0
+        saved = updates.local_step(step, closure)   # p.grad <- u_i (p holds p_0 + u_i)
         <exchange every p.grad with the compressor> # p.grad <- U
         updates.apply(saved)                        # p <- p_0 + U; p.grad back to g_i
+
+    Three passes over the parameters besides the wrapped step (copy ``p_0``, subtract,
+    add), into buffers kept between steps.
     """
 
     def __init__(self, params):
         self.params = list(params)
         self.start = None            #: p_0 of each parameter (buffers kept between steps)
+        self.updates = None          #: u_i, then U (buffers kept between steps)
         self.skipped = 0             #: steps this rank skipped for NaN/Inf gradients
         self.loss = None
 
     def local_step(self, step, closure=None):
         """Run ``step()`` (the wrapped optimizer's) on this rank's gradients unless one
         holds NaN/Inf (a ``closure`` is evaluated first, once, and its gradients checked);
-        put each parameter's update into its ``.grad`` and the parameter back where the
-        step began.  Returns the gradients to give back."""
+        put each parameter's update into its ``.grad``.  Returns the gradients to give
+        back."""
         params, self.loss = self.params, None
         if closure is not None:           # the gradients the step will use, checked below
             with torch.enable_grad():
@@ -115,6 +119,7 @@ class LocalUpdates:
         with torch.no_grad():
             if self.start is None:
                 self.start = [torch.empty_like(p) for p in params]
+                self.updates = [torch.empty_like(p) for p in params]
             for s, p in zip(self.start, params):
                 s.copy_(p)
         if finite:
@@ -128,17 +133,16 @@ class LocalUpdates:
                            "sends no update of its own this step", self.skipped)
         saved = [p.grad for p in params]
         with torch.no_grad():
-            for s, p in zip(self.start, params):
-                update = p.detach() - s
-                p.copy_(s)
-                p.grad = update
+            for s, u, p in zip(self.start, self.updates, params):
+                torch.sub(p, s, out=u)
+                p.grad = u
         return saved
 
     def apply(self, saved):
         """``p <- p_0 + U`` (``U`` in ``p.grad`` after the exchange); ``p.grad`` gets this
         rank's gradient back.  Returns the loss of the local step's closure."""
         with torch.no_grad():
-            for p, g in zip(self.params, saved):
-                p.add_(p.grad)
+            for s, p, g in zip(self.start, self.params, saved):
+                torch.add(s, p.grad, out=p)
                 p.grad = g
         return self.loss
