@@ -49,6 +49,8 @@ Imports: torch, ``hvd_compress.log``.
 import torch
 
 from ..log import logger
+from .amp import all_finite
+from .momentum import dgc_compressors
 
 
 def check(compressed_update, schedule, grad_scaler, compression, average=True, optimizer=None):
@@ -77,7 +79,7 @@ def check(compressed_update, schedule, grad_scaler, compression, average=True, o
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("compressed_update=True does not take LBFGS (its step evaluates "
                          "the closure several times)")
-    dgc = [c for c in compression.compressors() if getattr(c, "momentum", None)]
+    dgc = dgc_compressors(compression)
     if dgc:
         raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
                          "SGD's momentum inside the exchange (momentum=); drop momentum= "
@@ -89,7 +91,7 @@ class LocalUpdates:
     """The tensor side of the rule (module docstring) for ``params``.  The glue calls,
     per step::
 
-        saved = updates.local_step(step, closure)   # p.grad <- u_i (p holds p_0 + u_i)
+        saved, loss = updates.local_step(step, closure)   # p.grad <- u_i (p: p_0 + u_i)
         <exchange every p.grad with the compressor> # p.grad <- U
         updates.apply(saved)                        # p <- p_0 + U; p.grad back to g_i
 
@@ -102,20 +104,18 @@ class LocalUpdates:
         self.start = None            #: p_0 of each parameter (buffers kept between steps)
         self.updates = None          #: u_i, then U (buffers kept between steps)
         self.skipped = 0             #: steps this rank skipped for NaN/Inf gradients
-        self.loss = None
 
     def local_step(self, step, closure=None):
         """Run ``step()`` (the wrapped optimizer's) on this rank's gradients unless one
         holds NaN/Inf (a ``closure`` is evaluated first, once, and its gradients checked);
         put each parameter's update into its ``.grad``.  Returns the gradients to give
-        back."""
-        params, self.loss = self.params, None
+        back and the loss (the closure's, else what ``step()`` returned)."""
+        params, loss = self.params, None
         if closure is not None:           # the gradients the step will use, checked below
             with torch.enable_grad():
-                self.loss = closure()
+                loss = closure()
         grads = [p.grad for p in params if p.grad is not None]
-        finite = not grads or bool(torch.stack([torch.isfinite(
-            g.coalesce().values() if g.is_sparse else g).all() for g in grads]).all())
+        finite = all_finite([g.coalesce().values() if g.is_sparse else g for g in grads])
         with torch.no_grad():
             if self.start is None:
                 self.start = [torch.empty_like(p) for p in params]
@@ -123,9 +123,8 @@ class LocalUpdates:
             for s, p in zip(self.start, params):
                 s.copy_(p)
         if finite:
-            loss = step()
-            if closure is None:
-                self.loss = loss
+            stepped = step()
+            loss = stepped if closure is None else loss
         else:
             self.skipped += 1
             logger.warning("hvd_compress: compressed_update: this rank's gradients hold "
@@ -136,13 +135,12 @@ class LocalUpdates:
             for s, u, p in zip(self.start, self.updates, params):
                 torch.sub(p, s, out=u)
                 p.grad = u
-        return saved
+        return saved, loss
 
     def apply(self, saved):
         """``p <- p_0 + U`` (``U`` in ``p.grad`` after the exchange); ``p.grad`` gets this
-        rank's gradient back.  Returns the loss of the local step's closure."""
+        rank's gradient back."""
         with torch.no_grad():
             for s, p, g in zip(self.start, self.params, saved):
                 torch.add(s, p.grad, out=p)
                 p.grad = g
-        return self.loss

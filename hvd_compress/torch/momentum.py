@@ -20,17 +20,24 @@ Imports: torch, ``hvd_compress.strategies.momentum``.
 import torch
 
 from ..strategies.momentum import MomentumGlue, coefficients
+from .amp import all_finite
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def dgc_compressors(compression):
+    """The compressors of ``compression`` (a Policy's, an auto's candidates included) that
+    apply DGC's momentum correction (``momentum=``)."""
+    members = compression.compressors()
+    members = members + [m for c in members for m in getattr(c, "members", [])]
+    return [c for c in members if getattr(c, "momentum", None)]
 
 
 def check_dgc(compression, optimizer, schedule):
     """A sparsifier with DGC's momentum correction (``momentum=``) applies SGD's momentum
     inside the exchange: ValueError when the optimizer has its own momentum too, or with
     compressed momentum (``schedule`` not None)."""
-    members = compression.compressors()
-    members = members + [m for c in members for m in getattr(c, "members", [])]
-    dgc = [c for c in members if getattr(c, "momentum", None)]
+    dgc = dgc_compressors(compression)
     if not dgc:
         return
     spec = dgc[0].spec
@@ -99,7 +106,7 @@ class AdamMomentum(MomentumGlue):
         """The update from the mean momentum in ``p.grad`` (module docstring).  Returns
         False, leaving everything as it was, when the aggregate has NaN/Inf."""
         grads = [p.grad for p in params if p.grad is not None]
-        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        if grads and not all_finite(grads):
             self.skip()
             return False
         step = None

@@ -304,10 +304,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if self._update is not None:         # this rank's step, then its update exchanged
-            saved = self._update.local_step(super(self.__class__, self).step, closure)
+            saved, loss = self._update.local_step(super(self.__class__, self).step, closure)
             self._exchange()
             self._synchronized = False
-            return self._update.apply(saved)
+            self._update.apply(saved)
+            return loss
         if self._should_synchronize:
             if self._synchronized and not self._warned:
                 logger.warning("optimizer.step() called without optimizer.skip_synchronize() "

@@ -20,7 +20,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_compress.torch as hc
-from tiny_mlp import Net, batch, flat
+from tiny_mlp import Net, batch, flat, tiny_gpt2
 
 hvd.init()
 RANK = hvd.rank()
@@ -189,10 +189,7 @@ def each_spec():
 
 
 def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1,
-                                       n_head=2, bos_token_id=0, eos_token_id=0))
+    model = tiny_gpt2()
     opt = hc.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
                                   model.named_parameters(),
                                   compression="laplace_topk:density=0.05",

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-from tiny_mlp import Net, batch, flat
+from tiny_mlp import Net, batch, flat, tiny_gpt2
 
 HOROVOD = "HOROVOD_RANK" in os.environ
 if HOROVOD:
@@ -164,10 +164,7 @@ def each_spec():
 
 
 def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1,
-                                       n_head=2, bos_token_id=0, eos_token_id=0))
+    model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if HOROVOD:
         opt = hc.DistributedOptimizer(opt, model.named_parameters(),

@@ -1,5 +1,6 @@
 """The two-layer MLP, batches and flattening that the PyTorch optimizer workers
-(momentum_worker.py, compressed_update_worker.py) train and record."""
+(momentum_worker.py, compressed_update_worker.py) train and record, and their one-layer
+``transformers`` GPT-2."""
 import torch
 
 
@@ -21,3 +22,11 @@ def batch(step, rank):
 
 def flat(tensors):
     return torch.cat([t.detach().reshape(-1).double() for t in tensors]).numpy()
+
+
+def tiny_gpt2():
+    """A one-layer GPT-2 of 32 wide, vocabulary 64, the same weights on every rank."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1,
+                                      n_head=2, bos_token_id=0, eos_token_id=0))
