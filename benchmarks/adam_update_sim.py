@@ -5,7 +5,7 @@ step, with exact per-tensor top-k and no Horovod, so the arithmetic alone is com
     python benchmarks/adam_update_sim.py                     # ~10 minutes on 2 cores
     python benchmarks/adam_update_sim.py --methods "dense;update@0.01" --steps 100
 
-The model and text are benchmarks/time_to_loss.py's (benchmarks/gpt2_text.py): a small
+The model and text are benchmarks/time_to_loss.py's (examples/gpt2_text.py): a small
 GPT-2, AdamW (weight decay 0.01), batches of 8 x 64 bytes per rank drawn from the same
 seeds as there.  Methods:
 
@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))      # last: benchmarks/select.py is no stdlib
+sys.path.append(str(ROOT / "examples"))        # gpt2_text
 from gpt2_text import corpus, make_model, windows  # noqa: E402
 
 METHODS = "dense;dense@3e-3;grad@0.01;update@1;update@0.01;update@0.001"

@@ -16,6 +16,13 @@ hvd_compress/torch/compressed_update.py).  Every method of a
 link runs in one launch, one after the other on the same processes
 (benchmarks/time_to_loss_worker.py: the text, the batches and the clock).
 
+``--glue ddp`` runs the same through PyTorch DDP instead of Horovod: one launch per
+method of examples/ddp_gpt2.py (the same text, batches, model and clock), by ``torchrun``
+on plain loopback and by an ``env://`` rendezvous at host 0 on two hosts.  There a method
+is ``none`` (DDP's own allreduce), ``torch_powersgd:rank=R`` (PyTorch's
+``powerSGD_hook``), a spec (hvd_compress's hook on the gradients) or ``cu:<spec>``
+(``hvd_compress.ddp.register(..., compressed_update=True)``).
+
 Reported per link: the validation loss at the last step and its ratio to dense
 (``none``); the bytes sent per step after the warm-up and the ratio to dense; the
 *target* = dense's validation loss at ``--target-step``, and the training seconds each
@@ -36,6 +43,7 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +58,71 @@ QUICK = ["none", "laplace_topk:density=0.01", "cm:laplace_topk:density=0.01", "c
 LINKS = {"plain": None, "1gbit-2host": "1gbit", "100mbit-2host": "100mbit"}
 
 
+def ddp_launch(where, hosts):
+    """Launch function of ``--glue ddp``: two workers of ``argv`` (a python command), by
+    torchrun behind ``where`` (an argv prefix) on one machine, or one on each of
+    ``hosts`` (``shaped_link.Hosts``) meeting at host 0 (``env://``, Gloo on the link)."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+
+    def launch(argv, timeout):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if hosts is None:
+            done = subprocess.run(where + [torchrun, "--nproc_per_node", "2", "--standalone"]
+                                  + argv[1:], capture_output=True, text=True, timeout=timeout,
+                                  env=env)
+            return done.returncode, done.stdout, done.stderr
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = []
+            for i in range(2):
+                host_env = dict(env, RANK=str(i), WORLD_SIZE="2", LOCAL_RANK="0",
+                                MASTER_ADDR=hosts.addresses[0], MASTER_PORT="29533",
+                                GLOO_SOCKET_IFNAME=hosts.iface)
+                with open(os.path.join(tmp, f"{i}.out"), "w") as out, \
+                        open(os.path.join(tmp, f"{i}.err"), "w") as err:
+                    procs.append(subprocess.Popen(hosts.prefix(i) + argv, env=host_env,
+                                                  stdout=out, stderr=err))
+            rcs = [p.wait(timeout=timeout) for p in procs]
+            text = [open(os.path.join(tmp, f"{i}.{k}")).read() for i in range(2)
+                    for k in ("out", "err")]
+        return max(rcs, key=abs), text[0], "".join(text[1:])
+    return launch
+
+
+def ddp_row(method, args, launch, link):
+    """One method through examples/ddp_gpt2.py; its JSON as a row of the Horovod worker's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        argv = [sys.executable, str(ROOT / "examples" / "ddp_gpt2.py"), "--steps",
+                str(args.steps), "--eval-every", str(args.eval_every), "--json", out,
+                "--no-progress"]
+        if method.startswith("cu:"):
+            argv += ["--compressed-update", "--compression", method[3:]]
+        elif method == "none" or method.startswith("torch_"):
+            argv += ["--hook", method]
+        else:
+            argv += ["--compression", method]
+        rc, stdout, stderr = launch(argv, args.timeout)
+        for line in stdout.splitlines():
+            if line.startswith(("step ", "done:")):
+                print(f"  [{link}] {method}: {line}", flush=True)
+        if rc != 0 or not os.path.exists(out):
+            raise RuntimeError(f"{method} failed ({rc}) on {link}:\n{stderr[-3000:]}")
+        with open(out) as f:
+            r = json.load(f)
+    return dict(method=method, spec=r["label"], compressed_momentum=False,
+                compressed_update=method.startswith("cu:"), curve=r["curve"],
+                step_s=r["step_s"], warmup_steps=None, total_sent=r["total_sent"],
+                total_dense=r["dense_bytes_per_step"] * len(r["step_s"]),
+                dense_bytes_per_step=r["dense_bytes_per_step"],
+                sent_per_step_after_warmup=None, link=link)
+
+
 def run_link(link, methods, args):
     rate = LINKS[link]
+    if args.glue == "ddp":
+        with (two_hosts(rate, n=2) if rate else shaped_link(None)) as where:
+            launch = ddp_launch(None, where) if rate else ddp_launch(where, None)
+            return [ddp_row(m, args, launch, link) for m in methods]
     setup = two_hosts(rate, n=2) if rate else shaped_link(None)
     with setup as where, tempfile.TemporaryDirectory() as tmp:
         launch = hosts_launch(where) if rate else horovodrun_launch(where, 2)
@@ -149,6 +220,9 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--glue", choices=("horovod", "ddp"), default="horovod",
+                   help="horovodrun with hvd_compress.torch.DistributedOptimizer, or "
+                        "PyTorch DDP with examples/ddp_gpt2.py")
     p.add_argument("--methods", default=None, help="separated by ';' (default: all)")
     p.add_argument("--quick-methods", action="store_true", help=f"only {';'.join(QUICK)}")
     p.add_argument("--steps", type=int, default=500)
@@ -184,7 +258,7 @@ def main():
     import transformers
     info = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
                 transformers=transformers.__version__, cpus=os.cpu_count(), workers=2,
-                threads_per_worker=1, links=links, steps=steps,
+                threads_per_worker=1, glue=args.glue, links=links, steps=steps,
                 steps_100mbit=args.steps_100mbit, warmup=args.warmup,
                 momentum_args=args.momentum_args,
                 target_step=args.target_step, rows=rows)

@@ -29,6 +29,7 @@ import time  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))      # last: benchmarks/select.py is no stdlib
+sys.path.append(str(ROOT / "examples"))        # gpt2_text
 
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402

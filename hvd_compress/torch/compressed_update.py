@@ -44,22 +44,29 @@ What differs from dense training, and what a user sees:
 - Only ``op=hvd.Average``; no ``grad_scaler``/``set_loss_scale``; ``$HVD_COMPRESS_MOMENTUM``
   is ignored.
 
+The Horovod optimizer (:mod:`hvd_compress.torch.optimizer`) calls :class:`LocalUpdates`
+from its ``step()``; the DDP hook (:mod:`hvd_compress.torch.ddp`) sends each bucket's
+local gradient back unchanged and gives the optimizer the step of
+:func:`update_optimizer`.
+
 Imports: torch, ``hvd_compress.log``.
 """
 import torch
 
 from ..log import logger
 from .amp import all_finite
-from .momentum import dgc_compressors
+from .momentum import dgc_compressors, replace_step
 
 
-def check(compressed_update, schedule, grad_scaler, compression, average=True, optimizer=None):
+def check(compressed_update, schedule, grad_scaler, compression, average=True, optimizer=None,
+          ops=("op=hvd.Average", "op=hvd.Sum")):
     """ValueError for what ``compressed_update=True`` cannot be combined with: compressed
     momentum (``schedule`` not None), a ``grad_scaler`` (the update carries no loss
     scale), DGC's momentum correction (``momentum=``: it would add momentum to updates),
-    ``op=hvd.Sum`` (``average`` False: P ranks' updates summed would move the parameters
-    P times as far) and LBFGS (its step calls the closure several times; the rule needs
-    the gradients before the step).  Returns ``compressed_update`` as a bool."""
+    a sum (``average`` False: P ranks' updates summed would move the parameters P times
+    as far; ``ops``: how the glue's caller spells average and sum) and LBFGS (its step
+    calls the closure several times; the rule needs the gradients before the step).
+    Returns ``compressed_update`` as a bool."""
     if not isinstance(compressed_update, bool):
         raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
     if not compressed_update:
@@ -73,8 +80,8 @@ def check(compressed_update, schedule, grad_scaler, compression, average=True, o
                          "then opt.step() (not scaler.step(opt), which would skip the "
                          "exchange on an overflowing rank only), then scaler.update()")
     if not average:
-        raise ValueError("compressed_update=True needs op=hvd.Average: the ranks' updates "
-                         "are averaged (op=hvd.Sum would move the parameters size() times "
+        raise ValueError(f"compressed_update=True needs {ops[0]}: the ranks' updates are "
+                         f"averaged ({ops[1]} would move the parameters world-size times "
                          "as far)")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("compressed_update=True does not take LBFGS (its step evaluates "
@@ -144,3 +151,36 @@ class LocalUpdates:
             for s, p, g in zip(self.start, self.params, saved):
                 torch.add(s, p.grad, out=p)
                 p.grad = g
+
+    def undo(self, saved):
+        """After a failed exchange: ``p <- p_0`` (the parameters stay the same on every
+        rank; this rank's optimizer state keeps its step); ``p.grad`` gets this rank's
+        gradient back."""
+        with torch.no_grad():
+            for s, p, g in zip(self.start, self.params, saved):
+                p.copy_(s)
+                p.grad = g
+
+
+def update_optimizer(optimizer, exchange):
+    """For the DDP hook: from now on ``optimizer.step(closure=None)`` is this rank's own
+    step, then ``exchange(params)`` (every ``p.grad``, holding ``u_i``, replaced by the
+    ranks' mean ``U``), then ``p <- p_0 + U`` (the optimizer object is kept; its class
+    becomes a subclass of its own, :func:`~hvd_compress.torch.momentum.replace_step`).
+    Returns the :class:`LocalUpdates` (its ``skipped`` counts NaN/Inf steps)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    updates = LocalUpdates(params)
+    base = type(optimizer)
+
+    def step(self, closure=None):
+        saved, loss = updates.local_step(lambda: base.step(self), closure)
+        try:
+            exchange(params)
+        except BaseException:
+            updates.undo(saved)
+            raise
+        updates.apply(saved)
+        return loss
+
+    replace_step(optimizer, step)
+    return updates

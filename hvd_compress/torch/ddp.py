@@ -93,7 +93,8 @@ from ..exchange import Driver, find_auto, finish_all
 from ..spec import resolve
 from ..stats import Stats
 from ..strategies.momentum import MomentumSchedule, adam_defaults
-from .ddp_bucket import TorchDistributed, _Bucket
+from .compressed_update import check as check_update, update_optimizer
+from .ddp_bucket import TorchDistributed, UpdateBucket, _Bucket
 from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer
 
 OPS = ("average", "sum")
@@ -115,7 +116,7 @@ class CompressionState:
     """
 
     def __init__(self, ddp_model=None, compression=None, process_group=None, op="average",
-                 optimizer=None, compressed_momentum=None):
+                 optimizer=None, compressed_momentum=None, compressed_update=False):
         if op not in OPS:
             raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
         if ddp_model is not None and not isinstance(ddp_model, torch.nn.Module):
@@ -128,7 +129,13 @@ class CompressionState:
                              "hierarchical exchange) is for Horovod's optimizers, which know "
                              "each worker's host; the DDP hook exchanges flat: drop 'hier:'")
         schedule = MomentumSchedule.build(compressed_momentum)
-        if schedule is None and isinstance(optimizer, ADAM_FAMILY):
+        compressed_update = check_update(compressed_update, schedule, None, self.compression,
+                                         op == "average", optimizer,
+                                         ("op='average'", "op='sum'"))
+        if compressed_update and optimizer is None:
+            raise ValueError("compressed_update=True needs optimizer= (the optimizer that "
+                             "steps ddp_model's parameters: its step() exchanges the update)")
+        if schedule is None and not compressed_update and isinstance(optimizer, ADAM_FAMILY):
             adam_defaults(self.compression, type(optimizer).__name__)
         if optimizer is not None:
             check_dgc(self.compression, optimizer, schedule)
@@ -158,6 +165,12 @@ class CompressionState:
                                                lambda: dist.get_rank(self.process_group))
             self.dense_driver = Driver(self.transport, self.stats, average=False)
             self.dense = self.momentum.warmup_compressor
+        #: compressed updates (:mod:`hvd_compress.torch.compressed_update`): the
+        #: :class:`~hvd_compress.torch.compressed_update.LocalUpdates` of ``optimizer``,
+        #: whose ``step()`` exchanges the update; the hook sends nothing (else None)
+        self.update = None
+        if compressed_update:
+            self.update = update_optimizer(optimizer, self.exchange_updates)
         if ddp_model is not None:
             self.bind(ddp_model)
 
@@ -188,6 +201,8 @@ class CompressionState:
                        ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named))
         if self.momentum is not None:
             description += f" | {self.momentum.spec}"
+        if self.update is not None:
+            description += " | compressed_update"
         if self.names is not None:
             if description != self.description:
                 raise ValueError("bind: model has other parameters (names, shapes or dtypes) "
@@ -203,6 +218,22 @@ class CompressionState:
             self._restore_auto(self._restored_auto)
             self._restored_auto = None
         return self
+
+    def exchange_updates(self, params):
+        """Compressed updates: every ``p.grad`` of ``params`` (this rank's update) becomes
+        the ranks' mean, exchanged as the hook exchanges gradients, in one bucket per
+        device and dtype (the optimizer's ``step()`` calls this)."""
+        groups = {}
+        for p in params:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        pending = [UpdateBucket(i, ps, i == len(groups) - 1)
+                   for i, ps in enumerate(groups.values())]
+        futures = [compression_hook(self, b) for b in pending]
+        for b, future in zip(pending, futures):
+            mean = future.value()
+            for p, u in zip(b.parameters(), torch.split(mean, [p.numel() for p in
+                                                               b.parameters()])):
+                p.grad = u.view(p.shape)
 
     def step_driver(self):
         """This step's driver: the dense one in compressed momentum's dense steps."""
@@ -308,6 +339,10 @@ def compression_hook(state, bucket):
     collective further; the step's last bucket finishes every bucket and closes the
     step (module docstring)."""
     device = bucket.buffer().device
+    if state.update is not None and not isinstance(bucket, UpdateBucket):
+        future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+        future.set_result(bucket.buffer())      # the local gradient: the step sends updates
+        return future
     if state.names is None:
         state.bind(find_ddp_model(state, bucket))
     state.transport.device = device
@@ -356,7 +391,7 @@ def find_ddp_model(state, bucket):
 
 
 def register(ddp_model, compression=None, process_group=None, op="average", optimizer=None,
-             compressed_momentum=None, grad_scaler=None):
+             compressed_momentum=None, grad_scaler=None, compressed_update=False):
     """Register :func:`compression_hook` on ``ddp_model`` (a DistributedDataParallel)
     and return its :class:`CompressionState`.
 
@@ -373,7 +408,20 @@ def register(ddp_model, compression=None, process_group=None, op="average", opti
     ``grad_scaler`` (a ``torch.amp.GradScaler``): mixed precision, exactly
     :func:`hvd_compress.torch.amp.register_ddp` (error feedback in unscaled units,
     overflow steps undone; the state's ``amp`` counts them).
+
+    ``compressed_update=True`` with ``optimizer`` (any ``torch.optim`` optimizer; measured
+    with AdamW): the hook gives DDP each rank's own gradients back, and the optimizer's
+    ``step()`` runs this rank's step, then exchanges the update ``p - p_0`` with
+    ``compression`` and error feedback, and applies the ranks' mean
+    (:mod:`hvd_compress.torch.compressed_update`: formula, paper, what changes; its class
+    becomes a subclass of its own).  Not with ``grad_scaler`` (call
+    ``scaler.unscale_(opt)``, ``opt.step()``, ``scaler.update()``) nor
+    ``compressed_momentum``.
     """
+    if grad_scaler is not None and compressed_update is True:
+        raise ValueError("compressed_update=True does not take grad_scaler: the update "
+                         "carries no loss scale; call scaler.unscale_(optimizer), then "
+                         "optimizer.step(), then scaler.update()")
     if grad_scaler is not None:
         from .amp import register_ddp
         return register_ddp(ddp_model, grad_scaler, compression, process_group, op,
@@ -382,6 +430,6 @@ def register(ddp_model, compression=None, process_group=None, op="average", opti
         raise ValueError("ddp_model must be a torch.nn.parallel.DistributedDataParallel "
                          f"(register_comm_hook), got {type(ddp_model).__name__}")
     state = CompressionState(ddp_model, compression, process_group, op, optimizer,
-                             compressed_momentum)
+                             compressed_momentum, compressed_update)
     ddp_model.register_comm_hook(state, compression_hook)
     return state

@@ -187,3 +187,31 @@ class _Bucket:
             out = out.div_(dist.get_world_size(self.state.process_group))
         self.done = True
         self.future.set_result(out)
+
+
+class UpdateBucket:
+    """Compressed updates (``compressed_update=True``): the updates in ``p.grad`` of
+    ``params`` (one device and dtype) end to end, read as :class:`_Bucket` reads DDP's
+    ``GradBucket`` (``buffer``, ``gradients``, ``parameters``, ``index``, ``is_last``), so
+    the optimizer's step exchanges them through the hook's own path."""
+
+    def __init__(self, index, params, last):
+        self._index, self._params, self._last = index, list(params), last
+        self._buffer = torch.cat([p.grad.reshape(-1) for p in self._params])
+        self._grads = list(torch.split(self._buffer, [p.numel() for p in self._params]))
+        self._grads = [g.view(p.shape) for g, p in zip(self._grads, self._params)]
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return self._grads
+
+    def parameters(self):
+        return self._params
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last

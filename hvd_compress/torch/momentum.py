@@ -175,6 +175,15 @@ def momentum_optimizer(optimizer, owner, schedule, rank=lambda: 0):
         momentum.apply(params)
         return loss
 
+    replace_step(optimizer, step)
+    return momentum
+
+
+def replace_step(optimizer, step):
+    """From now on ``optimizer.step()`` is ``step(optimizer, closure=None)``: its class
+    becomes a subclass of its own, made on the fly (as Horovod's DistributedOptimizer
+    does), so whoever holds the object keeps working.  ``type(optimizer).__mro__[1]`` is
+    the class it had."""
+    base = type(optimizer)
     optimizer.__class__ = type(base.__name__, (base,), {"step": step,
                                                         "__module__": base.__module__})
-    return momentum

@@ -305,7 +305,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._update is not None:         # this rank's step, then its update exchanged
             saved, loss = self._update.local_step(super(self.__class__, self).step, closure)
-            self._exchange()
+            try:
+                self._exchange()
+            except BaseException:
+                self._update.undo(saved)
+                raise
             self._synchronized = False
             self._update.apply(saved)
             return loss

@@ -1,6 +1,8 @@
-"""Compressed updates (``compressed_update=True``) through real ``horovodrun -np 2
---gloo`` (hvd_compress.torch.DistributedOptimizer): one launch of
-tests/workers/compressed_update_worker.py.
+"""Compressed updates (``compressed_update=True``) through real jobs: one ``horovodrun -np
+2 --gloo`` launch of tests/workers/compressed_update_worker.py (the Horovod optimizer)
+and one ``torchrun --nproc_per_node 2`` launch of tests/workers/ddp_update_worker.py
+(the DDP hook, no Horovod).  Both run the scenarios of tests/workers/update_scenarios.py
+(the tests taking ``ranks`` run for each); the others are one glue's own.
 
 Each step is checked against a numpy reference of the rule written here
 (:func:`reference_rule`) from the update a plain ``torch.optim.AdamW`` makes of each
@@ -9,21 +11,44 @@ rank's own gradient (recorded by the worker).
 import numpy as np
 import pytest
 
-from launch import ROOT, horovodrun, load_ranks
+from launch import ROOT, horovodrun, load_ranks, torchrun
 from reference import split_sizes, topk_mask
 
-WORKER = ROOT / "tests/workers/compressed_update_worker.py"
+WORKERS = {"horovodrun": ROOT / "tests/workers/compressed_update_worker.py",
+           "torchrun": ROOT / "tests/workers/ddp_update_worker.py"}
 STEPS, DENSITY = 6, 0.3
 #: the MLP's tensors in parameter order, and their sizes
 SIZES = {"fc1.weight": 96, "fc1.bias": 16, "fc2.weight": 48, "fc2.bias": 3}
+_JOBS = {}
+
+
+def job(tmp_path_factory, launcher):
+    """Each glue's job, launched once for the session."""
+    if launcher not in _JOBS:
+        out = tmp_path_factory.mktemp(f"compressed_update_{launcher}")
+        if launcher == "horovodrun":
+            rc, log = horovodrun([WORKERS[launcher]], out)
+        else:
+            rc, log = torchrun([WORKERS[launcher]], out, timeout=300)
+        assert rc == 0, log[-3000:]
+        _JOBS[launcher] = load_ranks(out, "update" if launcher == "horovodrun" else "ddp_update")
+    return _JOBS[launcher]
+
+
+@pytest.fixture(scope="module", params=["horovodrun", "torchrun"])
+def ranks(request, tmp_path_factory):
+    """Both glues' ranks: the tests of the shared scenarios run for each."""
+    return job(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compressed_update")
-    rc, log = horovodrun([WORKER], out)
-    assert rc == 0, log[-3000:]
-    return load_ranks(out, "update")
+def hvd_ranks(tmp_path_factory):
+    return job(tmp_path_factory, "horovodrun")
+
+
+@pytest.fixture(scope="module")
+def ddp_ranks(tmp_path_factory):
+    return job(tmp_path_factory, "torchrun")
 
 
 def split(flat):
@@ -93,7 +118,8 @@ def test_a_rank_with_nan_gradients_skips_its_step_and_loses_nothing(ranks):
     assert not np.array_equal(r0["nan/param"], r0["nan/start"])
 
 
-def test_clipping_between_synchronize_and_step_still_exchanges_the_update(ranks):
+def test_clipping_between_synchronize_and_step_still_exchanges_the_update(hvd_ranks):
+    ranks = hvd_ranks
     assert np.array_equal(ranks[0]["clip/param"], ranks[1]["clip/param"])
     assert int(ranks[0]["clip/sent"]) > 0
     assert not np.array_equal(ranks[0]["clip/param"], ranks[0][f"trace/{3}/param"])
@@ -136,22 +162,34 @@ def test_transformers_gpt2_learns_its_batch_at_a_seventh_of_the_bytes(ranks):
     assert all(0 < s < 0.15 * dense for s in sent), (sent, dense)
 
 
-@pytest.mark.parametrize("case,words", [
-    ("momentum", ["compressed_momentum", "one of them"]),
-    ("scaler", ["grad_scaler"]),
-    ("dgc", ["momentum=0.9", "drop momentum="]),
-    ("value", ["compressed_update", "'yes'"]),
-    ("sum", ["op=hvd.Average", "op=hvd.Sum"]),
-    ("lbfgs", ["LBFGS"]),
-    ("loss_scale", ["set_loss_scale", "compressed_update=True"])])
-def test_what_it_cannot_be_combined_with_gets_a_clear_error(ranks, case, words):
-    for r in ranks:
+ERRORS = {"momentum": ["compressed_momentum", "one of them"],
+          "scaler": ["grad_scaler"],
+          "dgc": ["momentum=0.9", "drop momentum="],
+          "value": ["compressed_update", "'yes'"],
+          "lbfgs": ["LBFGS"]}
+HVD_ERRORS = dict(ERRORS, sum=["op=hvd.Average", "op=hvd.Sum"],
+                  loss_scale=["set_loss_scale", "compressed_update=True"])
+DDP_ERRORS = dict(ERRORS, sum=["op='average'", "op='sum'"],
+                  no_optimizer=["compressed_update=True", "optimizer="],
+                  scaler=["grad_scaler", "scaler.unscale_(optimizer)"])
+
+
+@pytest.mark.parametrize("case", HVD_ERRORS)
+def test_what_it_cannot_be_combined_with_gets_a_clear_error(hvd_ranks, case):
+    for r in hvd_ranks:
         msg = str(r[f"errors/{case}"])
-        assert msg and all(w in msg for w in words), msg
+        assert msg and all(w in msg for w in HVD_ERRORS[case]), msg
 
 
-def test_the_compressed_momentum_environment_variable_does_not_refuse_it(ranks):
-    for r in ranks:
+@pytest.mark.parametrize("case", DDP_ERRORS)
+def test_ddp_hook_what_it_cannot_be_combined_with_gets_a_clear_error(ddp_ranks, case):
+    for r in ddp_ranks:
+        msg = str(r[f"errors/{case}"])
+        assert msg and all(w in msg for w in DDP_ERRORS[case]), msg
+
+
+def test_the_compressed_momentum_environment_variable_does_not_refuse_it(hvd_ranks):
+    for r in hvd_ranks:
         assert str(r["errors/environment"]) == ""
 
 
@@ -159,3 +197,11 @@ def test_ranks_that_differ_get_a_clear_error(ranks):
     for r in ranks:
         msg = str(r["mismatch/error"])
         assert "configured differently" in msg and "compressed_update" in msg, msg
+
+
+def test_ddp_hook_trains_as_the_horovod_optimizer(hvd_ranks, ddp_ranks):
+    """The same rule through two glues: the same parameters and residuals every step."""
+    for t in range(1, STEPS + 1):
+        for key in ("param", "residual"):
+            np.testing.assert_allclose(ddp_ranks[0][f"trace/{t}/{key}"],
+                                       hvd_ranks[0][f"trace/{t}/{key}"], rtol=1e-6, atol=1e-7)

@@ -1,6 +1,8 @@
-"""The text and the model of benchmarks/time_to_loss.py and benchmarks/adam_update_sim.py:
-Python's reference documentation as bytes (``pydoc_data.topics``, in every CPython) and a
-small GPT-2 (Hugging Face ``transformers``, random init, byte vocabulary)."""
+"""The text and the model of examples/ddp_gpt2.py, benchmarks/time_to_loss.py and
+benchmarks/adam_update_sim.py: Python's reference documentation as bytes
+(``pydoc_data.topics``, what ``help()`` prints, in every CPython: 465 KB of English prose
+and code examples, so nothing is downloaded) and a small GPT-2 (Hugging Face
+``transformers``, random init, byte vocabulary)."""
 import torch
 
 
