@@ -14,7 +14,8 @@ seeds as there.  Methods:
   AdamW on the mean of what was sent;
 - ``update@d``: each rank's own AdamW step from the shared parameters, its update
   through top-k at density ``d`` with error feedback, the mean of what was sent applied
-  (``d = 1``: the updates averaged uncompressed).
+  (``d = 1``: the updates averaged uncompressed);
+- ``grad@d~n``, ``update@d~n``: the same, tensors of fewer than ``n`` values sent whole.
 
 Prints validation loss every ``--eval-every`` steps and a table; writes
 benchmarks/results/adam_update_sim_<date>.json and .png (loss against step).
@@ -41,13 +42,13 @@ from gpt2_text import corpus, make_model, windows  # noqa: E402
 METHODS = "dense;dense@3e-3;grad@0.01;update@1;update@0.01;update@0.001"
 
 
-def topk_ef(x, e, density):
+def topk_ef(x, e, density, whole_below=0):
     """(sent, new residual) of ``x + e`` through exact top-k of |.|, ``k = ceil(density n)``
     as the library's ``topk`` (``int()`` instead sends a 256-value LayerNorm 2 values
     a step, not 3: with updates at 1% that alone left the loss at step 100 at 2.93, not
     2.44)."""
     c = (x + e).reshape(-1)
-    if density >= 1:
+    if density >= 1 or c.numel() < whole_below:
         return c.view_as(x), torch.zeros_like(x)
     idx = c.abs().topk(max(1, math.ceil(density * c.numel()))).indices
     s = torch.zeros_like(c)
@@ -57,6 +58,8 @@ def topk_ef(x, e, density):
 
 def run(method, args, train, val_batch):
     kind, _, value = method.partition("@")
+    value, _, whole = value.partition("~")
+    whole = int(whole or 0)
     lr = float(value) if kind == "dense" and value else args.lr
     density = float(value) if kind != "dense" else 1.0
     models = [make_model(args) for _ in range(args.ranks)]
@@ -86,7 +89,8 @@ def run(method, args, train, val_batch):
                 for i in range(len(params[0])):
                     mean = 0
                     for r in range(len(models)):
-                        sent, errors[r][i] = topk_ef(grads[r][i], errors[r][i], density)
+                        sent, errors[r][i] = topk_ef(grads[r][i], errors[r][i], density,
+                                                     whole)
                         mean = mean + sent / len(models)
                     for r in range(len(models)):
                         params[r][i].grad = mean.clone()
@@ -99,7 +103,8 @@ def run(method, args, train, val_batch):
                 for i, p0 in enumerate(start):
                     mean = 0
                     for r in range(len(models)):
-                        sent, errors[r][i] = topk_ef(params[r][i] - p0, errors[r][i], density)
+                        sent, errors[r][i] = topk_ef(params[r][i] - p0, errors[r][i],
+                                                     density, whole)
                         mean = mean + sent / len(models)
                     for r in range(len(models)):
                         params[r][i].copy_(p0 + mean)
@@ -107,7 +112,10 @@ def run(method, args, train, val_batch):
             curve.append((step, validate()))
             print(f"{method}: step {step} val loss {curve[-1][1]:.4f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    return dict(method=method, kind=kind, lr=lr, density=density, curve=curve)
+    sizes = [p.numel() for p in params[0]]
+    sent = sum(n if (density >= 1 or n < whole) else math.ceil(density * n) for n in sizes)
+    return dict(method=method, kind=kind, lr=lr, density=density, whole_below=whole,
+                values_sent_per_rank_step=sent, values=sum(sizes), curve=curve)
 
 
 def main():
@@ -134,9 +142,12 @@ def main():
                         args.seq)
     rows = [run(m, args, train, val_batch) for m in args.methods.split(";") if m]
     dense = rows[0]["curve"][-1][1]
-    print(f"\n| method | val loss at step {args.steps} | x first row |\n|---|---|---|")
+    print(f"\n| method | val loss at step {args.steps} | x first row | values sent per rank "
+          "and step (x fewer) |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['curve'][-1][1]:.4f} | {r['curve'][-1][1] / dense:.3f} |")
+        n, sent = r["values"], r["values_sent_per_rank_step"]
+        print(f"| {r['method']} | {r['curve'][-1][1]:.4f} | {r['curve'][-1][1] / dense:.3f} | "
+              f"{sent:,} ({n / sent:.1f}x) |")
     date = datetime.date.today().isoformat()
     stem = os.path.join(args.out, f"{args.name}_{date}")
     os.makedirs(args.out, exist_ok=True)

@@ -281,14 +281,14 @@ def adam_defaults(compression, optimizer_name):
     if for_adam(compression):
         logger.info("hvd_compress: %s sends gradients: auto chooses among %s (pass "
                     "compressed_momentum=True, or compressed_update=True to "
-                    "hvd_compress.torch.DistributedOptimizer, to compress the momentum or "
-                    "the update)",
+                    "hvd_compress.torch.DistributedOptimizer or hvd_compress.ddp.register, "
+                    "to compress the momentum or the update)",
                     optimizer_name, "|".join(ADAM_CANDIDATES))
     elif compression.name not in ("none", "fp16", "bf16", "auto", "powersgd"):
         logger.warning("hvd_compress: %s with lossy gradient compression (%s) may converge "
-                       "more slowly than dense Adam; hvd_compress.torch.DistributedOptimizer("
-                       "..., compressed_update=True) sends each rank's update instead; see "
-                       "docs/adam-adamw.md for what was measured",
+                       "more slowly than dense Adam; compressed_update=True (hvd_compress.torch."
+                       "DistributedOptimizer, hvd_compress.ddp.register) sends each rank's "
+                       "update instead; see docs/adam-adamw.md for what was measured",
                        optimizer_name, compression.spec)
 
 

@@ -49,7 +49,7 @@ from its ``step()``; the DDP hook (:mod:`hvd_compress.torch.ddp`) sends each buc
 local gradient back unchanged and gives the optimizer the step of
 :func:`update_optimizer`.
 
-Imports: torch, ``hvd_compress.log``.
+Imports: torch, ``hvd_compress.log``, ``hvd_compress.torch.amp`` and ``.momentum``.
 """
 import torch
 
@@ -95,11 +95,11 @@ def check(compressed_update, schedule, grad_scaler, compression, average=True, o
 
 
 class LocalUpdates:
-    """The tensor side of the rule (module docstring) for ``params``.  The glue calls,
-    per step::
+    """The tensor side of the rule (module docstring) for ``params``.  The glue calls
+    ``updates.run(step, closure, exchange)`` each step, which is::
 
         saved, loss = updates.local_step(step, closure)   # p.grad <- u_i (p: p_0 + u_i)
-        <exchange every p.grad with the compressor> # p.grad <- U
+        exchange()                                  # p.grad <- U (every p.grad, compressed)
         updates.apply(saved)                        # p <- p_0 + U; p.grad back to g_i
 
     Three passes over the parameters besides the wrapped step (copy ``p_0``, subtract,
@@ -111,6 +111,21 @@ class LocalUpdates:
         self.start = None            #: p_0 of each parameter (buffers kept between steps)
         self.updates = None          #: u_i, then U (buffers kept between steps)
         self.skipped = 0             #: steps this rank skipped for NaN/Inf gradients
+
+    def run(self, step, closure, exchange, cleanup=None):
+        """One step of the rule (class docstring); returns the loss.  When ``exchange``
+        raises, ``p`` goes back to ``p_0`` on this rank (:meth:`undo`; every rank's
+        exchange raises alike), ``cleanup()`` runs, and the error goes on."""
+        saved, loss = self.local_step(step, closure)
+        try:
+            exchange()
+        except BaseException:
+            self.undo(saved)
+            if cleanup is not None:
+                cleanup()
+            raise
+        self.apply(saved)
+        return loss
 
     def local_step(self, step, closure=None):
         """Run ``step()`` (the wrapped optimizer's) on this rank's gradients unless one
@@ -168,19 +183,22 @@ def update_optimizer(optimizer, exchange):
     ranks' mean ``U``), then ``p <- p_0 + U`` (the optimizer object is kept; its class
     becomes a subclass of its own, :func:`~hvd_compress.torch.momentum.replace_step`).
     Returns the :class:`LocalUpdates` (its ``skipped`` counts NaN/Inf steps)."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    params = trainable(optimizer)
     updates = LocalUpdates(params)
     base = type(optimizer)
 
     def step(self, closure=None):
-        saved, loss = updates.local_step(lambda: base.step(self), closure)
-        try:
-            exchange(params)
-        except BaseException:
-            updates.undo(saved)
-            raise
-        updates.apply(saved)
-        return loss
+        if len(trainable(self)) != len(params):
+            raise ValueError("compressed_update=True: the optimizer's parameters changed "
+                             f"since it was registered ({len(params)} then, "
+                             f"{len(trainable(self))} now: add_param_group?); give the hook "
+                             "an optimizer that holds every parameter from the start")
+        return updates.run(lambda: base.step(self), closure, lambda: exchange(params))
 
     replace_step(optimizer, step)
     return updates
+
+
+def trainable(optimizer):
+    """The parameters ``optimizer`` steps that require a gradient, in its order."""
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]

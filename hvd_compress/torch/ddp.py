@@ -20,7 +20,7 @@ A state made without the model (``CompressionState(compression=...)``, for frame
 that wrap the model and register the hook themselves: PyTorch Lightning's
 ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``, :mod:`hvd_compress.lightning`)
 is bound to it at the hook's first bucket (:meth:`CompressionState.bind`,
-:func:`find_ddp_model`), before anything is compressed.
+:func:`~hvd_compress.torch.ddp_bucket.find_ddp_model`), before anything is compressed.
 
 Per bucket:
 
@@ -77,11 +77,17 @@ every bucket is finished, closes auto's step (``end_step``): its decision broadc
 float64 ``dist.broadcast`` from the group's rank 0, on the bucket's device) starts from
 the hook thread, in the same place on every rank.
 
+**Compressed updates** (``compressed_update=True`` with ``optimizer``;
+:mod:`hvd_compress.torch.compressed_update`): the hook returns each DDP bucket's local
+gradient unchanged (no collective), and the optimizer's ``step()`` runs this rank's own
+step, then :meth:`CompressionState.exchange_updates` sends the updates through this same
+hook (one :class:`~hvd_compress.torch.ddp_bucket.UpdateBucket` per device and dtype,
+the last one closing the step), then applies the ranks' mean.
+
 Works on the Gloo backend (CPU) and NCCL (GPU): everything stays on the bucket's
 device except the payload byte lengths and the configuration digest, which the host
 needs to cut the gathered bytes.
 """
-import gc
 import hashlib
 
 import torch
@@ -94,8 +100,8 @@ from ..spec import resolve
 from ..stats import Stats
 from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .compressed_update import check as check_update, update_optimizer
-from .ddp_bucket import TorchDistributed, UpdateBucket, _Bucket
-from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer
+from .ddp_bucket import TorchDistributed, UpdateBucket, _Bucket, find_ddp_model
+from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer, restore_step
 
 OPS = ("average", "sum")
 
@@ -112,7 +118,9 @@ class CompressionState:
     model: ``CompressionState(compression="topk:density=0.01")``.  Such a state is
     *bound* to the model (:meth:`bind`) when the hook sees its first bucket: the DDP
     model that registered it is found then, and the parameter names are its
-    ``module.named_parameters()`` names, as with :func:`register`.
+    ``module.named_parameters()`` names, as with :func:`register`.  With
+    ``compressed_update=True`` and ``optimizer``, :attr:`update` is the optimizer's
+    :class:`~hvd_compress.torch.compressed_update.LocalUpdates` (:func:`register`).
     """
 
     def __init__(self, ddp_model=None, compression=None, process_group=None, op="average",
@@ -169,10 +177,12 @@ class CompressionState:
         #: :class:`~hvd_compress.torch.compressed_update.LocalUpdates` of ``optimizer``,
         #: whose ``step()`` exchanges the update; the hook sends nothing (else None)
         self.update = None
-        if compressed_update:
-            self.update = update_optimizer(optimizer, self.exchange_updates)
+        self.compressed_update = compressed_update
+        self._update_order = None    # compressed updates: id(p) -> place in the module
         if ddp_model is not None:
             self.bind(ddp_model)
+        if compressed_update:        # last: nothing above can fail after the swap
+            self.update = update_optimizer(optimizer, self.exchange_updates)
 
     @property
     def bound(self):
@@ -201,7 +211,7 @@ class CompressionState:
                        ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named))
         if self.momentum is not None:
             description += f" | {self.momentum.spec}"
-        if self.update is not None:
+        if self.compressed_update:
             description += " | compressed_update"
         if self.names is not None:
             if description != self.description:
@@ -222,15 +232,33 @@ class CompressionState:
     def exchange_updates(self, params):
         """Compressed updates: every ``p.grad`` of ``params`` (this rank's update) becomes
         the ranks' mean, exchanged as the hook exchanges gradients, in one bucket per
-        device and dtype (the optimizer's ``step()`` calls this)."""
+        device and dtype, in the module's order (the optimizer's may differ between ranks;
+        the optimizer's ``step()`` calls this).  ValueError, at the first step, unless the
+        optimizer steps exactly the DDP model's trainable parameters."""
+        if not self.bound:
+            raise ValueError("compressed_update=True: optimizer.step() before the DDP "
+                             "model's first backward")
+        if self._update_order is None:
+            self._update_order = {i: at for at, i in enumerate(self.names)}
+            mine = {id(p) for p in params}
+            missing = [n for i, n in self.names.items() if i not in mine]
+            foreign = len(mine - set(self.names))
+            if missing or foreign:
+                raise ValueError(
+                    "compressed_update=True: the optimizer must step every trainable "
+                    "parameter of the DDP model and nothing else (one optimizer: each rank "
+                    "steps it before the update is exchanged); "
+                    f"{len(missing)} of the model's are not in it ({', '.join(missing[:5])}"
+                    f"{' ...' if len(missing) > 5 else ''}), {foreign} of its are not the "
+                    "model's")
         groups = {}
-        for p in params:
+        for p in sorted(params, key=lambda p: self._update_order[id(p)]):
             groups.setdefault((p.device, p.dtype), []).append(p)
         pending = [UpdateBucket(i, ps, i == len(groups) - 1)
                    for i, ps in enumerate(groups.values())]
         futures = [compression_hook(self, b) for b in pending]
         for b, future in zip(pending, futures):
-            mean = future.value()
+            mean = future.wait()
             for p, u in zip(b.parameters(), torch.split(mean, [p.numel() for p in
                                                                b.parameters()])):
                 p.grad = u.view(p.shape)
@@ -337,17 +365,18 @@ def compression_hook(state, bucket):
     collectives, and return a Future of its aggregated flat gradient (sum or average over
     the ranks, in the buffer's dtype).  Earlier buckets of the step are moved one
     collective further; the step's last bucket finishes every bucket and closes the
-    step (module docstring)."""
+    step (module docstring).  With compressed updates a DDP bucket is handed back as it
+    is (this rank's gradient); the optimizer's step sends the update through here."""
     device = bucket.buffer().device
+    if state.names is None:
+        state.bind(find_ddp_model(state, bucket))
+    state.transport.device = device
+    if not state.checked:       # the first bucket, also with compressed updates: ranks
+        state.check_config(device)      # that differ fail here, before DDP's own collectives
     if state.update is not None and not isinstance(bucket, UpdateBucket):
         future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         future.set_result(bucket.buffer())      # the local gradient: the step sends updates
         return future
-    if state.names is None:
-        state.bind(find_ddp_model(state, bucket))
-    state.transport.device = device
-    if not state.checked:
-        state.check_config(device)
     driver, last = state.step_driver(), bucket.is_last()
     try:
         if last:
@@ -368,26 +397,6 @@ def compression_hook(state, bucket):
         driver.abort()
         raise
     return flight.future
-
-
-def find_ddp_model(state, bucket):
-    """The DistributedDataParallel model that called the hook with ``bucket`` for
-    ``state`` (an unbound :class:`CompressionState`): the live DDP model that registered
-    ``state`` as its hook state (directly, or inside a wrapper state's ``.state``, as
-    :func:`hvd_compress.torch.amp.register_ddp`), else the only one holding the bucket's
-    parameters.  A scan of the garbage collector's objects, once per state."""
-    models = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
-    for m in models:
-        if any(s is state or getattr(s, "state", None) is state
-               for _, s in getattr(m, "_comm_hooks", ())):
-            return m
-    ids = {id(p) for p in bucket.parameters()}
-    holders = [m for m in models if ids <= {id(p) for p in m.parameters()}]
-    if len(holders) == 1:
-        return holders[0]
-    raise ValueError("hvd_compress.ddp: CompressionState was made without its model and the "
-                     f"DDP model of the bucket cannot be told ({len(holders)} hold its "
-                     "parameters): call state.bind(ddp_model) before the first step")
 
 
 def register(ddp_model, compression=None, process_group=None, op="average", optimizer=None,
@@ -418,10 +427,7 @@ def register(ddp_model, compression=None, process_group=None, op="average", opti
     ``scaler.unscale_(opt)``, ``opt.step()``, ``scaler.update()``) nor
     ``compressed_momentum``.
     """
-    if grad_scaler is not None and compressed_update is True:
-        raise ValueError("compressed_update=True does not take grad_scaler: the update "
-                         "carries no loss scale; call scaler.unscale_(optimizer), then "
-                         "optimizer.step(), then scaler.update()")
+    check_update(compressed_update, None, grad_scaler, resolve("none"))
     if grad_scaler is not None:
         from .amp import register_ddp
         return register_ddp(ddp_model, grad_scaler, compression, process_group, op,
@@ -431,5 +437,10 @@ def register(ddp_model, compression=None, process_group=None, op="average", opti
                          f"(register_comm_hook), got {type(ddp_model).__name__}")
     state = CompressionState(ddp_model, compression, process_group, op, optimizer,
                              compressed_momentum, compressed_update)
-    ddp_model.register_comm_hook(state, compression_hook)
+    try:
+        ddp_model.register_comm_hook(state, compression_hook)
+    except BaseException:
+        if state.update is not None:
+            restore_step(optimizer)
+        raise
     return state

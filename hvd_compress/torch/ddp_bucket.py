@@ -1,14 +1,19 @@
-"""The two halves of :mod:`hvd_compress.torch.ddp` that do not hold state between steps:
-:class:`TorchDistributed` (``torch.distributed`` collectives as an exchange transport)
-and :class:`_Bucket` (one DDP bucket in flight: its names, compress calls, exchanges and
-the Future DDP waits on).  Split out of ``ddp.py`` so each module stays short; the module
-docstring there describes the whole hook.
+"""The parts of :mod:`hvd_compress.torch.ddp` that do not hold state between steps:
+:class:`TorchDistributed` (``torch.distributed`` collectives as an exchange transport),
+:class:`_Bucket` (one DDP bucket in flight: its names, compress calls, exchanges and
+the Future DDP waits on), :class:`UpdateBucket` (compressed updates read as a DDP
+bucket) and :func:`find_ddp_model` (the model of an unbound state).  Split out of
+``ddp.py`` so each module stays short; the module docstring there describes the whole
+hook.
 
 Imports: torch, ``hvd_compress.buckets``, ``hvd_compress.exchange``,
 ``hvd_compress.compressors``, ``hvd_compress.ops``, ``hvd_compress.stats``.
 """
+import gc
+
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import buckets
 from ..compressors import payload_bytes
@@ -215,3 +220,23 @@ class UpdateBucket:
 
     def is_last(self):
         return self._last
+
+
+def find_ddp_model(state, bucket):
+    """The DistributedDataParallel model that called the hook with ``bucket`` for
+    ``state`` (an unbound :class:`CompressionState`): the live DDP model that registered
+    ``state`` as its hook state (directly, or inside a wrapper state's ``.state``, as
+    :func:`hvd_compress.torch.amp.register_ddp`), else the only one holding the bucket's
+    parameters.  A scan of the garbage collector's objects, once per state."""
+    models = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+    for m in models:
+        if any(s is state or getattr(s, "state", None) is state
+               for _, s in getattr(m, "_comm_hooks", ())):
+            return m
+    ids = {id(p) for p in bucket.parameters()}
+    holders = [m for m in models if ids <= {id(p) for p in m.parameters()}]
+    if len(holders) == 1:
+        return holders[0]
+    raise ValueError("hvd_compress.ddp: CompressionState was made without its model and the "
+                     f"DDP model of the bucket cannot be told ({len(holders)} hold its "
+                     "parameters): call state.bind(ddp_model) before the first step")

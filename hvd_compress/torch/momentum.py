@@ -182,8 +182,34 @@ def momentum_optimizer(optimizer, owner, schedule, rank=lambda: 0):
 def replace_step(optimizer, step):
     """From now on ``optimizer.step()`` is ``step(optimizer, closure=None)``: its class
     becomes a subclass of its own, made on the fly (as Horovod's DistributedOptimizer
-    does), so whoever holds the object keeps working.  ``type(optimizer).__mro__[1]`` is
-    the class it had."""
+    does, :func:`restore_step` undoes it), so whoever holds the object keeps working.
+
+    An LR scheduler made before has put a wrapper of the *old* class's ``step`` on the
+    instance (to see whether the optimizer stepped), which would bypass the new class:
+    that wrapper is replaced by one of the new ``step`` that tells the scheduler the
+    same.  ValueError for an optimizer whose step hvd_compress replaced already (a
+    second ``register``)."""
     base = type(optimizer)
-    optimizer.__class__ = type(base.__name__, (base,), {"step": step,
+    if getattr(base, "_hvd_compress_step", False):
+        raise ValueError(f"the {base.__name__} optimizer's step() is hvd_compress's already "
+                         "(registered twice?): give each registration its own optimizer")
+    optimizer.__class__ = type(base.__name__, (base,), {"step": step, "_hvd_compress_step": True,
                                                         "__module__": base.__module__})
+    if "step" in vars(optimizer):            # an LR scheduler's wrapper of base.step
+        import weakref
+        ref = weakref.ref(optimizer)
+
+        def tracked(*args, **kwargs):
+            opt = ref()
+            opt._opt_called = True            # what the scheduler's own wrapper records
+            return type(opt).step(opt, *args, **kwargs)
+
+        tracked._wrapped_by_lr_sched = True
+        optimizer.step = tracked
+
+
+def restore_step(optimizer):
+    """Undo :func:`replace_step` (the registration failed after it)."""
+    if getattr(type(optimizer), "_hvd_compress_step", False):
+        optimizer.__class__ = type(optimizer).__mro__[1]
+        vars(optimizer).pop("step", None)

@@ -304,15 +304,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if self._update is not None:         # this rank's step, then its update exchanged
-            saved, loss = self._update.local_step(super(self.__class__, self).step, closure)
-            try:
-                self._exchange()
-            except BaseException:
-                self._update.undo(saved)
-                raise
             self._synchronized = False
-            self._update.apply(saved)
-            return loss
+            return self._update.run(super(self.__class__, self).step, closure, self._exchange,
+                                    self.drop_in_flight)
         if self._should_synchronize:
             if self._synchronized and not self._warned:
                 logger.warning("optimizer.step() called without optimizer.skip_synchronize() "

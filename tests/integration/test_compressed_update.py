@@ -2,12 +2,15 @@
 2 --gloo`` launch of tests/workers/compressed_update_worker.py (the Horovod optimizer)
 and one ``torchrun --nproc_per_node 2`` launch of tests/workers/ddp_update_worker.py
 (the DDP hook, no Horovod).  Both run the scenarios of tests/workers/update_scenarios.py
-(the tests taking ``ranks`` run for each); the others are one glue's own.
+(the tests taking ``ranks`` run for each); the others are one glue's own.  Last,
+examples/ddp_gpt2.py shrunk to a few steps.
 
 Each step is checked against a numpy reference of the rule written here
 (:func:`reference_rule`) from the update a plain ``torch.optim.AdamW`` makes of each
 rank's own gradient (recorded by the worker).
 """
+import json
+
 import numpy as np
 import pytest
 
@@ -171,7 +174,9 @@ HVD_ERRORS = dict(ERRORS, sum=["op=hvd.Average", "op=hvd.Sum"],
                   loss_scale=["set_loss_scale", "compressed_update=True"])
 DDP_ERRORS = dict(ERRORS, sum=["op='average'", "op='sum'"],
                   no_optimizer=["compressed_update=True", "optimizer="],
-                  scaler=["grad_scaler", "scaler.unscale_(optimizer)"])
+                  twice=["registered twice"],
+                  extra_param=["every trainable parameter", "1 of its are not the model's"],
+                  param_group=["parameters changed", "add_param_group"])
 
 
 @pytest.mark.parametrize("case", HVD_ERRORS)
@@ -197,6 +202,34 @@ def test_ranks_that_differ_get_a_clear_error(ranks):
     for r in ranks:
         msg = str(r["mismatch/error"])
         assert "configured differently" in msg and "compressed_update" in msg, msg
+    # rank 0 (compressed updates) had taken its own step: the failed exchange undid it
+    assert np.array_equal(ranks[0]["mismatch/param"], ranks[0]["mismatch/start"])
+
+
+def test_a_malformed_payload_raises_everywhere_undoes_the_step_and_the_next_trains(ranks):
+    for r in ranks:
+        assert str(r["malformed/error"]), "no error for rank 1's corrupted payload"
+        assert np.array_equal(r["malformed/param"], r["malformed/start"])
+        assert np.isfinite(r["malformed/next_param"]).all()
+        assert not np.array_equal(r["malformed/next_param"], r["malformed/param"])
+    assert np.array_equal(ranks[0]["malformed/next_param"], ranks[1]["malformed/next_param"])
+
+
+def test_ddp_scheduler_made_before_and_another_parameter_order_change_nothing(ddp_ranks):
+    """An LR scheduler made before register() wraps the optimizer's old step (the
+    exchange would be skipped, the ranks drift); rank 1's optimizer lists the parameters
+    backwards (the updates must still be laid out in the model's order)."""
+    for r in ddp_ranks:
+        np.testing.assert_allclose(r["scheduler_order/param"], r["trace/3/param"],
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_ddp_unused_parameters_bucket_views_and_two_dtypes(ddp_ranks):
+    assert np.array_equal(ddp_ranks[0]["features/param"], ddp_ranks[1]["features/param"])
+    for r in ddp_ranks:
+        loss = r["features/loss"]
+        assert np.isfinite(r["features/param"]).all() and loss[-1] < loss[0], loss
+        assert int(r["features/sent"]) > 0
 
 
 def test_ddp_hook_trains_as_the_horovod_optimizer(hvd_ranks, ddp_ranks):
@@ -205,3 +238,20 @@ def test_ddp_hook_trains_as_the_horovod_optimizer(hvd_ranks, ddp_ranks):
         for key in ("param", "residual"):
             np.testing.assert_allclose(ddp_ranks[0][f"trace/{t}/{key}"],
                                        hvd_ranks[0][f"trace/{t}/{key}"], rtol=1e-6, atol=1e-7)
+
+
+def test_ddp_gpt2_example_learns_with_compressed_updates(tmp_path):
+    """examples/ddp_gpt2.py as a user runs it (torchrun, a transformers GPT-2, AdamW,
+    compressed updates), shrunk to one layer and 8 steps: its loss goes down, the bytes
+    are laplace_topk's at 1%, and its JSON holds the curve and each step's time."""
+    out = tmp_path / "gpt2.json"
+    rc, log = torchrun([ROOT / "examples/ddp_gpt2.py", "--compressed-update", "--steps", 8,
+                        "--eval-every", 4, "--layers", 1, "--width", 64, "--no-progress",
+                        "--json", out], tmp_path, timeout=240)
+    assert rc == 0, log[-4000:]
+    assert "done: AdamW updates: hvd_compress.ddp laplace_topk:density=0.01" in log, log[-2000:]
+    result = json.loads(out.read_text())
+    losses = [loss for _, _, loss in result["curve"]]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    dense = result["dense_bytes_per_step"] * len(result["step_s"])
+    assert 30 < dense / result["total_sent"] < 100, (dense, result["total_sent"])

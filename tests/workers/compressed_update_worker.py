@@ -101,11 +101,13 @@ def mismatch():
     opt = hc.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
                                   model.named_parameters(), compression=SPEC,
                                   compressed_update=RANK == 0)
+    OUT["mismatch/start"] = flat(model.parameters())
     try:
         one_step(HorovodGlue, model, opt, 1)
         OUT["mismatch/error"] = np.array("")
     except ValueError as e:
         OUT["mismatch/error"] = np.array(str(e))
+    OUT["mismatch/param"] = flat(model.parameters())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ Scenarios: ``trace`` (each step's start, this rank's update as a plain AdamW on 
 gradient makes it, parameters and residuals after), ``resume`` (a checkpoint after step
 3, restored into fresh objects), ``nan`` (rank 1's gradient NaN at step 3),
 ``closure_and_scaler`` (step(closure), the GradScaler recipe, NaN/Inf on rank 1),
-``each_spec`` (five compressors), ``gpt2`` (a transformers model).
+``each_spec`` (five compressors), ``gpt2`` (a transformers model), ``malformed`` (rank
+1's payload corrupted at step 2: every rank raises, its parameters are back at the step's
+start, and the next step trains).
 """
 import io
 
@@ -180,4 +182,30 @@ def gpt2(glue, out):
     out["gpt2/dense"] = np.array(sum(p.numel() for p in model.parameters()) * 4)
 
 
-ALL = (trace, resume, nan, closure_and_scaler, each_spec, gpt2)
+def malformed(glue, out):
+    model, opt, parts = glue.build(SPEC)
+    one_step(glue, model, opt, 1)
+    out["malformed/start"] = flat(model.parameters())
+    c, kept = parts.compression, {}
+    if glue.rank == 1:                        # indices past the tensors, as on the wire
+        for name in ("compress", "compress_bucket"):
+            kept[name] = getattr(c, name)
+
+            def corrupted(*a, _inner=kept[name], **k):
+                payload, ctx = _inner(*a, **k)
+                p = tuple(payload)
+                return p[:-1] + (p[-1] + 10 ** 6,), ctx
+            setattr(c, name, corrupted)
+    try:
+        one_step(glue, model, opt, 2)
+        out["malformed/error"] = np.array("")
+    except ValueError as e:
+        out["malformed/error"] = np.array(str(e))
+    out["malformed/param"] = flat(model.parameters())
+    for name in kept:
+        delattr(c, name)                      # the class's own again
+    out["malformed/next_loss"] = np.array(one_step(glue, model, opt, 3))
+    out["malformed/next_param"] = flat(model.parameters())
+
+
+ALL = (trace, resume, nan, closure_and_scaler, each_spec, gpt2, malformed)
