@@ -62,6 +62,11 @@ def from_spec(spec):
                              "'hier:laplace_topk:density=0.01'")
         return Hierarchical(from_spec(inner))
     name, raw = parse(spec)
+    if "min_size" in raw:                  # any compressor: smaller tensors sent whole
+        size = _convert(name, "min_size", raw.pop("min_size"), 0)
+        inner = from_spec(name + "".join(f"{',' if i else ':'}{k}={v}"
+                                         for i, (k, v) in enumerate(raw.items())))
+        return inner.send_whole_below(size)
     if "hier" in raw:                      # "topk:density=0.01,hier=1" == "hier:topk:..."
         hier = _convert(name, "hier", raw.pop("hier"), False)
         inner = from_spec(name + "".join(f"{',' if i else ':'}{k}={v}"

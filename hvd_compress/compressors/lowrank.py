@@ -71,7 +71,7 @@ class PowerSGD(Compressor):
     biased = True
     segmented = True
 
-    def __init__(self, rank=1, ef=None, min_compression_rate=2, seed=0):
+    def __init__(self, rank=1, ef=None, min_compression_rate=2.0, seed=0):
         super().__init__(ef=ef)
         if int(rank) < 1 or int(rank) != float(rank):
             raise ValueError(f"rank must be an integer >= 1, got {rank!r}")

@@ -145,8 +145,9 @@ def test_gradscaler_recipe_with_an_overflow_on_one_rank_does_not_hang(ranks):
     assert float(ranks[1]["scaler/scale"]) < float(ranks[0]["scaler/scale"])
 
 
+#: update_scenarios.SPECS
 SPECS = ["laplace_topk:density=0.1", "dct:density=0.1", "twobit", "powersgd:rank=2",
-         "auto:candidates=none|topk:density=0.1"]
+         "auto:candidates=none|topk:density=0.1", "laplace_topk:density=0.1,min_size=20"]
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -26,7 +26,7 @@ STEPS = 6
 SPEC = "topk:density=0.3"
 ADAMW = dict(lr=0.05, betas=(0.9, 0.99), weight_decay=0.1)
 SPECS = ("laplace_topk:density=0.1", "dct:density=0.1", "twobit", "powersgd:rank=2",
-         "auto:candidates=none|topk:density=0.1")
+         "auto:candidates=none|topk:density=0.1", "laplace_topk:density=0.1,min_size=20")
 
 
 def residuals(parts):
