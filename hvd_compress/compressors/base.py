@@ -151,10 +151,10 @@ class Compressor:
 
     def send_whole_below(self, min_size):
         """Send tensors of fewer than ``min_size`` values uncompressed (spec parameter
-        ``min_size=``, any compressor but ``auto``).  Biases and normalisation weights
-        are a small share of the values but move on every step; measured with compressed
-        AdamW updates of a GPT-2 (docs/adam-adamw.md): top-k at 1% with ``min_size=4096``
-        ended 2.6% lower (0.1%: 3.5% lower) for 1.4x (5.2x) the values.  Returns
+        ``min_size=``, any compressor but ``auto``), as Hylo's policy does with its own
+        ``min_size``: biases and normalisation weights are a small share of the values.
+        Whether it helps is measured, not assumed (docs/adam-adamw.md: with compressed
+        AdamW updates of a GPT-2 it helped in one setting and hurt in another).  Returns
         ``self``."""
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
             raise ValueError(f"{self.name}: min_size must be an integer >= 0 (values), got "

@@ -271,6 +271,40 @@ class MomentumGlue:
         self.journal.clear()
 
 
+def dgc_compressors(compression):
+    """The compressors of ``compression`` (a Policy's, an auto's candidates included) that
+    apply DGC's momentum correction (``momentum=``)."""
+    members = compression.compressors()
+    members = members + [m for c in members for m in getattr(c, "members", [])]
+    return [c for c in members if getattr(c, "momentum", None)]
+
+
+def check_compressed_update(compressed_update, schedule, compression, average, ops):
+    """What every glue refuses with ``compressed_update=True`` (the rule:
+    :mod:`hvd_compress.torch.compressed_update`): ValueError for a value not a bool,
+    compressed momentum (``schedule`` not None), a sum (``average`` False: P ranks'
+    updates summed would move the parameters P times as far; ``ops``: how the caller
+    spells average and sum) and DGC's momentum correction (``momentum=``: it would add
+    momentum to updates).  Returns ``compressed_update``."""
+    if not isinstance(compressed_update, bool):
+        raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
+    if not compressed_update:
+        return False
+    if schedule is not None:
+        raise ValueError("compressed_update=True and compressed_momentum: use one of them "
+                         "(compressed_update sends the whole update, momentum included)")
+    if not average:
+        raise ValueError(f"compressed_update=True needs {ops[0]}: the ranks' updates are "
+                         f"averaged ({ops[1]} would move the parameters world-size times "
+                         "as far)")
+    dgc = dgc_compressors(compression)
+    if dgc:
+        raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
+                         "SGD's momentum inside the exchange (momentum=); drop momentum= "
+                         "(the wrapped optimizer's own momentum is in the update)")
+    return True
+
+
 def adam_defaults(compression, optimizer_name):
     """An Adam-family optimizer that compresses its *gradients*: ``auto`` with default
     candidates keeps only the ones that keep Adam's convergence
@@ -281,14 +315,16 @@ def adam_defaults(compression, optimizer_name):
     if for_adam(compression):
         logger.info("hvd_compress: %s sends gradients: auto chooses among %s (pass "
                     "compressed_momentum=True, or compressed_update=True to "
-                    "hvd_compress.torch.DistributedOptimizer or hvd_compress.ddp.register, "
-                    "to compress the momentum or the update)",
+                    "hvd_compress.torch.DistributedOptimizer, hvd_compress.ddp.register or "
+                    "hvd_compress.keras.DistributedOptimizer, to compress the momentum or "
+                    "the update)",
                     optimizer_name, "|".join(ADAM_CANDIDATES))
     elif compression.name not in ("none", "fp16", "bf16", "auto", "powersgd"):
         logger.warning("hvd_compress: %s with lossy gradient compression (%s) may converge "
                        "more slowly than dense Adam; compressed_update=True (hvd_compress.torch."
-                       "DistributedOptimizer, hvd_compress.ddp.register) sends each rank's "
-                       "update instead; see docs/adam-adamw.md for what was measured",
+                       "DistributedOptimizer, hvd_compress.ddp.register, hvd_compress.keras."
+                       "DistributedOptimizer) sends each rank's update instead; see "
+                       "docs/adam-adamw.md for what was measured",
                        optimizer_name, compression.spec)
 
 

@@ -29,7 +29,8 @@ from .. import buckets, horovod_args
 from ..spec import resolve
 from . import collectives, horovod_surface as surface
 from . import tape as _tape
-from ..strategies.momentum import MomentumSchedule, adam_defaults
+from ..strategies.momentum import MomentumSchedule, adam_defaults, check_compressed_update
+from .compressed_update import KerasLocalUpdates
 from .momentum import KerasAdamMomentum
 
 _CLASSES = {}
@@ -40,7 +41,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          op=hvd.Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=hvd.global_process_set, scale_local_gradients=True,
-                         bucket_mb=None, compressed_momentum=None):
+                         bucket_mb=None, compressed_momentum=None, compressed_update=False):
     """A copy of the Keras 3 ``optimizer`` whose updates use gradients compressed and
     aggregated over the Horovod ranks.
 
@@ -55,8 +56,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     XLA itself on GPUs, so pass ``jit_compile=False`` to ``compile`` there).
 
     Arguments follow ``horovod.keras.DistributedOptimizer`` (0.28.1), in its order, then
-    ours (``bucket_mb``, ``compressed_momentum``).  Horovod's argument -> what it does
-    here:
+    ours (``bucket_mb``, ``compressed_momentum``, ``compressed_update``).  Horovod's
+    argument -> what it does here:
 
     - ``compression``: a compressor, a spec string such as ``"topk:density=0.01"``,
       Horovod's ``hvd.Compression.none``/``fp16`` (our ``none``/``fp16``), or None for
@@ -99,6 +100,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     optimizer).  ``opt.compressed_momentum`` (not ``opt.momentum``: that is SGD's own
     hyperparameter) holds it; its ``state_dict()`` is the schedule, to checkpoint beside
     the optimizer's variables and ``opt.compression.state_dict()``.
+
+    ``compressed_update=True`` (any Keras optimizer; measured with AdamW in PyTorch):
+    each rank applies the wrapped optimizer to its own gradients, and the change of the
+    weights goes through ``compression`` with error feedback; every rank applies the
+    mean (:mod:`hvd_compress.tensorflow.compressed_update`).  Compiled and eager.  The
+    optimizer's variables are this rank's (checkpoint each rank's); a ``register_local_var``
+    variable keeps its own update.  Not with ``compressed_momentum``,
+    ``backward_passes_per_step > 1``, ``op=hvd.Sum`` or DGC's ``momentum=``.
     """
     if keras.backend.backend() != "tensorflow":
         raise ValueError("hvd_compress.keras needs the TensorFlow backend of Keras, "
@@ -135,10 +144,16 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                        accumulation if accumulation.passes > 1 else None)
     object.__setattr__(wrapped, "_hvd_local", local)
     schedule = MomentumSchedule.build(compressed_momentum)
+    update = check_compressed_update(compressed_update, schedule, wrapped.compression,
+                                     op == hvd.Average, ("op=hvd.Average", "op=hvd.Sum"))
+    if update and accumulation.passes > 1:
+        raise ValueError("backward_passes_per_step > 1 does not go with compressed_update "
+                         "(each step's update is exchanged)")
+    object.__setattr__(wrapped, "_hvd_update", KerasLocalUpdates() if update else None)
     if schedule is not None and accumulation.passes > 1:
         raise ValueError("backward_passes_per_step > 1 does not go with compressed_momentum "
                          "(the momentum is exchanged at every step)")
-    if schedule is None and isinstance(optimizer, keras.optimizers.Adam):
+    if schedule is None and not update and isinstance(optimizer, keras.optimizers.Adam):
         adam_defaults(wrapped.compression, type(optimizer).__name__)
     if schedule is not None:
         wrapped.compressed_momentum = KerasAdamMomentum(
@@ -163,6 +178,15 @@ def _distributed_class(base):
         _check_not_xla()
         if getattr(self, "compressed_momentum", None) is not None:
             return _apply_momentum(self, base, grads, variables, trainable_variables)
+        if getattr(self, "_hvd_update", None) is not None:
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(variables)
+                self.built = True
+            return self._hvd_update.apply(
+                lambda g: base.apply(self, g, trainable_variables), grads, variables,
+                lambda u, v: self._hvd_local.reduce(               # local: its own update
+                    lambda u, v: _reduce_all(self, u, v), u, v, 1))
         if self._hvd_accumulation is not None:
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
@@ -196,12 +220,15 @@ def _distributed_class(base):
 def _reduce(self, grads, variables, compression=None, count_as=None):
     """``reduce_gradients`` with this optimizer's Horovod arguments (local variables as
     they are, or scaled)."""
-    def reduce(g, v):
-        return _tape.reduce_gradients(
-            g, v, compression or self.compression, self.op, self.process_set,
-            self.bucket_mb, count_as=count_as, predivide=self.gradient_predivide_factor,
-            groups=self._hvd_groups, sparse_as_dense=self.sparse_as_dense)
-    return self._hvd_local.reduce(reduce, grads, variables, self.process_set.size())
+    return self._hvd_local.reduce(lambda g, v: _reduce_all(self, g, v, compression, count_as),
+                                  grads, variables, self.process_set.size())
+
+
+def _reduce_all(self, grads, variables, compression=None, count_as=None):
+    return _tape.reduce_gradients(
+        grads, variables, compression or self.compression, self.op, self.process_set,
+        self.bucket_mb, count_as=count_as, predivide=self.gradient_predivide_factor,
+        groups=self._hvd_groups, sparse_as_dense=self.sparse_as_dense)
 
 
 def _apply_momentum(self, base, grads, variables, trainable_variables):

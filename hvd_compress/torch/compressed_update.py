@@ -55,42 +55,28 @@ import torch
 
 from ..log import logger
 from .amp import all_finite
-from .momentum import dgc_compressors, replace_step
+from ..strategies.momentum import check_compressed_update
+from .momentum import replace_step
 
 
 def check(compressed_update, schedule, grad_scaler, compression, average=True, optimizer=None,
           ops=("op=hvd.Average", "op=hvd.Sum")):
-    """ValueError for what ``compressed_update=True`` cannot be combined with: compressed
-    momentum (``schedule`` not None), a ``grad_scaler`` (the update carries no loss
-    scale), DGC's momentum correction (``momentum=``: it would add momentum to updates),
-    a sum (``average`` False: P ranks' updates summed would move the parameters P times
-    as far; ``ops``: how the glue's caller spells average and sum) and LBFGS (its step
-    calls the closure several times; the rule needs the gradients before the step).
+    """ValueError for what ``compressed_update=True`` cannot be combined with: what every
+    glue refuses (:func:`~hvd_compress.strategies.momentum.check_compressed_update`:
+    compressed momentum, a sum, DGC's ``momentum=``), a ``grad_scaler`` (the update
+    carries no loss scale) and LBFGS (its step calls the closure several times; the rule
+    needs the gradients before the step).
     Returns ``compressed_update`` as a bool."""
-    if not isinstance(compressed_update, bool):
-        raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
-    if not compressed_update:
+    if not check_compressed_update(compressed_update, schedule, compression, average, ops):
         return False
-    if schedule is not None:
-        raise ValueError("compressed_update=True and compressed_momentum: use one of them "
-                         "(compressed_update sends the whole update, momentum included)")
     if grad_scaler is not None:
         raise ValueError("compressed_update=True does not take grad_scaler: the update "
                          "carries no loss scale; with a GradScaler call scaler.unscale_(opt), "
                          "then opt.step() (not scaler.step(opt), which would skip the "
                          "exchange on an overflowing rank only), then scaler.update()")
-    if not average:
-        raise ValueError(f"compressed_update=True needs {ops[0]}: the ranks' updates are "
-                         f"averaged ({ops[1]} would move the parameters world-size times "
-                         "as far)")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("compressed_update=True does not take LBFGS (its step evaluates "
                          "the closure several times)")
-    dgc = dgc_compressors(compression)
-    if dgc:
-        raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
-                         "SGD's momentum inside the exchange (momentum=); drop momentum= "
-                         "(the wrapped optimizer's own momentum is in the update)")
     return True
 
 

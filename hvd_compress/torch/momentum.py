@@ -19,18 +19,10 @@ Imports: torch, ``hvd_compress.strategies.momentum``.
 """
 import torch
 
-from ..strategies.momentum import MomentumGlue, coefficients
+from ..strategies.momentum import MomentumGlue, coefficients, dgc_compressors
 from .amp import all_finite
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def dgc_compressors(compression):
-    """The compressors of ``compression`` (a Policy's, an auto's candidates included) that
-    apply DGC's momentum correction (``momentum=``)."""
-    members = compression.compressors()
-    members = members + [m for c in members for m in getattr(c, "members", [])]
-    return [c for c in members if getattr(c, "momentum", None)]
 
 
 def check_dgc(compression, optimizer, schedule):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from launch import ROOT, horovodrun, load_ranks, torchrun
-from reference import split_sizes, topk_mask
+from reference import compressed_update_rule
 
 WORKERS = {"horovodrun": ROOT / "tests/workers/compressed_update_worker.py",
            "torchrun": ROOT / "tests/workers/ddp_update_worker.py"}
@@ -54,27 +54,10 @@ def ddp_ranks(tmp_path_factory):
     return job(tmp_path_factory, "torchrun")
 
 
-def split(flat):
-    return split_sizes(flat, SIZES)
-
-
 def reference_rule(ranks):
-    """u_i = this rank's AdamW update from the step's start; c_i = u_i + e_i;
-    s_i = topk(c_i) per tensor; e_i = c_i - s_i; p = start + mean(s_i)."""
-    e = [np.zeros_like(ranks[0]["trace/1/start"]) for _ in ranks]
-    expected = {}
-    for t in range(1, STEPS + 1):
-        sent = []
-        for i, r in enumerate(ranks):
-            parts = split(r[f"trace/{t}/update"] + e[i])
-            s = np.concatenate([np.where(topk_mask(parts[n], DENSITY), parts[n], 0)
-                                for n in SIZES])
-            e[i] = np.concatenate([parts[n] for n in SIZES]) - s
-            sent.append(s)
-        param = ranks[0][f"trace/{t}/start"] + sum(sent) / len(ranks)
-        residual = [np.concatenate([split(x)[n] for n in sorted(SIZES)]) for x in e]
-        expected[t] = param, residual
-    return expected
+    """Top-k at DENSITY of each rank's AdamW update, error feedback, the mean applied
+    (tests/reference.py); the residuals as the compressor keeps them, by name."""
+    return compressed_update_rule(ranks, STEPS, SIZES, DENSITY, sorted(SIZES))
 
 
 def test_every_step_matches_the_numpy_reference(ranks):
@@ -82,6 +65,19 @@ def test_every_step_matches_the_numpy_reference(ranks):
         for r, e in zip(ranks, residuals):
             np.testing.assert_allclose(r[f"trace/{t}/param"], param, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(r[f"trace/{t}/residual"], e, rtol=1e-5, atol=1e-6)
+
+
+def test_min_size_sends_small_tensors_whole_and_the_rest_as_before(ranks):
+    """``topk:density=0.3,min_size=20``: the biases (16, 3 values) whole, the weights by
+    top-k with error feedback, every step as the rule says."""
+    expected = compressed_update_rule(ranks, STEPS, SIZES, DENSITY, sorted(SIZES), min_size=20,
+                                      key="min_size")
+    for t, (param, residuals) in expected.items():
+        for r, e in zip(ranks, residuals):
+            np.testing.assert_allclose(r[f"min_size/{t}/param"], param, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(r[f"min_size/{t}/residual"], e, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ranks[0][f"min_size/{STEPS}/param"],
+                           ranks[0][f"trace/{STEPS}/param"])
 
 
 def test_parameters_agree_and_each_rank_keeps_its_own_optimizer_state(ranks):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from launch import ROOT, horovodrun, load_ranks
-from reference import reference_contribution
+from reference import compressed_update_rule, reference_contribution
 
 WORKER = ROOT / "tests/workers/keras_worker.py"
 AGG_SPECS = ["topk:density=0.05", "twobit", "none"]      # as in the worker
@@ -21,7 +21,7 @@ def keras_job(tmp_path_factory):
     """One horovodrun job running every scenario but the failing one (~50 s, 2 idle cores)."""
     out = tmp_path_factory.mktemp("keras_job")
     rc, log = horovodrun([WORKER, "imports", "aggregate", "nonfinite", "checkpoint", "broadcast",
-                          "xla", "mnist"],
+                          "xla", "mnist", "update"],
                          out, timeout=400)
     assert rc == 0, log[-6000:]
     return out
@@ -136,3 +136,41 @@ def test_import_adds_no_torch(keras_job):
     hvd_compress`` itself imports (measured in the worker)."""
     for r in load_ranks(keras_job, "keras_imports"):
         assert list(r["torch_added"]) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compressed_update_every_step_matches_the_numpy_reference(keras_job, mode):
+    """``compressed_update=True`` with AdamW through ``fit``: every step's weights and
+    residuals are the rule's (tests/reference.py) from the updates a plain Keras AdamW
+    made of each rank's own gradient; both ranks hold the same weights."""
+    ranks = [{k.split("|", 1)[1]: v for k, v in r.items() if k.startswith(mode + "|")}
+             for r in load_ranks(keras_job, "keras_update")]
+    sizes = dict(zip(["hidden/kernel", "hidden/bias", "out/kernel", "out/bias"], SIZES))
+    for t, (param, residuals) in compressed_update_rule(ranks, 4, sizes, 0.3).items():
+        np.testing.assert_array_equal(ranks[0][f"trace/{t}/param"], ranks[1][f"trace/{t}/param"])
+        for r, e in zip(ranks, residuals):
+            np.testing.assert_allclose(r[f"trace/{t}/param"], param, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(r[f"trace/{t}/residual"], e, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(ranks[0]["trace/1/update"], ranks[1]["trace/1/update"])
+    assert int(ranks[0]["sent"]) > 0
+
+
+def test_compressed_update_nan_on_one_rank_skips_its_step_only(keras_job):
+    r0, r1 = load_ranks(keras_job, "keras_update")
+    assert [int(r["nan|skipped"]) for r in (r0, r1)] == [0, 1]
+    assert [int(r["nan|iterations"]) for r in (r0, r1)] == [1, 0]
+    assert np.isfinite(r0["nan|param"]).all()
+    np.testing.assert_array_equal(r0["nan|param"], r1["nan|param"])
+    # in fit's compiled step (a tf.cond instead of Python's if)
+    assert [int(r["nan_compiled|iterations"]) for r in (r0, r1)] == [1, 0]
+    assert np.isfinite(r0["nan_compiled|param"]).all()
+    np.testing.assert_array_equal(r0["nan_compiled|param"], r1["nan_compiled|param"])
+
+
+@pytest.mark.parametrize("case,words", [("sum", ["op=hvd.Average", "op=hvd.Sum"]),
+                                        ("momentum", ["compressed_momentum"]),
+                                        ("passes", ["backward_passes_per_step"])])
+def test_compressed_update_refusals_name_the_argument(keras_job, case, words):
+    for r in load_ranks(keras_job, "keras_update"):
+        msg = str(r[f"errors|{case}"])
+        assert msg and all(w in msg for w in words), msg

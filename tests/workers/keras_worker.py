@@ -94,6 +94,77 @@ def nonfinite(out):
         out[f"{step}|residual"] = opt.compression.residual(kernel.path).numpy().copy()
 
 
+UPDATE_STEPS, UPDATE_SPEC = 4, "topk:density=0.3"
+
+
+def flat(arrays):
+    return np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
+
+
+def update(out):
+    """``compressed_update=True`` with AdamW, compiled and eager, ``fit`` one batch a
+    step.  Recorded per step, as tests/workers/update_scenarios.py's trace: the start,
+    this rank's update as a plain Keras AdamW on its own gradient makes it (a copy of
+    the model set to the start each step: its slots follow the wrapped optimizer's),
+    the weights and residuals after.  Then a step with NaN in rank 1's gradient (eager,
+    ``opt.apply``): rank 1 skips its own step, the weights stay equal and finite."""
+    adamw = dict(learning_rate=0.05, weight_decay=0.1)
+    for mode in MODES:
+        model, ref = build(), build()
+        opt = hck.DistributedOptimizer(keras.optimizers.AdamW(**adamw),
+                                       compression=UPDATE_SPEC, compressed_update=True)
+        model.compile(optimizer=opt, loss=LOSS, run_eagerly=MODES[mode])
+        ref_opt = keras.optimizers.AdamW(**adamw)
+        x, y = data(UPDATE_STEPS, 13)
+        for t in range(1, UPDATE_STEPS + 1):
+            sl = slice((t - 1) * BATCH, t * BATCH)
+            start = [v.numpy() for v in model.trainable_variables]
+            for r, s in zip(ref.trainable_variables, start):
+                r.assign(s)
+            with tf.GradientTape() as tape:
+                loss = LOSS(y[sl], ref(x[sl], training=True))
+            ref_opt.apply(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables)
+            key = f"{mode}|trace/{t}"
+            out[f"{key}/start"] = flat(start)
+            out[f"{key}/update"] = flat(v.numpy() for v in ref.trainable_variables) - \
+                flat(start)
+            model.fit(x[sl], y[sl], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            out[f"{key}/param"] = flat(v.numpy() for v in model.trainable_variables)
+            state = opt.compression.state_dict()["state"]
+            out[f"{key}/residual"] = flat(state["residual/" + v.path]
+                                          for v in model.trainable_variables)
+        out[f"{mode}|sent"] = np.array(opt.stats.as_dict()["total_sent"])
+    model = build()
+    opt = hck.DistributedOptimizer(keras.optimizers.AdamW(**adamw), compression=UPDATE_SPEC,
+                                   compressed_update=True)
+    grads = [rng(17, i).standard_normal(v.shape).astype(np.float32)
+             for i, v in enumerate(model.trainable_variables)]
+    if hvd.rank() == 1:
+        grads[0][0, 0] = np.nan
+    opt.apply([tf.constant(g) for g in grads], model.trainable_variables)
+    out["nan|param"] = flat(v.numpy() for v in model.trainable_variables)
+    out["nan|skipped"] = np.array(opt._hvd_update.skipped)
+    out["nan|iterations"] = np.array(int(opt.iterations.numpy()))
+    model = build()                           # compiled: the skip is a tf.cond
+    opt = hck.DistributedOptimizer(keras.optimizers.AdamW(**adamw), compression=UPDATE_SPEC,
+                                   compressed_update=True)
+    model.compile(optimizer=opt, loss=LOSS, run_eagerly=False)
+    x, y = data(1, 19)
+    if hvd.rank() == 1:
+        x[0, 0] = np.nan
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["nan_compiled|param"] = flat(v.numpy() for v in model.trainable_variables)
+    out["nan_compiled|iterations"] = np.array(int(opt.iterations.numpy()))
+    for name, kwargs in {"sum": dict(op=hvd.Sum), "momentum": dict(compressed_momentum=3),
+                         "passes": dict(backward_passes_per_step=2)}.items():
+        try:
+            hck.DistributedOptimizer(keras.optimizers.AdamW(), compression=UPDATE_SPEC,
+                                     compressed_update=True, **kwargs)
+            out[f"errors|{name}"] = np.array("")
+        except ValueError as e:
+            out[f"errors|{name}"] = np.array(str(e))
+
+
 def checkpoint(out):
     """Momentum SGD, topk with error feedback, compiled: 6 steps in one go vs 3 steps,
     save (weights, optimizer variables, compression state), restore into a fresh model
@@ -218,7 +289,7 @@ def imports(out):
 
 
 SCENARIOS = {f.__name__: f for f in (imports, aggregate, nonfinite, checkpoint, broadcast, mismatch,
-                                     xla, mnist)}
+                                     xla, mnist, update)}
 
 if __name__ == "__main__":
     hvd.init()

@@ -46,11 +46,11 @@ def one_step(glue, model, opt, step, poison=False):
     return float(loss)
 
 
-def trace(glue, out):
+def trace(glue, out, spec=SPEC, key="trace"):
     """The reference's local optimizer is a plain AdamW on a copy of the model: set to
     each step's start and stepped on this rank's gradient, its state follows the wrapped
     optimizer's (the same gradients from the same parameters)."""
-    model, opt, parts = glue.build(SPEC)
+    model, opt, parts = glue.build(spec)
     ref = Net()
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
     for step in range(1, STEPS + 1):
@@ -62,18 +62,23 @@ def trace(glue, out):
         ref_opt.zero_grad()
         torch.nn.functional.cross_entropy(ref(x), y).backward()
         ref_opt.step()
-        out[f"trace/{step}/start"] = start
-        out[f"trace/{step}/update"] = flat(ref.parameters()) - start
+        out[f"{key}/{step}/start"] = start
+        out[f"{key}/{step}/update"] = flat(ref.parameters()) - start
         one_step(glue, model, opt, step)
-        out[f"trace/{step}/grad"] = flat(p.grad for p in model.parameters())
-        out[f"trace/{step}/ref_grad"] = flat(p.grad for p in ref.parameters())
-        out[f"trace/{step}/param"] = flat(model.parameters())
-        out[f"trace/{step}/residual"] = residuals(parts)
-        out[f"trace/{step}/exp_avg"] = flat(opt.state[p]["exp_avg"] for p in model.parameters())
-        out[f"trace/{step}/ref_exp_avg"] = flat(ref_opt.state[p]["exp_avg"]
+        out[f"{key}/{step}/grad"] = flat(p.grad for p in model.parameters())
+        out[f"{key}/{step}/ref_grad"] = flat(p.grad for p in ref.parameters())
+        out[f"{key}/{step}/param"] = flat(model.parameters())
+        out[f"{key}/{step}/residual"] = residuals(parts)
+        out[f"{key}/{step}/exp_avg"] = flat(opt.state[p]["exp_avg"] for p in model.parameters())
+        out[f"{key}/{step}/ref_exp_avg"] = flat(ref_opt.state[p]["exp_avg"]
                                                 for p in ref.parameters())
-    out["trace/sent"] = np.array(parts.stats.as_dict()["total_sent"])
-    out["trace/dense"] = np.array(parts.stats.as_dict()["total_dense"])
+    out[f"{key}/sent"] = np.array(parts.stats.as_dict()["total_sent"])
+    out[f"{key}/dense"] = np.array(parts.stats.as_dict()["total_dense"])
+
+
+def trace_min_size(glue, out):
+    """The trace with ``min_size=20``: the MLP's biases (16 and 3 values) go whole."""
+    trace(glue, out, SPEC + ",min_size=20", "min_size")
 
 
 def resume(glue, out):
@@ -208,4 +213,4 @@ def malformed(glue, out):
     out["malformed/next_param"] = flat(model.parameters())
 
 
-ALL = (trace, resume, nan, closure_and_scaler, each_spec, gpt2, malformed)
+ALL = (trace, trace_min_size, resume, nan, closure_and_scaler, each_spec, gpt2, malformed)
