@@ -37,7 +37,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))      # last: benchmarks/select.py is no stdlib
 sys.path.append(str(ROOT / "examples"))        # gpt2_text
-from gpt2_text import corpus, make_model, windows  # noqa: E402
+from gpt2_text import corpus, make_model, validation_loss, windows  # noqa: E402
 
 METHODS = "dense;dense@3e-3;grad@0.01;update@1;update@0.01;update@0.001"
 
@@ -68,11 +68,7 @@ def run(method, args, train, val_batch):
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
 
     def validate():
-        models[0].eval()
-        with torch.no_grad():
-            loss = float(models[0](input_ids=val_batch[:, :-1], labels=val_batch[:, :-1]).loss)
-        models[0].train()
-        return loss
+        return validation_loss(models[0], val_batch)
 
     curve, t0 = [(0, validate())], time.perf_counter()
     for step in range(1, args.steps + 1):

@@ -35,7 +35,7 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 import hvd_compress.torch as hct  # noqa: E402
-from gpt2_text import corpus, make_model, windows  # noqa: E402
+from gpt2_text import corpus, make_model, validation_loss, windows  # noqa: E402
 
 
 def run(method, args, train, val_batch):
@@ -51,11 +51,7 @@ def run(method, args, train, val_batch):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def validate():
-        model.eval()
-        with torch.no_grad():
-            out = model(input_ids=val_batch[:, :-1], labels=val_batch[:, :-1]).loss
-        model.train()
-        return float(out)
+        return validation_loss(model, val_batch)
 
     curve = [(0, 0.0, validate())]
     seconds, steps_s, sent_after = 0.0, [], []

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_compress.ddp
 from hvd_compress.stats import Stats, ring_received
 from ddp_mnist import set_up_hook
-from gpt2_text import corpus, make_model, windows
+from gpt2_text import corpus, make_model, validation_loss, windows
 from mnist_common import exit_skipping_teardown, progress
 
 
@@ -85,11 +85,7 @@ def main():
         print(f"{label}; GPT-2 of {dense // 4:,} parameters, AdamW lr {args.lr}", flush=True)
 
     def validate():
-        model.eval()
-        with torch.no_grad():
-            loss = model(input_ids=val_batch[:, :-1], labels=val_batch[:, :-1]).loss
-        model.train()
-        return float(loss)
+        return validation_loss(model, val_batch)
 
     curve, seconds, step_s = [(0, 0.0, validate())], 0.0, []
     for step in progress(range(1, args.steps + 1), rank == 0 and not args.no_progress, "steps"):

@@ -26,3 +26,13 @@ def make_model(args):
                         n_layer=args.layers, n_head=4, bos_token_id=0, eos_token_id=0,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
+
+
+def validation_loss(model, batch):
+    """The model's loss on ``batch`` (windows of seq + 1 bytes) in eval mode, without
+    gradients; the model is back in train mode afterwards."""
+    model.eval()
+    with torch.no_grad():
+        loss = float(model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss)
+    model.train()
+    return loss
