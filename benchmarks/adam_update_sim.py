@@ -17,6 +17,11 @@ seeds as there.  Methods:
   (``d = 1``: the updates averaged uncompressed);
 - ``grad@d~n``, ``update@d~n``: the same, tensors of fewer than ``n`` values sent whole.
 
+``--seed 0`` (the default) uses benchmarks/time_to_loss.py's initial weights and batches;
+another seed other batches and GPT-2's N(0, 0.02) initial weights anew.  One seed is
+not enough to rank methods whose losses differ by less than ~0.2
+(docs/adam-adamw.md).
+
 Prints validation loss every ``--eval-every`` steps and a table; writes
 benchmarks/results/adam_update_sim_<date>.json and .png (loss against step).
 """
@@ -63,6 +68,14 @@ def run(method, args, train, val_batch):
     lr = float(value) if kind == "dense" and value else args.lr
     density = float(value) if kind != "dense" else 1.0
     models = [make_model(args) for _ in range(args.ranks)]
+    if args.seed:        # other initial weights (GPT-2's N(0, 0.02)), the same on every rank
+        torch.manual_seed(args.seed)
+        with torch.no_grad():
+            for p in models[0].parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.02)
+        for m in models[1:]:
+            m.load_state_dict(models[0].state_dict())
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01) for m in models]
     params = [list(m.parameters()) for m in models]
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
@@ -74,7 +87,8 @@ def run(method, args, train, val_batch):
     for step in range(1, args.steps + 1):
         grads = []
         for r, m in enumerate(models):
-            g = torch.Generator().manual_seed(100003 * step + r)      # time_to_loss's seeds
+            # time_to_loss's seeds (--seed 0); another --seed: other batches
+            g = torch.Generator().manual_seed(100003 * step + r + 7919 * 1000003 * args.seed)
             starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=g)
             batch = windows(train, starts, args.seq)
             m.zero_grad()
@@ -120,6 +134,9 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0,
+                   help="0: time_to_loss.py's batches and weights; others: other batches and "
+                        "initial weights")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
