@@ -33,6 +33,11 @@ def _convert(name, param, text, default):
                          f"got {text!r}") from None
 
 
+def _unparse(name, params):
+    """The spec string of ``name`` with ``params`` (unconverted): :func:`parse` undone."""
+    return name + "".join(f"{',' if i else ':'}{k}={v}" for i, (k, v) in enumerate(params.items()))
+
+
 def parse(spec):
     """``"topk:density=0.01"`` -> ``("topk", {"density": "0.01"})`` (values unconverted)."""
     if not isinstance(spec, str) or not spec.strip():
@@ -64,13 +69,10 @@ def from_spec(spec):
     name, raw = parse(spec)
     if "min_size" in raw:                  # any compressor: smaller tensors sent whole
         size = _convert(name, "min_size", raw.pop("min_size"), 0)
-        inner = from_spec(name + "".join(f"{',' if i else ':'}{k}={v}"
-                                         for i, (k, v) in enumerate(raw.items())))
-        return inner.send_whole_below(size)
+        return from_spec(_unparse(name, raw)).send_whole_below(size)
     if "hier" in raw:                      # "topk:density=0.01,hier=1" == "hier:topk:..."
         hier = _convert(name, "hier", raw.pop("hier"), False)
-        inner = from_spec(name + "".join(f"{',' if i else ':'}{k}={v}"
-                                         for i, (k, v) in enumerate(raw.items())))
+        inner = from_spec(_unparse(name, raw))
         return Hierarchical(inner) if hier else inner
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; valid: {', '.join(sorted(REGISTRY))}")

@@ -14,11 +14,12 @@ Eager and compiled (``tf.function``): in a compiled step the skip is a ``tf.cond
 optimizer's variables (Adam's ``m``, ``v``, ``iterations``) are this rank's; the model's
 weights stay the same on every rank.
 
-Imports: TensorFlow, ``hvd_compress.log``.
+Imports: TensorFlow, ``hvd_compress.log``, ``hvd_compress.ops``.
 """
 import tensorflow as tf
 
 from ..log import logger
+from ..ops import tf_ops
 
 
 class KerasLocalUpdates:
@@ -34,8 +35,7 @@ class KerasLocalUpdates:
         start = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
         present = [g.values if isinstance(g, tf.IndexedSlices) else g
                    for g in grads if g is not None]
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in present]) \
-            if present else tf.constant(True)
+        finite = tf.reduce_all([tf_ops.all_finite(g) for g in present] or [True])
         if tf.executing_eagerly():
             if bool(finite):
                 base_apply(grads)

@@ -179,19 +179,13 @@ def _distributed_class(base):
         if getattr(self, "compressed_momentum", None) is not None:
             return _apply_momentum(self, base, grads, variables, trainable_variables)
         if getattr(self, "_hvd_update", None) is not None:
-            if not self.built:
-                with keras.name_scope(self.name, caller=self):
-                    self.build(variables)
-                self.built = True
+            _build(self, variables)
             return self._hvd_update.apply(
                 lambda g: base.apply(self, g, trainable_variables), grads, variables,
                 lambda u, v: self._hvd_local.reduce(               # local: its own update
                     lambda u, v: _reduce_all(self, u, v), u, v, 1))
         if self._hvd_accumulation is not None:
-            if not self.built:
-                with keras.name_scope(self.name, caller=self):
-                    self.build(variables)
-                self.built = True
+            _build(self, variables)
             self._hvd_accumulation.apply(
                 grads, variables, lambda g, v: _reduce(self, g, v),
                 lambda g, v: base.apply(self, g, trainable_variables),
@@ -215,6 +209,15 @@ def _distributed_class(base):
                                         "__doc__": base.__doc__})
     _CLASSES[base] = cls
     return cls
+
+
+def _build(self, variables):
+    """Build the optimizer's slots for ``variables`` now (as Keras' ``apply`` would),
+    before the step reads or accumulates into them."""
+    if not self.built:
+        with keras.name_scope(self.name, caller=self):
+            self.build(variables)
+        self.built = True
 
 
 def _reduce(self, grads, variables, compression=None, count_as=None):
