@@ -15,7 +15,17 @@ seeds as there.  Methods:
 - ``update@d``: each rank's own AdamW step from the shared parameters, its update
   through top-k at density ``d`` with error feedback, the mean of what was sent applied
   (``d = 1``: the updates averaged uncompressed);
-- ``grad@d~n``, ``update@d~n``: the same, tensors of fewer than ``n`` values sent whole.
+- ``grad@d~n``, ``update@d~n``: the same, tensors of fewer than ``n`` values sent whole;
+- ``grad=SPEC``, ``update=SPEC``: each rank's gradient or update through its own
+  instance of the library's compressor ``SPEC`` (``update=signsgd``,
+  ``update=laplace_topk:density=0.01``), its error feedback included; the mean of the
+  ranks' reconstructions;
+- a suffix ``:agg=A,decay=B`` on ``grad``/``update``: ``agg=union`` (every rank's top-k
+  indices, their union ``U``, every rank's compensated values at ``U`` averaged: the
+  library's ``agg=union``), ``agg=leader`` (rank ``t mod P`` picks the ``k`` indices at
+  step ``t``, every rank sends its values there: the library's ``agg=leader``), and
+  ``decay=B`` (the residual decays before compensation, ``c = x + B e``, as in
+  SparseLoCo's error feedback; ``B = 1`` is plain error feedback).
 
 ``--seed 0`` (the default) uses benchmarks/time_to_loss.py's initial weights and batches;
 another seed other batches and GPT-2's N(0, 0.02) initial weights anew.  One seed is
@@ -42,43 +52,83 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))      # last: benchmarks/select.py is no stdlib
 sys.path.append(str(ROOT / "examples"))        # gpt2_text
-from gpt2_text import corpus, make_model, validation_loss, windows  # noqa: E402
+from gpt2_text import corpus, make_model, train_batch, validation_loss, windows  # noqa: E402
 
 METHODS = "dense;dense@3e-3;grad@0.01;update@1;update@0.01;update@0.001"
 
 
-def topk_ef(x, e, density, whole_below=0):
-    """(sent, new residual) of ``x + e`` through exact top-k of |.|, ``k = ceil(density n)``
-    as the library's ``topk`` (``int()`` instead sends a 256-value LayerNorm 2 values
-    a step, not 3: with updates at 1% that alone left the loss at step 100 at 2.93, not
-    2.44)."""
-    c = (x + e).reshape(-1)
-    if density >= 1 or c.numel() < whole_below:
-        return c.view_as(x), torch.zeros_like(x)
-    idx = c.abs().topk(max(1, math.ceil(density * c.numel()))).indices
-    s = torch.zeros_like(c)
-    s[idx] = c[idx]
-    return s.view_as(x), (c - s).view_as(x)
+def top_indices(c, density):
+    """The ``k = ceil(density n)`` largest |c| of a flat tensor, as the library's ``topk``
+    (``int()`` instead sends a 256-value LayerNorm 2 values a step, not 3: with updates at
+    1% that alone left the loss at step 100 at 2.93, not 2.44)."""
+    return c.abs().topk(max(1, math.ceil(density * c.numel()))).indices
 
 
-def run(method, args, train, val_batch):
-    kind, _, value = method.partition("@")
+def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0):
+    """(mean of what the ranks sent, their new residuals, bytes each rank sent: a float32
+    value and an int32 index per value; ``union``: its k indices and a value per index of
+    the union; ``leader``: a value per index, the indices once in P steps; 4 per value of a
+    tensor sent whole) for one
+    tensor whose value on rank r is ``xs[r]``: each rank compensates
+    ``c_r = x_r + decay e_r``, sends ``c_r`` at its indices (its own top-k; the union of
+    all ranks' top-k; or the leader's top-k), and keeps the rest as its residual."""
+    cs = [(x + decay * e).reshape(-1) for x, e in zip(xs, errors)]
+    if density >= 1 or cs[0].numel() < whole_below:
+        mean = 0
+        for c in cs:             # this order: the recorded runs' rounding
+            mean = mean + c / len(cs)
+        return mean.view_as(xs[0]), [torch.zeros_like(x) for x in xs], 4 * cs[0].numel()
+    if agg == "local":
+        picks = [top_indices(c, density) for c in cs]
+    elif agg == "union":
+        picks = [torch.cat([top_indices(c, density) for c in cs]).unique()] * len(cs)
+    elif agg == "leader":
+        picks = [top_indices(cs[step % len(cs)], density)] * len(cs)
+    else:
+        raise ValueError(f"agg={agg!r}: local, union or leader")
+    mean, residuals = torch.zeros_like(cs[0]), []
+    for c, idx in zip(cs, picks):
+        mean[idx] += c[idx] / len(cs)
+        r = c.clone()
+        r[idx] = 0
+        residuals.append(r.view_as(xs[0]))
+    k = max(1, math.ceil(density * cs[0].numel()))
+    index_bytes = {"local": 4 * k, "union": 4 * k, "leader": 4 * k / len(cs)}[agg]
+    return mean.view_as(xs[0]), residuals, 4 * picks[0].numel() + index_bytes
+
+
+def library_mean(compressors, xs, name):
+    """(mean of the ranks' reconstructions, bytes each rank sent) of one tensor through
+    each rank's own compressor (error feedback in it)."""
+    mean = 0
+    for c, x in zip(compressors, xs):
+        payload, ctx = c.for_tensor(name, x).compress(x, name)
+        mean = mean + c.for_tensor(name, x).decompress(payload, ctx) / len(xs)
+    return mean.view_as(xs[0]), sum(t.numel() * t.element_size() for t in payload)
+
+
+def run(label, args, train, val_batch):
+    kind, _, spec = label.partition("=")
+    spec = spec if kind in ("grad", "update") else ""
+    method = kind + "@1" if spec else label
+    if spec:
+        from hvd_compress import from_spec
+        compressors = [from_spec(spec) for _ in range(args.ranks)]
+    method_, _, options = method.partition(":")
+    kind, _, value = method_.partition("@")
     value, _, whole = value.partition("~")
     whole = int(whole or 0)
+    options = dict(o.split("=", 1) for o in options.split(",") if o)
+    agg, decay = options.pop("agg", "local"), float(options.pop("decay", 1.0))
+    if options:
+        raise ValueError(f"{method}: unknown option(s) {sorted(options)} (agg=, decay=)")
     lr = float(value) if kind == "dense" and value else args.lr
     density = float(value) if kind != "dense" else 1.0
-    models = [make_model(args) for _ in range(args.ranks)]
-    if args.seed:        # other initial weights (GPT-2's N(0, 0.02)), the same on every rank
-        torch.manual_seed(args.seed)
-        with torch.no_grad():
-            for p in models[0].parameters():
-                if p.dim() > 1:
-                    p.normal_(0.0, 0.02)
-        for m in models[1:]:
-            m.load_state_dict(models[0].state_dict())
+    models = [make_model(args, args.seed) for _ in range(args.ranks)]
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01) for m in models]
     params = [list(m.parameters()) for m in models]
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
+    sent = 0                     # bytes per rank, all steps
 
     def validate():
         return validation_loss(models[0], val_batch)
@@ -87,22 +137,25 @@ def run(method, args, train, val_batch):
     for step in range(1, args.steps + 1):
         grads = []
         for r, m in enumerate(models):
-            # time_to_loss's seeds (--seed 0); another --seed: other batches
-            g = torch.Generator().manual_seed(100003 * step + r + 7919 * 1000003 * args.seed)
-            starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=g)
-            batch = windows(train, starts, args.seq)
+            batch = train_batch(train, step, r, args.batch, args.seq, args.seed)
             m.zero_grad()
             m(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss.backward()
             grads.append([p.grad.clone() for p in params[r]])
         with torch.no_grad():
             if kind in ("dense", "grad"):
                 for i in range(len(params[0])):
-                    mean = 0
+                    if spec:
+                        mean, n = library_mean(compressors, [g[i] for g in grads], str(i))
+                        for r in range(len(models)):
+                            params[r][i].grad = mean.clone()
+                        sent += n
+                        continue
+                    mean, res, n = sparse_mean([g[i] for g in grads],
+                                               [e[i] for e in errors], density, step, whole,
+                                               agg, decay)
+                    sent += n
                     for r in range(len(models)):
-                        sent, errors[r][i] = topk_ef(grads[r][i], errors[r][i], density,
-                                                     whole)
-                        mean = mean + sent / len(models)
-                    for r in range(len(models)):
+                        errors[r][i] = res[r]
                         params[r][i].grad = mean.clone()
                 for o in opts:
                     o.step()
@@ -111,21 +164,29 @@ def run(method, args, train, val_batch):
                 for r, o in enumerate(opts):
                     o.step()
                 for i, p0 in enumerate(start):
-                    mean = 0
+                    if spec:
+                        mean, n = library_mean(compressors, [p[i] - p0 for p in params],
+                                               str(i))
+                        for r in range(len(models)):
+                            params[r][i].copy_(p0 + mean)
+                        sent += n
+                        continue
+                    mean, res, n = sparse_mean([p[i] - p0 for p in params],
+                                               [e[i] for e in errors], density, step, whole,
+                                               agg, decay)
+                    sent += n
                     for r in range(len(models)):
-                        sent, errors[r][i] = topk_ef(params[r][i] - p0, errors[r][i],
-                                                     density, whole)
-                        mean = mean + sent / len(models)
-                    for r in range(len(models)):
+                        errors[r][i] = res[r]
                         params[r][i].copy_(p0 + mean)
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, validate()))
-            print(f"{method}: step {step} val loss {curve[-1][1]:.4f} "
+            print(f"{label}: step {step} val loss {curve[-1][1]:.4f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     sizes = [p.numel() for p in params[0]]
-    sent = sum(n if (density >= 1 or n < whole) else math.ceil(density * n) for n in sizes)
-    return dict(method=method, kind=kind, lr=lr, density=density, whole_below=whole,
-                values_sent_per_rank_step=sent, values=sum(sizes), curve=curve)
+    sent = round(sent / args.steps)         # agg=union, laplace_topk: vary with the step
+    return dict(method=label, kind=kind, spec=spec or None, lr=lr, density=density,
+                whole_below=whole, agg=agg, decay=decay,
+                bytes_sent_per_rank_step=sent, values=sum(sizes), curve=curve)
 
 
 def main():
@@ -145,20 +206,22 @@ def main():
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="adam_update_sim")
     args = p.parse_args()
-    bad = [m for m in args.methods.split(";") if m.partition("@")[0] not in
+    bad = [m for m in args.methods.split(";")
+           if m.partition(":")[0].partition("@")[0].partition("=")[0] not in
            ("dense", "grad", "update")]
     if bad:
-        p.error(f"unknown method(s) {bad}: dense[@lr], grad@density, update@density")
+        p.error(f"unknown method(s) {bad}: dense[@lr], grad@density, update@density, "
+                "grad=SPEC, update=SPEC")
     train, val = corpus()
     g = torch.Generator().manual_seed(12345)
     val_batch = windows(val, torch.randint(0, val.numel() - args.seq - 1, (32,), generator=g),
                         args.seq)
     rows = [run(m, args, train, val_batch) for m in args.methods.split(";") if m]
     dense = rows[0]["curve"][-1][1]
-    print(f"\n| method | val loss at step {args.steps} | x first row | values sent per rank "
+    print(f"\n| method | val loss at step {args.steps} | x first row | bytes sent per rank "
           "and step (x fewer) |\n|---|---|---|---|")
     for r in rows:
-        n, sent = r["values"], r["values_sent_per_rank_step"]
+        n, sent = 4 * r["values"], r["bytes_sent_per_rank_step"]
         print(f"| {r['method']} | {r['curve'][-1][1]:.4f} | {r['curve'][-1][1] / dense:.3f} | "
               f"{sent:,} ({n / sent:.1f}x) |")
     date = datetime.date.today().isoformat()

@@ -94,7 +94,7 @@ def ddp_row(method, args, launch, link):
         out = os.path.join(tmp, "row.json")
         argv = [sys.executable, str(ROOT / "examples" / "ddp_gpt2.py"), "--steps",
                 str(args.steps), "--eval-every", str(args.eval_every), "--json", out,
-                "--no-progress"]
+                "--no-progress", "--seed", str(args.seed)]
         if method.startswith("cu:"):
             argv += ["--compressed-update", "--compression", method[3:]]
         elif method == "none" or method.startswith("torch_"):
@@ -130,7 +130,8 @@ def run_link(link, methods, args):
         argv = [sys.executable, str(ROOT / "benchmarks" / "time_to_loss_worker.py"),
                 "--methods", ";".join(methods), "--steps", str(args.steps),
                 "--eval-every", str(args.eval_every), "--warmup", args.warmup,
-                "--momentum-args", args.momentum_args, "--out", out]
+                "--momentum-args", args.momentum_args, "--seed", str(args.seed),
+                "--out", out]
         rc, stdout, stderr = launch(argv, args.timeout)
         for line in stdout.splitlines():
             if "<stdout>:" in line:
@@ -235,6 +236,10 @@ def main():
                    help="compressed_momentum's warm-up: dense steps, or 'auto'")
     p.add_argument("--momentum-args", default="{}",
                    help='more of compressed_momentum\'s arguments, as JSON: \'{"refresh": 25}\'')
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights and batches (examples/gpt2_text.py): 0, the recorded "
+                        "runs'; another, others (one seed does not rank methods whose losses "
+                        "differ by less than ~0.2)")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="time_to_loss")
@@ -260,7 +265,7 @@ def main():
                 transformers=transformers.__version__, cpus=os.cpu_count(), workers=2,
                 threads_per_worker=1, glue=args.glue, links=links, steps=steps,
                 steps_100mbit=args.steps_100mbit, warmup=args.warmup,
-                momentum_args=args.momentum_args,
+                momentum_args=args.momentum_args, seed=args.seed,
                 target_step=args.target_step, rows=rows)
     for link in links:
         print(table(rows, link))

@@ -35,13 +35,13 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 import hvd_compress.torch as hct  # noqa: E402
-from gpt2_text import corpus, make_model, validation_loss, windows  # noqa: E402
+from gpt2_text import corpus, make_model, train_batch, validation_loss, windows  # noqa: E402
 
 
 def run(method, args, train, val_batch):
     momentum, update = method.startswith("cm:"), method.startswith("cu:")
     spec = method[3:] if momentum or update else method
-    model = make_model(args)
+    model = make_model(args, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     schedule = dict(json.loads(args.momentum_args),
                     warmup=int(args.warmup) if args.warmup.isdigit() else args.warmup)
@@ -57,9 +57,7 @@ def run(method, args, train, val_batch):
     seconds, steps_s, sent_after = 0.0, [], []
     frozen = None
     for step in range(1, args.steps + 1):
-        g = torch.Generator().manual_seed(100003 * step + hvd.rank())
-        starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=g)
-        batch = windows(train, starts, args.seq)
+        batch = train_batch(train, step, hvd.rank(), args.batch, args.seq, args.seed)
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
@@ -99,6 +97,7 @@ def main():
     p.add_argument("--warmup", default="auto", help="compressed_momentum: steps or 'auto'")
     p.add_argument("--momentum-args", default="{}",
                    help="compressed_momentum: more MomentumSchedule arguments, as JSON")
+    p.add_argument("--seed", type=int, default=0, help="gpt2_text.make_model's and batches'")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)

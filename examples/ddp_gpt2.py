@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_compress.ddp
 from hvd_compress.stats import Stats, ring_received
 from ddp_mnist import set_up_hook
-from gpt2_text import corpus, make_model, validation_loss, windows
+from gpt2_text import corpus, make_model, train_batch, validation_loss, windows
 from mnist_common import exit_skipping_teardown, progress
 
 
@@ -43,6 +43,8 @@ def parse_args():
                    help="hvd_compress, none (DDP's allreduce), torch_powersgd:rank=R[,start=S]")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0,
+                   help="0: the recorded runs' initial weights and batches; another: others")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="per worker")
@@ -75,7 +77,7 @@ def main():
     g = torch.Generator().manual_seed(12345)
     val_batch = windows(val, torch.randint(0, val.numel() - args.seq - 1, (32,), generator=g),
                         args.seq)
-    model = make_model(args)
+    model = make_model(args, args.seed)
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     label, stats = set_up(args, ddp, opt)
@@ -89,9 +91,7 @@ def main():
 
     curve, seconds, step_s = [(0, 0.0, validate())], 0.0, []
     for step in progress(range(1, args.steps + 1), rank == 0 and not args.no_progress, "steps"):
-        g = torch.Generator().manual_seed(100003 * step + rank)
-        starts = torch.randint(0, train.numel() - args.seq - 1, (args.batch,), generator=g)
-        batch = windows(train, starts, args.seq)
+        batch = train_batch(train, step, rank, args.batch, args.seq, args.seed)
         start = time.perf_counter()
         opt.zero_grad()
         ddp(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss.backward()

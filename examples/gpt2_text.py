@@ -19,13 +19,29 @@ def windows(text, starts, seq):
     return torch.stack([text[s:s + seq + 1] for s in starts.tolist()])
 
 
-def make_model(args):
+def train_batch(train, step, rank, batch, seq, seed=0):
+    """Rank ``rank``'s batch at ``step``: ``batch`` windows of ``seq + 1`` bytes, drawn from
+    a generator seeded by (step, rank, seed), so every method sees the same batches."""
+    g = torch.Generator().manual_seed(100003 * step + rank + 7919 * 1000003 * seed)
+    return windows(train, torch.randint(0, train.numel() - seq - 1, (batch,), generator=g), seq)
+
+
+def make_model(args, seed=0):
+    """The GPT-2 of ``args`` (width, layers, seq).  ``seed=0``: the initial weights every
+    recorded run used; another seed draws the matrices anew from GPT-2's N(0, 0.02)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.width,
                         n_layer=args.layers, n_head=4, bos_token_id=0, eos_token_id=0,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    if seed:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.02)
+    return model
 
 
 def validation_loss(model, batch):

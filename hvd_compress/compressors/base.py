@@ -96,6 +96,21 @@ class OwnPayload(tuple):
         return self
 
 
+def check_residuals_of(compressor, state_dict):
+    """ValueError when a checkpoint's residuals hold other quantities than ``compressor``'s
+    would: gradients' residuals (gradient-sized) restored as ``compressed_update=True``'s
+    update residuals would be added to the parameters, and update residuals (learning-rate
+    sized) restored as gradients' would all but vanish.  A checkpoint without the key
+    (before 2026-11-29) is not checked."""
+    held = state_dict.get("residuals_of")
+    if held is not None and held != compressor.residuals_of:
+        raise ValueError(
+            f"state_dict holds error feedback of {held} (a run with compressed_update="
+            f"{held == 'updates'}); this compressor's is of {compressor.residuals_of} "
+            f"(compressed_update={compressor.residuals_of == 'updates'}): restore it into "
+            "the same mode, or start the residuals afresh (do not load it)")
+
+
 class Compressor:
     """Base class; see the module docstring for the contract."""
 
@@ -114,6 +129,8 @@ class Compressor:
                                #: tensor's shape (a bucket's layout), never on its values:
                                #: the same on every rank, so an allgather needs no
                                #: lengths first (``Transport.allgather_fixed``)
+    residuals_of = "gradients"  #: what error feedback's residuals hold: ``"updates"`` once
+                               #: a glue with ``compressed_update=True`` took it
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -333,8 +350,9 @@ class Compressor:
         return ResidualMemory(self._store, self._ops).residual(name)
 
     def state_dict(self):
-        """Error-feedback residuals and counters, copied: ``{"spec", "state"}``."""
-        return {"spec": self.spec,
+        """Error-feedback residuals and counters, copied: ``{"spec", "residuals_of",
+        "state"}``."""
+        return {"spec": self.spec, "residuals_of": self.residuals_of,
                 "state": self._store.state_dict() if self._store is not None else {}}
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
@@ -345,6 +363,7 @@ class Compressor:
         if state_dict.get("spec") != self.spec:
             raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
                              f"not {self.spec!r}")
+        check_residuals_of(self, state_dict)
         if self._store is None:
             from importlib import import_module
             ops = import_module("hvd_compress.ops." + {"torch": "torch_ops",

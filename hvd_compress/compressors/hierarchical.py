@@ -12,7 +12,7 @@ compressor.
 
 Imports: modules of its own package.
 """
-from .base import Compressor
+from .base import Compressor, check_residuals_of
 
 PREFIX = "hier:"
 
@@ -77,12 +77,14 @@ class Hierarchical(Compressor):
         return self.inner.residual_names(lay)
 
     def state_dict(self):
-        return {"spec": self.spec, "state": self.inner.state_dict()["state"]}
+        return {"spec": self.spec, "residuals_of": self.residuals_of,
+                "state": self.inner.state_dict()["state"]}
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
         if state_dict.get("spec") != self.spec:
             raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
                              f"not {self.spec!r}")
+        check_residuals_of(self, state_dict)
         self.inner.load_state_dict({"spec": self.inner.spec, "state": state_dict["state"]},
                                    framework=framework, strict=strict)
 

@@ -285,7 +285,9 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
     compressed momentum (``schedule`` not None), a sum (``average`` False: P ranks'
     updates summed would move the parameters P times as far; ``ops``: how the caller
     spells average and sum) and DGC's momentum correction (``momentum=``: it would add
-    momentum to updates).  Returns ``compressed_update``."""
+    momentum to updates).  Returns ``compressed_update``; when True, marks the compressor's
+    residuals as updates (``compression.residuals_of``), which its checkpoints record and
+    check on restore."""
     if not isinstance(compressed_update, bool):
         raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
     if not compressed_update:
@@ -302,6 +304,7 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
         raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
                          "SGD's momentum inside the exchange (momentum=); drop momentum= "
                          "(the wrapped optimizer's own momentum is in the update)")
+    compression.residuals_of = "updates"
     return True
 
 

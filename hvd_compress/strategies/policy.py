@@ -20,7 +20,7 @@ parameters go uncompressed.
 import fnmatch
 import sys
 
-from ..compressors.base import Compressor
+from ..compressors.base import Compressor, check_residuals_of
 from ..spec import from_spec
 
 
@@ -77,12 +77,14 @@ class Policy(Compressor):
         return f"policy({rules};*={self.default.spec})"
 
     def state_dict(self):
-        return {"spec": self.spec, "state": [c.state_dict() for c in self.compressors()]}
+        return {"spec": self.spec, "residuals_of": self.residuals_of,
+                "state": [c.state_dict() for c in self.compressors()]}
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
         if state_dict.get("spec") != self.spec:
             raise ValueError("state_dict is for another policy:\n"
                              f"  {state_dict.get('spec')}\nnot\n  {self.spec}")
+        check_residuals_of(self, state_dict)
         for c, sd in zip(self.compressors(), state_dict["state"]):
             # (an empty one clears; auto also holds its schedule and choices)
             if sd["state"] or c._store is not None or getattr(c, "adaptive", False):

@@ -99,6 +99,9 @@ def test_checkpoint_resumes_bit_for_bit(ranks):
     for r in ranks:
         assert np.array_equal(r["resume/param"], r[f"trace/{STEPS}/param"])
         assert np.array_equal(r["resume/residual"], r[f"trace/{STEPS}/residual"])
+        # the glue marked them; gradients' residuals are not restored into update mode
+        assert str(r["resume/residuals_of"]) == "updates"
+        assert "error feedback of gradients" in str(r["resume/gradients_error"])
 
 
 def test_a_rank_with_nan_gradients_skips_its_step_and_loses_nothing(ranks):

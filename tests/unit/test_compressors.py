@@ -122,6 +122,34 @@ def test_state_dict_for_another_spec_is_rejected(fw):
         hvd_compress.from_spec("topk:density=0.2").load_state_dict(a.state_dict(), fw.name)
 
 
+@pytest.mark.parametrize("spec", ["topk:density=0.1", "hier:topk:density=0.1", "policy",
+                                  "auto"])
+def test_gradient_residuals_are_not_restored_as_update_residuals(fw, spec):
+    """compressed_update=True marks a compressor's residuals as updates (every glue, via
+    check_compressed_update); a checkpoint of either mode refuses the other, and one
+    without the mark (before 2026-11-29) loads into both."""
+    from hvd_compress.strategies.momentum import check_compressed_update
+
+    def build():
+        return (hvd_compress.Policy({"*bias": "none"}, default="topk:density=0.1")
+                if spec == "policy" else hvd_compress.from_spec(spec))
+    grads = build()
+    if spec != "auto":                          # (auto compresses through the Driver)
+        getattr(grads, "inner", grads).for_tensor("g", fw.tensor(grad(0))).compress(
+            fw.tensor(grad(0)), "g")
+    updates = build()
+    check_compressed_update(True, None, updates, True, ("op=Average", "op=Sum"))
+    assert (grads.state_dict()["residuals_of"], updates.state_dict()["residuals_of"]) == (
+        "gradients", "updates")
+    with pytest.raises(ValueError, match=r"error feedback of gradients .*compressed_update="
+                                         r"False.*of updates \(compressed_update=True"):
+        updates.load_state_dict(grads.state_dict(), fw.name)
+    with pytest.raises(ValueError, match="error feedback of updates"):
+        build().load_state_dict(updates.state_dict(), fw.name)
+    old = {k: v for k, v in grads.state_dict().items() if k != "residuals_of"}
+    updates.load_state_dict(old, fw.name)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_half_precision_gradients_keep_their_dtype(fw, spec, dtype):

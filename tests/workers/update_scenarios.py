@@ -9,7 +9,7 @@ expected values from them.
 
 Scenarios: ``trace`` (each step's start, this rank's update as a plain AdamW on its own
 gradient makes it, parameters and residuals after), ``resume`` (a checkpoint after step
-3, restored into fresh objects), ``nan`` (rank 1's gradient NaN at step 3),
+3, restored into fresh objects; the same residuals marked as gradients' refused), ``nan`` (rank 1's gradient NaN at step 3),
 ``closure_and_scaler`` (step(closure), the GradScaler recipe, NaN/Inf on rank 1),
 ``each_spec`` (five compressors), ``gpt2`` (a transformers model), ``malformed`` (rank
 1's payload corrupted at step 2: every rank raises, its parameters are back at the step's
@@ -89,7 +89,15 @@ def resume(glue, out):
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                 "compression": parts.compression.state_dict()}, buf)
     buf.seek(0)
-    model, opt, parts = glue.build(SPEC, saved=torch.load(buf, weights_only=True))
+    saved = torch.load(buf, weights_only=True)
+    out["resume/residuals_of"] = np.array(saved["compression"]["residuals_of"])
+    try:                                      # the same residuals, said to be gradients'
+        glue.build(SPEC, saved=dict(saved, compression=dict(saved["compression"],
+                                                             residuals_of="gradients")))
+        out["resume/gradients_error"] = np.array("")
+    except ValueError as e:
+        out["resume/gradients_error"] = np.array(str(e))
+    model, opt, parts = glue.build(SPEC, saved=saved)
     for step in range(4, STEPS + 1):
         one_step(glue, model, opt, step)
     out["resume/param"] = flat(model.parameters())
