@@ -101,7 +101,8 @@ def primitives(n, ref_n, rng):
                                                                   R.decode_reference(d, p, e, m))))
 
     # error feedback: c = g + r; r = c - sent  (dense: sent is a full tensor)
-    from hvd_compress.memory import ResidualMemory, TorchStore
+    from hvd_compress.memory import ResidualMemory
+    from hvd_compress.stores import TorchStore
     sent = data(n)
     k = n // 100
     idx = torch.from_numpy(rng.choice(n, k, replace=False).astype(np.int32))

@@ -70,6 +70,9 @@ def from_spec(spec):
     if "min_size" in raw:                  # any compressor: smaller tensors sent whole
         size = _convert(name, "min_size", raw.pop("min_size"), 0)
         return from_spec(_unparse(name, raw)).send_whole_below(size)
+    if "ef_decay" in raw:                  # any compressor with error feedback
+        beta = _convert(name, "ef_decay", raw.pop("ef_decay"), 1.0)
+        return from_spec(_unparse(name, raw)).decay_residuals(beta)
     if "hier" in raw:                      # "topk:density=0.01,hier=1" == "hier:topk:..."
         hier = _convert(name, "hier", raw.pop("hier"), False)
         inner = from_spec(_unparse(name, raw))

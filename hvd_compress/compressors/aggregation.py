@@ -124,7 +124,8 @@ def propose(sp, flat, ctx, ops, step, parts, own, rank, size):
     memory = None
     compensated = flat
     if sp.ef:
-        memory = ResidualMemory(sp._state(ops), ops, reuse=sp.payload_is_copy)
+        memory = ResidualMemory(sp._state(ops), ops, reuse=sp.payload_is_copy,
+                                decay=sp.ef_decay)
         compensated = memory.compensate_parts(parts, flat, own=own)
     finite = ops.all_finite(compensated)
     domain, dctx = sp.to_domain(compensated, ctx, ops)

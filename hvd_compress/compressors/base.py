@@ -131,6 +131,8 @@ class Compressor:
                                #: lengths first (``Transport.allgather_fixed``)
     residuals_of = "gradients"  #: what error feedback's residuals hold: ``"updates"`` once
                                #: a glue with ``compressed_update=True`` took it
+    ef_decay = 1.0             #: error feedback keeps ``ef_decay * (c - sent)``
+                               #: (:meth:`decay_residuals`)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -184,6 +186,23 @@ class Compressor:
         self._whole = NoneCompressor() if min_size else None
         return self
 
+    def decay_residuals(self, beta):
+        """Error feedback keeps ``beta (c - sent)`` instead of ``c - sent`` (spec parameter
+        ``ef_decay=``; :mod:`hvd_compress.memory`, after SparseLoCo): what is not sent
+        within ~1/(1 - beta) steps fades instead of arriving late.  Measured with
+        compressed AdamW updates (docs/adam-adamw.md).  ``0 < beta <= 1``; needs error
+        feedback.  Returns ``self``."""
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta <= 1:
+            raise ValueError(f"{self.name}: ef_decay must be a number in (0, 1], got {beta!r}")
+        if getattr(self, "adaptive", False):
+            raise ValueError("auto: ef_decay applies to one compressor's error feedback; auto "
+                             "chooses per bucket (give ef_decay= to a compressor's spec)")
+        if not self.ef and beta != 1:
+            raise ValueError(f"{self.name}: ef_decay={beta} needs error feedback, which this "
+                             "compressor has off (ef=0)")
+        self.ef_decay = float(beta)
+        return self
+
     def compress(self, tensor, name=None):
         """Compress ``tensor`` (any shape/layout); ``name`` keys error-feedback state."""
         ops = ops_for(tensor)
@@ -235,7 +254,8 @@ class Compressor:
         tensors ``flat`` holds end to end (one for a single tensor)."""
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
-        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
+        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy,
+                                decay=self.ef_decay)
         # (only an encode that checks its own input can add r first: finds_nonfinite)
         add = memory.residuals_to_add(parts, flat, own) \
             if self.finds_nonfinite and self.adds_residual(flat, ctx, ops) else None
@@ -310,7 +330,7 @@ class Compressor:
         return self.decompress(payload, ctx)
 
     # -- state (error feedback, counters) --------------------------------------------
-    journal = None             #: :class:`hvd_compress.memory.Journal` of the stores, or None
+    journal = None             #: :class:`hvd_compress.stores.Journal` of the stores, or None
 
     def _state(self, ops):
         if self._store is None:
@@ -328,7 +348,7 @@ class Compressor:
 
     def attach_journal(self, journal):
         """Record every state write of this compressor (and of the compressors it holds)
-        in ``journal`` (a :class:`~hvd_compress.memory.Journal`; None: stop), so that a
+        in ``journal`` (a :class:`~hvd_compress.stores.Journal`; None: stop), so that a
         step can be undone."""
         self.journal = journal
         if self._store is not None:
@@ -399,6 +419,8 @@ class Compressor:
             if value is None:
                 continue
             parts.append(f"{p}={int(value) if isinstance(value, bool) else value}")
+        if self.ef_decay != 1.0:
+            parts.append(f"ef_decay={self.ef_decay}")
         if self.min_size and "min_size" not in self.params():
             parts.append(f"min_size={self.min_size}")
         return self.name + (":" + ",".join(parts) if parts else "")

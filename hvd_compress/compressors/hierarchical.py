@@ -50,6 +50,10 @@ class Hierarchical(Compressor):
     def spec(self):
         return PREFIX + self.inner.spec
 
+    def decay_residuals(self, beta):
+        self.inner.decay_residuals(beta)
+        return self
+
     def for_tensor(self, name, tensor):
         """The inner compressor's choice, still hierarchical (integer tensors: ``none``,
         summed densely through the same hierarchy)."""

@@ -133,7 +133,8 @@ class PowerSGD(Compressor):
     def _propose(self, flat, ctx, ops, parts, shapes, own, size):
         memory, compensated = None, flat
         if self.ef:
-            memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy)
+            memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy,
+                                    decay=self.ef_decay)
             compensated = memory.compensate_parts(parts, flat, own=own)
         finite = ops.all_finite(compensated)
         x = ops.to_float32(compensated)

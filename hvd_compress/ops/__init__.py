@@ -37,7 +37,7 @@ The primitives (both modules define all of them, with the same meaning):
 ``divide(a, b)``        ``a / b`` rounded as IEEE division on every device (CUDA divides
                         by a Python number as a multiplication by its reciprocal)
 ``size_bytes(t)``       bytes of ``t`` (python int in torch, int64 tensor in TF)
-``new_store()``         a :class:`~hvd_compress.memory` state store for this framework
+``new_store()``         a :class:`~hvd_compress.stores` state store for this framework
 =====================  ===========================================================
 
 Further groups, each with its docstrings in ``torch_ops/`` (where the Triton kernels
@@ -49,9 +49,9 @@ block DCT (``rangefloat_encode``, ``block_dct``, ...), and PowerSGD's low-rank p
 (``matmul``, ``orthonormal_columns``, ``low_rank_products``,
 ``subtract_low_rank_products``: each product written in its place, no product tensors
 on PyTorch); error feedback's buffers
-(``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``, and ``restore_flagged``:
-the old residuals kept where device flags say NaN/Inf, without reading them on the
-host); and the size cut-off
+(``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``, ``scale``: the
+residual's decay, and ``restore_flagged``: the old residuals kept where device flags say
+NaN/Inf, without reading them on the host); and the size cut-off
 ``small_topk_below``; buckets (``concat``, ``split``, ``segment_ids``,
 ``layout_constant`` (a bucket's per-tensor k, n, ...: made once per layout and device
 in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,

@@ -51,7 +51,7 @@ variance ``v`` is then Adam's variance of the aggregate this compressor delivers
 
 **A step with NaN/Inf** in the aggregate momentum is skipped as a GradScaler skips one:
 ``m``, ``v``, the parameters, the step count and every error-feedback residual stay as
-they were (the glue undoes the residual writes with a :class:`hvd_compress.memory.Journal`).
+they were (the glue undoes the residual writes with a :class:`hvd_compress.stores.Journal`).
 
 This module imports only the standard library (and, lazily, ``hvd_compress.log`` and
 ``auto``'s candidates): the frameworks' glue (``hvd_compress.torch.momentum``) does
@@ -198,7 +198,7 @@ class MomentumGlue:
     framework = "torch"          #: for restoring the warm-up compressor's state
 
     def __init__(self, schedule, compression, rank=lambda: 0):
-        from ..memory import Journal
+        from ..stores import Journal
         from ..spec import resolve
         self.schedule = MomentumSchedule.build(schedule)
         #: the compressor of the dense steps' gradients (``warmup_compression``)

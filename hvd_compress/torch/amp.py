@@ -19,7 +19,7 @@ is taken out the same way (:class:`GradientUnits` holds both).
 An *overflow step* (a gradient with Inf/NaN on any rank: the aggregate is non-finite on
 every rank, every compressor passes non-finite values through, so GradScaler skips the
 step everywhere): every state write the compressors made in that step (residuals, step
-counters, PowerSGD's ``Q``) is undone (:class:`hvd_compress.memory.Journal`), so the
+counters, PowerSGD's ``Q``) is undone (:class:`hvd_compress.stores.Journal`), so the
 step leaves error feedback exactly as it was.
 
 Imports: torch, ``hvd_compress.memory``, ``hvd_compress.log``.
@@ -29,7 +29,7 @@ import math
 import torch
 
 from ..log import logger
-from ..memory import Journal
+from ..stores import Journal
 
 
 def _check_scaler(scaler):
@@ -73,7 +73,7 @@ class GradientUnits:
     """The factor a step's gradients carry, taken out before compression and put back
     after: the loss scale (from ``grad_scaler``, or set by :meth:`set_loss_scale`) times
     ``predivide`` (``gradient_predivide_factor``).  ``journal_of()`` gives the
-    :class:`~hvd_compress.memory.Journal` that undoes an overflow step."""
+    :class:`~hvd_compress.stores.Journal` that undoes an overflow step."""
 
     def __init__(self, grad_scaler=None, predivide=1.0):
         self.scaler = _check_scaler(grad_scaler)

@@ -12,7 +12,7 @@ import torch
 
 import hvd_compress
 from hvd_compress import buckets
-from hvd_compress.memory import Journal
+from hvd_compress.stores import Journal
 
 import counting  # tests/counting.py
 

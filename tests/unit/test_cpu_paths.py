@@ -8,7 +8,8 @@ import torch
 
 import hvd_compress
 from hvd_compress.kernels import rangefloat as R, twobit as T
-from hvd_compress.memory import ResidualMemory, TorchStore
+from hvd_compress.memory import ResidualMemory
+from hvd_compress.stores import TorchStore
 from hvd_compress.ops import torch_ops
 
 SIZES = [1, 3, 15, 16, 17, 255, 1000, 4099]

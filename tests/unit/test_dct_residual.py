@@ -141,7 +141,7 @@ def test_tensorflow_coefficient_residuals_and_an_old_checkpoint():
 def test_conversion_survives_a_rolled_back_step_and_sizes_are_checked():
     """The conversion is not journaled (compressed-momentum Adam may roll back the first
     step after a restore), and a checkpoint of another size raises, strict or not."""
-    from hvd_compress.memory import Journal
+    from hvd_compress.stores import Journal
     lay = layout(["a", "b"], [(100,), (7,)])
     c = hvd_compress.from_spec("dct:density=0.1,block=32")
     c.compress_bucket(grads(lay, 0), lay)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hvd_compress.buckets import layout
-from hvd_compress.memory import Journal
+from hvd_compress.stores import Journal
 from hvd_compress.spec import from_spec
 from hvd_compress.strategies.momentum import MomentumSchedule, coefficients
 from hvd_compress.torch.momentum import AdamMomentum

@@ -157,6 +157,10 @@ def subtract(a, b, inplace=False):
     return a - b
 
 
+def scale(a, factor, inplace=False):
+    return a * factor
+
+
 def restore_flagged(new, old, flags):
     """``old`` where any of ``flags`` is non-zero, else ``new`` (a new tensor)."""
     return _tf.where(_tf.reduce_any(_tf.not_equal(flags, 0)), old, new)
@@ -168,7 +172,7 @@ def subtract_at(a, idx, values, inplace=False):
 
 
 def new_store():
-    from ...memory import TFStore
+    from ...stores import TFStore
     return TFStore()
 
 

@@ -236,6 +236,11 @@ def subtract(a, b, inplace=False):
     return a.sub_(b) if inplace else a - b
 
 
+def scale(a, factor, inplace=False):
+    """``factor * a`` (a Python float), in place on ``a`` when ``inplace``."""
+    return a.mul_(factor) if inplace else a * factor
+
+
 def subtract_at(a, idx, values, inplace=False):
     """``a - cast(scatter_sum(len(a), idx, values))`` for *distinct* ``idx`` (int32 or
     int64; or repeats whose values are 0.0, a padded payload's padding, which adds -0.0),
@@ -263,7 +268,7 @@ def restore_flagged(new, old, flags):
 
 
 def new_store():
-    from ...memory import TorchStore
+    from ...stores import TorchStore
     return TorchStore()
 
 

@@ -1,0 +1,121 @@
+"""``ef_decay=`` (any compressor with error feedback): the residual kept is
+``beta (c - sent)`` (hvd_compress.memory), on every path that writes residuals: one
+tensor, a bucket, the two-round exchanges (``agg=union``, PowerSGD), dct's coefficients,
+and TensorFlow."""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+import hvd_compress
+from hvd_compress import buckets
+from hvd_compress.exchange.in_process import run
+
+BETA = 0.75
+
+
+def grads(seed, n=2, size=300):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(size, generator=g) for _ in range(n)]
+
+
+def with_decay(spec):
+    return f"{spec}{',' if ':' in spec else ':'}ef_decay={BETA}"
+
+
+def residual(c, name):
+    return getattr(c, "inner", c).residual(name).clone()
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.1,ef_decay=0.9",
+                                  "laplace_topk:density=0.01,ef_decay=0.5,min_size=100",
+                                  "hier:topk:density=0.1,ef_decay=0.9",
+                                  "powersgd:rank=2,ef_decay=0.8", "twobit:ef_decay=0.95",
+                                  "dct:density=0.1,ef_decay=0.9"])
+def test_spec_round_trips(spec):
+    c = hvd_compress.from_spec(spec)
+    assert "ef_decay=" in c.spec and hvd_compress.from_spec(c.spec).spec == c.spec
+    assert getattr(c, "inner", c).ef_decay == float(spec.split("ef_decay=")[1].split(",")[0])
+    assert hvd_compress.from_spec("topk:density=0.1,ef_decay=0.9,hier=1").spec == \
+        hvd_compress.from_spec("hier:topk:density=0.1,ef_decay=0.9").spec
+    assert "ef_decay" not in hvd_compress.from_spec("topk:density=0.1,ef_decay=1").spec
+
+
+@pytest.mark.parametrize("spec,words", [("topk:density=0.1,ef_decay=0", ["ef_decay", "0"]),
+                                        ("topk:density=0.1,ef_decay=1.5", ["(0, 1]", "1.5"]),
+                                        ("topk:density=0.1,ef_decay=x", ["ef_decay", "'x'"]),
+                                        ("topk:density=0.1,ef=0,ef_decay=0.9", ["ef=0"]),
+                                        ("auto:ef_decay=0.9", ["auto", "ef_decay"])])
+def test_bad_ef_decay_is_a_clear_error(spec, words):
+    with pytest.raises(ValueError) as e:
+        hvd_compress.from_spec(spec)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.05", "laplace_topk:density=0.05",
+                                  "twobit", "signsgd", "dct:density=0.1", "powersgd:rank=2",
+                                  "topk:density=0.05,agg=union"])
+def test_two_ranks_keep_beta_times_what_they_did_not_send(spec):
+    """Step 1 (zero residuals): the decayed residual is beta times plain error feedback's.
+    Step 2, plain error feedback given the decayed residuals: both compress the same
+    ``c = g + beta r``, so they send the same, and the decayed one keeps beta times what
+    the plain one keeps."""
+    plain = [hvd_compress.from_spec(spec) for _ in range(2)]
+    decayed = [hvd_compress.from_spec(with_decay(spec)) for _ in range(2)]
+    g1 = [t.reshape(20, 15) for t in grads(1)]
+    run(plain, g1, "w")
+    run(decayed, g1, "w")
+    for p, d in zip(plain, decayed):
+        torch.testing.assert_close(residual(d, "w"), BETA * residual(p, "w"), rtol=1e-6,
+                                   atol=1e-7)
+    # step 2 from the same compensated input: plain's residual set to beta r_1, as kept
+    g2 = [t.reshape(20, 15) for t in grads(2)]
+    for p, d in zip(plain, decayed):          # the stored form (dct: its coefficients)
+        mine, theirs = getattr(p, "inner", p)._store, getattr(d, "inner", d)._store
+        for key in [k for k in theirs.keys() if k.startswith("residual/")]:
+            mine.set(key, theirs.get(key, None).clone())
+    ref = run(plain, g2, "w")
+    out = run(decayed, g2, "w")
+    torch.testing.assert_close(out[0].result, ref[0].result, rtol=1e-6, atol=1e-6)
+    for p, d in zip(plain, decayed):
+        torch.testing.assert_close(residual(d, "w"), BETA * residual(p, "w"), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.05", "laplace_topk:density=0.05", "twobit",
+                                  "rangefloat"])
+def test_a_bucket_keeps_beta_times_each_tensors_residual(spec):
+    lay = buckets.layout(["a", "b", "c"], [(40,), (7, 3), (129,)])
+    plain, decayed = (hvd_compress.from_spec(s) for s in (spec, with_decay(spec)))
+    if not plain.segmented or not plain.ef:
+        pytest.skip(f"{spec} takes no buckets or keeps no residual")
+    flat = torch.randn(lay.total, generator=torch.Generator().manual_seed(3))
+    plain.compress_bucket(flat.clone(), lay)
+    decayed.compress_bucket(flat.clone(), lay)
+    for name in lay.names:
+        torch.testing.assert_close(decayed.residual(name), BETA * plain.residual(name),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_nan_keeps_the_residual_undecayed():
+    c = hvd_compress.from_spec(f"topk:density=0.1,ef_decay={BETA}")
+    c.compress(grads(1, 1)[0], "w")
+    before = c.residual("w").clone()
+    bad = grads(2, 1)[0]
+    bad[5] = float("nan")
+    c.compress(bad, "w")
+    assert torch.equal(c.residual("w"), before)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                    reason="tensorflow is not importable here (CI has it)")
+@pytest.mark.parametrize("spec", ["topk:density=0.05", "twobit"])
+def test_tensorflow_keeps_beta_times_the_residual(spec):
+    import tensorflow as tf
+    g = np.random.default_rng(0).standard_normal(300).astype(np.float32)
+    plain, decayed = (hvd_compress.from_spec(s) for s in (spec, with_decay(spec)))
+    for c in (plain, decayed):
+        c.compress(tf.constant(g), "w")
+    np.testing.assert_allclose(np.asarray(decayed.residual("w")),
+                               BETA * np.asarray(plain.residual("w")), rtol=1e-6, atol=1e-7)
