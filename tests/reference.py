@@ -24,14 +24,14 @@ def split_sizes(flat, sizes):
 
 
 def compressed_update_rule(ranks, steps, sizes, density, residual_order=None, min_size=0,
-                           key="trace"):
+                           key="trace", decay=1.0):
     """The compressed-update rule (hvd_compress/torch/compressed_update.py) with top-k,
     from what each rank recorded: ``trace/<t>/start`` (the weights, the same on every
     rank) and ``trace/<t>/update`` (what a plain optimizer on this rank's gradient made
     of them).  u_i = the update; c_i = u_i + e_i; s_i = topk(c_i) per tensor (``sizes``:
     ``{name: numel}`` in the flat order); e_i = c_i - s_i; p = start + mean(s_i).
-    Tensors of fewer than ``min_size`` values are sent whole (no residual: zeros).
-    Returns ``{t: (p, [e_i with its tensors in residual_order (default sizes')])}``;
+    Tensors of fewer than ``min_size`` values are sent whole (no residual: zeros);
+    ``decay``: ``ef_decay=`` (e_i = decay (c_i - s_i)).  Returns ``{t: (p, [e_i with its tensors in residual_order (default sizes')])}``;
     ``key``: the recorded trace's prefix."""
     e = [np.zeros_like(ranks[0][f"{key}/1/start"]) for _ in ranks]
     expected = {}
@@ -42,7 +42,7 @@ def compressed_update_rule(ranks, steps, sizes, density, residual_order=None, mi
             s = np.concatenate([parts[n] if sizes[n] < min_size else
                                 np.where(topk_mask(parts[n], density), parts[n], 0)
                                 for n in sizes])
-            e[i] = np.concatenate([parts[n] for n in sizes]) - s
+            e[i] = decay * (np.concatenate([parts[n] for n in sizes]) - s)
             sent.append(s)
         param = ranks[0][f"{key}/{t}/start"] + sum(sent) / len(ranks)
         residual = [np.concatenate([split_sizes(x, sizes)[n]

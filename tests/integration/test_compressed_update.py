@@ -80,6 +80,18 @@ def test_min_size_sends_small_tensors_whole_and_the_rest_as_before(ranks):
                            ranks[0][f"trace/{STEPS}/param"])
 
 
+def test_ef_decay_keeps_beta_times_what_was_not_sent(ranks):
+    """``topk:density=0.3,ef_decay=0.5``: each rank keeps half its unsent update, every
+    step as the rule says (and not as plain error feedback's)."""
+    expected = compressed_update_rule(ranks, STEPS, SIZES, DENSITY, sorted(SIZES),
+                                      key="decay", decay=0.5)
+    for t, (param, residuals) in expected.items():
+        for r, e in zip(ranks, residuals):
+            np.testing.assert_allclose(r[f"decay/{t}/param"], param, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(r[f"decay/{t}/residual"], e, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ranks[0][f"decay/{STEPS}/param"], ranks[0][f"trace/{STEPS}/param"])
+
+
 def test_parameters_agree_and_each_rank_keeps_its_own_optimizer_state(ranks):
     for t in range(1, STEPS + 1):
         assert np.array_equal(ranks[0][f"trace/{t}/param"], ranks[1][f"trace/{t}/param"])

@@ -8,7 +8,8 @@ into ``out`` under its name; tests/integration/test_compressed_update.py compute
 expected values from them.
 
 Scenarios: ``trace`` (each step's start, this rank's update as a plain AdamW on its own
-gradient makes it, parameters and residuals after), ``resume`` (a checkpoint after step
+gradient makes it, parameters and residuals after; ``trace_min_size``, ``trace_decay``:
+with ``min_size=20``, ``ef_decay=0.5``), ``resume`` (a checkpoint after step
 3, restored into fresh objects; the same residuals marked as gradients' refused), ``nan`` (rank 1's gradient NaN at step 3),
 ``closure_and_scaler`` (step(closure), the GradScaler recipe, NaN/Inf on rank 1),
 ``each_spec`` (five compressors), ``gpt2`` (a transformers model), ``malformed`` (rank
@@ -79,6 +80,11 @@ def trace(glue, out, spec=SPEC, key="trace"):
 def trace_min_size(glue, out):
     """The trace with ``min_size=20``: the MLP's biases (16 and 3 values) go whole."""
     trace(glue, out, SPEC + ",min_size=20", "min_size")
+
+
+def trace_decay(glue, out):
+    """The trace with ``ef_decay=0.5``: half of what a rank does not send is kept."""
+    trace(glue, out, SPEC + ",ef_decay=0.5", "decay")
 
 
 def resume(glue, out):
@@ -221,4 +227,4 @@ def malformed(glue, out):
     out["malformed/next_param"] = flat(model.parameters())
 
 
-ALL = (trace, trace_min_size, resume, nan, closure_and_scaler, each_spec, gpt2, malformed)
+ALL = (trace, trace_min_size, trace_decay, resume, nan, closure_and_scaler, each_spec, gpt2, malformed)
