@@ -161,10 +161,10 @@ class Compressor:
         """The compressor to use for ``tensor``: integer tensors go uncompressed, and so
         do tensors of fewer than :attr:`min_size` values (one shared ``none``)."""
         ops = ops_for(tensor)
-        if not ops.is_floating(tensor):
-            from .dense import NoneCompressor
-            return NoneCompressor()
-        if self.min_size and ops.numel(tensor) < self.min_size:
+        if not ops.is_floating(tensor) or (self.min_size and ops.numel(tensor) < self.min_size):
+            if getattr(self, "_whole", None) is None:
+                from .dense import NoneCompressor
+                self._whole = NoneCompressor()
             return self._whole
         return self
 
@@ -181,9 +181,7 @@ class Compressor:
         if getattr(self, "adaptive", False):
             raise ValueError("auto: min_size applies to one compressor; auto chooses per "
                              "bucket (give min_size= to a Policy's or a compressor's spec)")
-        from .dense import NoneCompressor
         self.min_size = min_size or None
-        self._whole = NoneCompressor() if min_size else None
         return self
 
     def decay_residuals(self, beta):

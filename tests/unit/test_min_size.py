@@ -28,6 +28,10 @@ def test_without_min_size_nothing_changes():
     c = hvd_compress.from_spec("topk:density=0.1")
     assert c.min_size is None and "min_size" not in c.spec
     assert c.for_tensor("t", torch.zeros(3)) is c
+    # integer tensors go whole, through one none made once
+    ints = [c.for_tensor(n, torch.zeros(k, dtype=d)) for n, k, d in
+            (("i", 3, torch.int64), ("j", 5000, torch.int32))]
+    assert ints[0].name == "none" and ints[0] is ints[1]
     assert hvd_compress.from_spec("topk:density=0.1,min_size=0").for_tensor(
         "t", torch.zeros(3)) is not None
 
