@@ -92,24 +92,36 @@ class LocalUpdates:
     add), into buffers kept between steps.
     """
 
-    def __init__(self, params):
+    def __init__(self, params, compression=None):
         self.params = list(params)
         self.start = None            #: p_0 of each parameter (buffers kept between steps)
         self.updates = None          #: u_i, then U (buffers kept between steps)
         self.skipped = 0             #: steps this rank skipped for NaN/Inf gradients
+        #: the compressor's state writes of the step (its residuals), undone when the
+        #: exchange fails (:class:`~hvd_compress.stores.Journal`: references, no copies)
+        self.journal = None
+        if compression is not None:
+            from ..stores import Journal
+            self.journal = Journal()
+            compression.attach_journal(self.journal)
 
     def run(self, step, closure, exchange, cleanup=None):
         """One step of the rule (class docstring); returns the loss.  When ``exchange``
         raises, ``p`` goes back to ``p_0`` on this rank (:meth:`undo`; every rank's
-        exchange raises alike), ``cleanup()`` runs, and the error goes on."""
+        exchange raises alike), the compressor's residuals to what they were before the
+        step, ``cleanup()`` runs, and the error goes on."""
         saved, loss = self.local_step(step, closure)
         try:
             exchange()
         except BaseException:
+            if self.journal is not None:
+                self.journal.rollback()
             self.undo(saved)
             if cleanup is not None:
                 cleanup()
             raise
+        if self.journal is not None:
+            self.journal.clear()
         self.apply(saved)
         return loss
 
@@ -163,14 +175,15 @@ class LocalUpdates:
                 p.grad = g
 
 
-def update_optimizer(optimizer, exchange):
+def update_optimizer(optimizer, exchange, compression=None):
     """For the DDP hook: from now on ``optimizer.step(closure=None)`` is this rank's own
     step, then ``exchange(params)`` (every ``p.grad``, holding ``u_i``, replaced by the
     ranks' mean ``U``), then ``p <- p_0 + U`` (the optimizer object is kept; its class
     becomes a subclass of its own, :func:`~hvd_compress.torch.momentum.replace_step`).
+    A failed exchange undoes ``compression``'s residual writes (:meth:`LocalUpdates.run`).
     Returns the :class:`LocalUpdates` (its ``skipped`` counts NaN/Inf steps)."""
     params = trainable(optimizer)
-    updates = LocalUpdates(params)
+    updates = LocalUpdates(params, compression)
     base = type(optimizer)
 
     def step(self, closure=None):

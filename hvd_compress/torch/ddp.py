@@ -182,7 +182,7 @@ class CompressionState:
         if ddp_model is not None:
             self.bind(ddp_model)
         if compressed_update:        # last: nothing above can fail after the swap
-            self.update = update_optimizer(optimizer, self.exchange_updates)
+            self.update = update_optimizer(optimizer, self.exchange_updates, self.compression)
 
     @property
     def bound(self):

@@ -117,7 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               if process_set.included() else None)
         self._waiting = [len(b) for b in self._buckets]   # gradients a bucket still needs
         self._momentum = None
-        self._update = LocalUpdates(self._params) if update else None
+        self._update = LocalUpdates(self._params, self.compression) if update else None
         if schedule is not None:
             self._momentum = AdamMomentum(self, schedule, self.compression,
                                           process_set.rank)

@@ -222,6 +222,8 @@ def test_a_malformed_payload_raises_everywhere_undoes_the_step_and_the_next_trai
     for r in ranks:
         assert str(r["malformed/error"]), "no error for rank 1's corrupted payload"
         assert np.array_equal(r["malformed/param"], r["malformed/start"])
+        # the step's residual writes undone: what it sent was never applied
+        assert np.array_equal(r["malformed/residual_after"], r["malformed/residual_before"])
         assert np.isfinite(r["malformed/next_param"]).all()
         assert not np.array_equal(r["malformed/next_param"], r["malformed/param"])
     assert np.array_equal(ranks[0]["malformed/next_param"], ranks[1]["malformed/next_param"])

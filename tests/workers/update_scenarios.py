@@ -13,8 +13,8 @@ with ``min_size=20``, ``ef_decay=0.5``), ``resume`` (a checkpoint after step
 3, restored into fresh objects; the same residuals marked as gradients' refused), ``nan`` (rank 1's gradient NaN at step 3),
 ``closure_and_scaler`` (step(closure), the GradScaler recipe, NaN/Inf on rank 1),
 ``each_spec`` (five compressors), ``gpt2`` (a transformers model), ``malformed`` (rank
-1's payload corrupted at step 2: every rank raises, its parameters are back at the step's
-start, and the next step trains).
+1's payload corrupted at step 2: every rank raises, its parameters and residuals are back
+at the step's start, and the next step trains).
 """
 import io
 
@@ -205,6 +205,7 @@ def malformed(glue, out):
     model, opt, parts = glue.build(SPEC)
     one_step(glue, model, opt, 1)
     out["malformed/start"] = flat(model.parameters())
+    out["malformed/residual_before"] = residuals(parts)
     c, kept = parts.compression, {}
     if glue.rank == 1:                        # indices past the tensors, as on the wire
         for name in ("compress", "compress_bucket"):
@@ -221,6 +222,7 @@ def malformed(glue, out):
     except ValueError as e:
         out["malformed/error"] = np.array(str(e))
     out["malformed/param"] = flat(model.parameters())
+    out["malformed/residual_after"] = residuals(parts)
     for name in kept:
         delattr(c, name)                      # the class's own again
     out["malformed/next_loss"] = np.array(one_step(glue, model, opt, 3))
