@@ -10,7 +10,10 @@ for a Keras optimizer's ``apply``::
           feedback, buckets, configuration check: ``reduce``)
     p   = p_0 + U
 
-Eager and compiled (``tf.function``): in a compiled step the skip is a ``tf.cond``.  The
+Eager and compiled (``tf.function``): in a compiled step the skip is a ``tf.cond``.
+When the exchange fails (a malformed payload: every rank raises), an eager step puts
+the weights back to ``p_0``; the residuals keep the step's writes (PyTorch's glues
+undo those too).  The
 optimizer's variables (Adam's ``m``, ``v``, ``iterations``) are this rank's; the model's
 weights stay the same on every rank.
 
@@ -50,6 +53,14 @@ class KerasLocalUpdates:
                 return tf.constant(True)
             tf.cond(finite, step, lambda: tf.constant(False))
         updates = [tf.convert_to_tensor(v) - s for v, s in zip(variables, start)]
-        means = reduce(updates, variables)
+        if not tf.executing_eagerly():
+            means = reduce(updates, variables)
+        else:
+            try:
+                means = reduce(updates, variables)
+            except BaseException:     # a failed exchange (every rank's): back to p_0
+                for v, s in zip(variables, start):
+                    v.assign(s)
+                raise
         for v, s, u in zip(variables, start, means):
             v.assign(s + tf.cast(u, s.dtype))

@@ -155,6 +155,13 @@ def test_compressed_update_every_step_matches_the_numpy_reference(keras_job, mod
     assert int(ranks[0]["sent"]) > 0
 
 
+def test_compressed_update_malformed_payload_raises_everywhere_and_keeps_the_weights(
+        keras_job):
+    for r in load_ranks(keras_job, "keras_update"):
+        assert str(r["malformed|error"]), "no error for rank 1's corrupted payload"
+        np.testing.assert_array_equal(r["malformed|param"], r["nan|param"])
+
+
 def test_compressed_update_nan_on_one_rank_skips_its_step_only(keras_job):
     r0, r1 = load_ranks(keras_job, "keras_update")
     assert [int(r["nan|skipped"]) for r in (r0, r1)] == [0, 1]

@@ -107,7 +107,8 @@ def update(out):
     this rank's update as a plain Keras AdamW on its own gradient makes it (a copy of
     the model set to the start each step: its slots follow the wrapped optimizer's),
     the weights and residuals after.  Then a step with NaN in rank 1's gradient (eager,
-    ``opt.apply``): rank 1 skips its own step, the weights stay equal and finite."""
+    ``opt.apply``): rank 1 skips its own step, the weights stay equal and finite; and a
+    step with rank 1's payload corrupted: every rank raises, the weights stay."""
     adamw = dict(learning_rate=0.05, weight_decay=0.1)
     for mode in MODES:
         model, ref = build(), build()
@@ -145,6 +146,19 @@ def update(out):
     out["nan|param"] = flat(v.numpy() for v in model.trainable_variables)
     out["nan|skipped"] = np.array(opt._hvd_update.skipped)
     out["nan|iterations"] = np.array(int(opt.iterations.numpy()))
+    c = opt.compression                       # rank 1's indices past the tensors, as on a wire
+    if hvd.rank() == 1:
+        for name in ("compress", "compress_bucket"):
+            def corrupted(*a, _inner=getattr(c, name), **k):
+                payload, ctx = _inner(*a, **k)
+                return tuple(payload)[:-1] + (tuple(payload)[-1] + 10 ** 6,), ctx
+            setattr(c, name, corrupted)
+    try:
+        opt.apply([tf.constant(g) for g in grads], model.trainable_variables)
+        out["malformed|error"] = np.array("")
+    except Exception as e:                    # noqa: BLE001 (whatever the check raises)
+        out["malformed|error"] = np.array(f"{type(e).__name__}: {e}")
+    out["malformed|param"] = flat(v.numpy() for v in model.trainable_variables)
     model = build()                           # compiled: the skip is a tf.cond
     opt = hck.DistributedOptimizer(keras.optimizers.AdamW(**adamw), compression=UPDATE_SPEC,
                                    compressed_update=True)
