@@ -305,6 +305,12 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
                          "SGD's momentum inside the exchange (momentum=); drop momentum= "
                          "(the wrapped optimizer's own momentum is in the update)")
     compression.residuals_of = "updates"
+    if getattr(compression, "ef", False) and compression.ef_decay == 1.0:
+        from ..log import logger
+        logger.info("hvd_compress: compressed_update=True with %s: plain error feedback; "
+                    "ef_decay=0.9 in the spec (e.g. %s,ef_decay=0.9) kept a GPT-2's AdamW "
+                    "within 3%% of dense's loss per step where plain error feedback ended "
+                    "5-11%% above it (docs/adam-adamw.md)", compression.spec, compression.spec)
     return True
 
 
