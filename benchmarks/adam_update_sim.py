@@ -104,7 +104,8 @@ def library_mean(compressors, xs, name):
     for c, x in zip(compressors, xs):
         payload, ctx = c.for_tensor(name, x).compress(x, name)
         mean = mean + c.for_tensor(name, x).decompress(payload, ctx) / len(xs)
-    return mean.view_as(xs[0]), sum(t.numel() * t.element_size() for t in payload)
+    tensors = payload if isinstance(payload, (tuple, list)) else (payload,)
+    return mean.view_as(xs[0]), sum(t.numel() * t.element_size() for t in tensors)
 
 
 def run(label, args, train, val_batch):
@@ -114,6 +115,9 @@ def run(label, args, train, val_batch):
     if spec:
         from hvd_compress import from_spec
         compressors = [from_spec(spec) for _ in range(args.ranks)]
+        if compressors[0].rounds or compressors[0].name == "hier":
+            raise ValueError(f"{label}: one-round compressors only here (not agg=, "
+                             "powersgd or hier:)")
     method_, _, options = method.partition(":")
     kind, _, value = method_.partition("@")
     value, _, whole = value.partition("~")
@@ -184,6 +188,8 @@ def run(label, args, train, val_batch):
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     sizes = [p.numel() for p in params[0]]
     sent = round(sent / args.steps)         # agg=union, laplace_topk: vary with the step
+    if spec:                                 # the compressor's own: in its spec
+        density = whole = agg = decay = None
     return dict(method=label, kind=kind, spec=spec or None, lr=lr, density=density,
                 whole_below=whole, agg=agg, decay=decay,
                 bytes_sent_per_rank_step=sent, values=sum(sizes), curve=curve)

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .stores import RESIDUAL_PREFIX
+from .stores import Journal, TFStore, TorchStore  # noqa: F401 (here before 2026-11-29)
 
 
 class NonFinite(NamedTuple):

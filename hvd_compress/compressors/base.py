@@ -35,6 +35,7 @@ Imports: the standard library, ``hvd_compress.buckets``, ``hvd_compress.memory``
 ``hvd_compress.ops``; and modules of its own package.
 """
 import inspect
+import numbers
 from typing import Any, NamedTuple, Tuple
 
 from ..buckets import layout as _layout
@@ -100,15 +101,24 @@ def check_residuals_of(compressor, state_dict):
     """ValueError when a checkpoint's residuals hold other quantities than ``compressor``'s
     would: gradients' residuals (gradient-sized) restored as ``compressed_update=True``'s
     update residuals would be added to the parameters, and update residuals (learning-rate
-    sized) restored as gradients' would all but vanish.  A checkpoint without the key
-    (before 2026-11-29) is not checked."""
+    sized) restored as gradients' would all but vanish.  A compressor no glue has taken
+    yet accepts either and remembers which (:meth:`Compressor.mark_residuals` checks it);
+    a checkpoint without the key (before 2026-11-29) is not checked."""
     held = state_dict.get("residuals_of")
-    if held is not None and held != compressor.residuals_of:
-        raise ValueError(
-            f"state_dict holds error feedback of {held} (a run with compressed_update="
-            f"{held == 'updates'}); this compressor's is of {compressor.residuals_of} "
-            f"(compressed_update={compressor.residuals_of == 'updates'}): restore it into "
-            "the same mode, or start the residuals afresh (do not load it)")
+    if held is None:
+        return
+    if compressor.residuals_of is None:
+        compressor.loaded_residuals_of = held
+    elif held != compressor.residuals_of:
+        raise _other_residuals(held, compressor.residuals_of)
+
+
+def _other_residuals(held, mine):
+    return ValueError(
+        f"state_dict holds error feedback of {held} (a run with compressed_update="
+        f"{held == 'updates'}); this compressor's is of {mine} (compressed_update="
+        f"{mine == 'updates'}): restore it into the same mode, or start the residuals "
+        "afresh (do not load it)")
 
 
 class Compressor:
@@ -129,8 +139,11 @@ class Compressor:
                                #: tensor's shape (a bucket's layout), never on its values:
                                #: the same on every rank, so an allgather needs no
                                #: lengths first (``Transport.allgather_fixed``)
-    residuals_of = "gradients"  #: what error feedback's residuals hold: ``"updates"`` once
-                               #: a glue with ``compressed_update=True`` took it
+    residuals_of = None        #: what error feedback's residuals hold, ``"gradients"`` or
+                               #: ``"updates"``: set by the glue that takes the compressor
+                               #: (:meth:`mark_residuals`); None before (checkpoints then
+                               #: say ``"gradients"``)
+    loaded_residuals_of = None  #: what a checkpoint restored before any glue took it held
     ef_decay = 1.0             #: error feedback keeps ``ef_decay * (c - sent)``
                                #: (:meth:`decay_residuals`)
 
@@ -184,13 +197,22 @@ class Compressor:
         self.min_size = min_size or None
         return self
 
+    def mark_residuals(self, kind):
+        """What the residuals will hold from now on, ``"gradients"`` or ``"updates"`` (every
+        glue calls this, through
+        :func:`~hvd_compress.strategies.momentum.check_compressed_update`); ValueError
+        when a checkpoint restored before held the other."""
+        if self.loaded_residuals_of not in (None, kind):
+            raise _other_residuals(self.loaded_residuals_of, kind)
+        self.residuals_of = kind
+
     def decay_residuals(self, beta):
         """Error feedback keeps ``beta (c - sent)`` instead of ``c - sent`` (spec parameter
         ``ef_decay=``; :mod:`hvd_compress.memory`, after SparseLoCo): what is not sent
         within ~1/(1 - beta) steps fades instead of arriving late.  Measured with
         compressed AdamW updates (docs/adam-adamw.md).  ``0 < beta <= 1``; needs error
         feedback.  Returns ``self``."""
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta <= 1:
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0 < beta <= 1:
             raise ValueError(f"{self.name}: ef_decay must be a number in (0, 1], got {beta!r}")
         if getattr(self, "adaptive", False):
             raise ValueError("auto: ef_decay applies to one compressor's error feedback; auto "
@@ -370,7 +392,7 @@ class Compressor:
     def state_dict(self):
         """Error-feedback residuals and counters, copied: ``{"spec", "residuals_of",
         "state"}``."""
-        return {"spec": self.spec, "residuals_of": self.residuals_of,
+        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients",
                 "state": self._store.state_dict() if self._store is not None else {}}
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):

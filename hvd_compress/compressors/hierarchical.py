@@ -54,6 +54,10 @@ class Hierarchical(Compressor):
         self.inner.decay_residuals(beta)
         return self
 
+    def send_whole_below(self, min_size):
+        self.inner.send_whole_below(min_size)      # (for_tensor and spec are the inner's)
+        return self
+
     def for_tensor(self, name, tensor):
         """The inner compressor's choice, still hierarchical (integer tensors: ``none``,
         summed densely through the same hierarchy)."""
@@ -81,7 +85,7 @@ class Hierarchical(Compressor):
         return self.inner.residual_names(lay)
 
     def state_dict(self):
-        return {"spec": self.spec, "residuals_of": self.residuals_of,
+        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients",
                 "state": self.inner.state_dict()["state"]}
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):

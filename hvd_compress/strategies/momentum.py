@@ -285,33 +285,35 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
     compressed momentum (``schedule`` not None), a sum (``average`` False: P ranks'
     updates summed would move the parameters P times as far; ``ops``: how the caller
     spells average and sum) and DGC's momentum correction (``momentum=``: it would add
-    momentum to updates).  Returns ``compressed_update``; when True, marks the compressor's
-    residuals as updates (``compression.residuals_of``), which its checkpoints record and
-    check on restore."""
+    momentum to updates).  Then marks what the compressor's residuals hold, updates or
+    gradients (:meth:`~hvd_compress.compressors.base.Compressor.mark_residuals`: its
+    checkpoints record it; ValueError when one restored before held the other).  Returns
+    ``compressed_update``."""
     if not isinstance(compressed_update, bool):
         raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
-    if not compressed_update:
-        return False
-    if schedule is not None:
-        raise ValueError("compressed_update=True and compressed_momentum: use one of them "
-                         "(compressed_update sends the whole update, momentum included)")
-    if not average:
-        raise ValueError(f"compressed_update=True needs {ops[0]}: the ranks' updates are "
-                         f"averaged ({ops[1]} would move the parameters world-size times "
-                         "as far)")
-    dgc = dgc_compressors(compression)
-    if dgc:
-        raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
-                         "SGD's momentum inside the exchange (momentum=); drop momentum= "
-                         "(the wrapped optimizer's own momentum is in the update)")
-    compression.residuals_of = "updates"
-    if getattr(compression, "ef", False) and compression.ef_decay == 1.0:
+    if compressed_update:
+        if schedule is not None:
+            raise ValueError("compressed_update=True and compressed_momentum: use one of them "
+                             "(compressed_update sends the whole update, momentum included)")
+        if not average:
+            raise ValueError(f"compressed_update=True needs {ops[0]}: the ranks' updates are "
+                             f"averaged ({ops[1]} would move the parameters world-size times "
+                             "as far)")
+        dgc = dgc_compressors(compression)
+        if dgc:
+            raise ValueError(f"compressed_update=True: compression {dgc[0].spec!r} applies "
+                             "SGD's momentum inside the exchange (momentum=); drop momentum= "
+                             "(the wrapped optimizer's own momentum is in the update)")
+    if hasattr(compression, "mark_residuals"):
+        compression.mark_residuals("updates" if compressed_update else "gradients")
+    inner = getattr(compression, "inner", compression)
+    if compressed_update and getattr(inner, "ef", False) and inner.ef_decay == 1.0:
         from ..log import logger
         logger.info("hvd_compress: compressed_update=True with %s: plain error feedback; "
-                    "ef_decay=0.9 in the spec (e.g. %s,ef_decay=0.9) kept a GPT-2's AdamW "
-                    "within 3%% of dense's loss per step where plain error feedback ended "
-                    "5-11%% above it (docs/adam-adamw.md)", compression.spec, compression.spec)
-    return True
+                    "ef_decay=0.9 in the spec kept a GPT-2's AdamW within 3%% of dense's loss "
+                    "per step where plain error feedback ended 5-11%% above it "
+                    "(docs/adam-adamw.md)", compression.spec)
+    return compressed_update
 
 
 def adam_defaults(compression, optimizer_name):

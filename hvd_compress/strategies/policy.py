@@ -77,7 +77,7 @@ class Policy(Compressor):
         return f"policy({rules};*={self.default.spec})"
 
     def state_dict(self):
-        return {"spec": self.spec, "residuals_of": self.residuals_of,
+        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients",
                 "state": [c.state_dict() for c in self.compressors()]}
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):

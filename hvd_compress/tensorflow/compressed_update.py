@@ -13,7 +13,8 @@ for a Keras optimizer's ``apply``::
 Eager and compiled (``tf.function``): in a compiled step the skip is a ``tf.cond``.
 When the exchange fails (a malformed payload: every rank raises), an eager step puts
 the weights back to ``p_0``; the residuals keep the step's writes (PyTorch's glues
-undo those too).  The
+undo those too).  A compiled step is not protected: its weights stay at this rank's
+``p_0 + u_i``.  The
 optimizer's variables (Adam's ``m``, ``v``, ``iterations``) are this rank's; the model's
 weights stay the same on every rank.
 

@@ -22,7 +22,7 @@ step everywhere): every state write the compressors made in that step (residuals
 counters, PowerSGD's ``Q``) is undone (:class:`hvd_compress.stores.Journal`), so the
 step leaves error feedback exactly as it was.
 
-Imports: torch, ``hvd_compress.memory``, ``hvd_compress.log``.
+Imports: torch, ``hvd_compress.stores``, ``hvd_compress.log``.
 """
 import math
 

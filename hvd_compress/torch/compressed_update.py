@@ -98,7 +98,9 @@ class LocalUpdates:
         self.updates = None          #: u_i, then U (buffers kept between steps)
         self.skipped = 0             #: steps this rank skipped for NaN/Inf gradients
         #: the compressor's state writes of the step (its residuals), undone when the
-        #: exchange fails (:class:`~hvd_compress.stores.Journal`: references, no copies)
+        #: exchange fails (:class:`~hvd_compress.stores.Journal`: references, no copies;
+        #: it keeps the old residuals alive until the exchange ends, so a bucket's
+        #: exchange holds up to one residual-sized buffer more than without it)
         self.journal = None
         if compression is not None:
             from ..stores import Journal

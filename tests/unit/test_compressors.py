@@ -125,27 +125,38 @@ def test_state_dict_for_another_spec_is_rejected(fw):
 @pytest.mark.parametrize("spec", ["topk:density=0.1", "hier:topk:density=0.1", "policy",
                                   "auto"])
 def test_gradient_residuals_are_not_restored_as_update_residuals(fw, spec):
-    """compressed_update=True marks a compressor's residuals as updates (every glue, via
-    check_compressed_update); a checkpoint of either mode refuses the other, and one
-    without the mark (before 2026-11-29) loads into both."""
+    """Every glue marks what a compressor's residuals hold (check_compressed_update:
+    updates with compressed_update=True, else gradients); a checkpoint of either mode
+    refuses the other, whether restored after the glue took the compressor or before;
+    one without the mark (before 2026-11-29) loads into both."""
     from hvd_compress.strategies.momentum import check_compressed_update
 
-    def build():
-        return (hvd_compress.Policy({"*bias": "none"}, default="topk:density=0.1")
-                if spec == "policy" else hvd_compress.from_spec(spec))
-    grads = build()
+    def build(update=None):
+        c = (hvd_compress.Policy({"*bias": "none"}, default="topk:density=0.1")
+             if spec == "policy" else hvd_compress.from_spec(spec))
+        if update is not None:                     # what a glue does
+            check_compressed_update(update, None, c, True, ("op=Average", "op=Sum"))
+        return c
+    grads = build(False)
     if spec != "auto":                          # (auto compresses through the Driver)
         getattr(grads, "inner", grads).for_tensor("g", fw.tensor(grad(0))).compress(
             fw.tensor(grad(0)), "g")
-    updates = build()
-    check_compressed_update(True, None, updates, True, ("op=Average", "op=Sum"))
+    updates = build(True)
     assert (grads.state_dict()["residuals_of"], updates.state_dict()["residuals_of"]) == (
         "gradients", "updates")
+    assert build().state_dict()["residuals_of"] == "gradients"      # no glue yet
     with pytest.raises(ValueError, match=r"error feedback of gradients .*compressed_update="
                                          r"False.*of updates \(compressed_update=True"):
         updates.load_state_dict(grads.state_dict(), fw.name)
     with pytest.raises(ValueError, match="error feedback of updates"):
-        build().load_state_dict(updates.state_dict(), fw.name)
+        build(False).load_state_dict(updates.state_dict(), fw.name)
+    early = build()                             # restored before a glue takes it
+    early.load_state_dict(grads.state_dict(), fw.name)
+    with pytest.raises(ValueError, match="error feedback of gradients"):
+        check_compressed_update(True, None, early, True, ("op=Average", "op=Sum"))
+    early = build()
+    early.load_state_dict(updates.state_dict(), fw.name)
+    check_compressed_update(True, None, early, True, ("op=Average", "op=Sum"))
     old = {k: v for k, v in grads.state_dict().items() if k != "residuals_of"}
     updates.load_state_dict(old, fw.name)
 

@@ -12,7 +12,8 @@ from hvd_compress.exchange.in_process import run
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,min_size=4096",
                                   "topk:density=0.1,min_size=100", "twobit:min_size=7",
                                   "powersgd:rank=2,min_size=300",
-                                  "hier:topk:density=0.01,min_size=10"])
+                                  "hier:topk:density=0.01,min_size=10",
+                                  "topk:density=0.01,hier=1,min_size=10"])
 def test_spec_round_trips_and_small_tensors_go_whole(spec):
     c = hvd_compress.from_spec(spec)
     assert "min_size=" in c.spec and hvd_compress.from_spec(c.spec).spec == c.spec
