@@ -134,6 +134,20 @@ def run(label, args, train, val_batch):
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
     sent = 0                     # bytes per rank, all steps
 
+    def exchange(i, xs, step):
+        """The mean of tensor ``i``'s ``xs`` (one per rank) as the method sends it; its
+        residuals and bytes counted."""
+        nonlocal sent
+        if spec:
+            mean, n = library_mean(compressors, xs, str(i))
+        else:
+            mean, res, n = sparse_mean(xs, [e[i] for e in errors], density, step, whole,
+                                       agg, decay)
+            for r in range(len(models)):
+                errors[r][i] = res[r]
+        sent += n
+        return mean
+
     def validate():
         return validation_loss(models[0], val_batch)
 
@@ -148,18 +162,8 @@ def run(label, args, train, val_batch):
         with torch.no_grad():
             if kind in ("dense", "grad"):
                 for i in range(len(params[0])):
-                    if spec:
-                        mean, n = library_mean(compressors, [g[i] for g in grads], str(i))
-                        for r in range(len(models)):
-                            params[r][i].grad = mean.clone()
-                        sent += n
-                        continue
-                    mean, res, n = sparse_mean([g[i] for g in grads],
-                                               [e[i] for e in errors], density, step, whole,
-                                               agg, decay)
-                    sent += n
+                    mean = exchange(i, [g[i] for g in grads], step)
                     for r in range(len(models)):
-                        errors[r][i] = res[r]
                         params[r][i].grad = mean.clone()
                 for o in opts:
                     o.step()
@@ -168,19 +172,8 @@ def run(label, args, train, val_batch):
                 for r, o in enumerate(opts):
                     o.step()
                 for i, p0 in enumerate(start):
-                    if spec:
-                        mean, n = library_mean(compressors, [p[i] - p0 for p in params],
-                                               str(i))
-                        for r in range(len(models)):
-                            params[r][i].copy_(p0 + mean)
-                        sent += n
-                        continue
-                    mean, res, n = sparse_mean([p[i] - p0 for p in params],
-                                               [e[i] for e in errors], density, step, whole,
-                                               agg, decay)
-                    sent += n
+                    mean = exchange(i, [p[i] - p0 for p in params], step)
                     for r in range(len(models)):
-                        errors[r][i] = res[r]
                         params[r][i].copy_(p0 + mean)
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, validate()))

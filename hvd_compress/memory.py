@@ -49,6 +49,32 @@ def _dtype_name(dtype):
     return getattr(dtype, "name", None) or str(dtype).replace("torch.", "")
 
 
+def check_residuals_of(compressor, state_dict):
+    """ValueError when a checkpoint's residuals hold other quantities than ``compressor``'s
+    would: gradients' residuals (gradient-sized) restored as ``compressed_update=True``'s
+    update residuals would be added to the parameters, and update residuals (learning-rate
+    sized) restored as gradients' would all but vanish.  A compressor no glue has taken
+    yet accepts either and remembers which (:meth:`~hvd_compress.compressors.base.Compressor.mark_residuals` checks it);
+    a checkpoint without the key (before 2026-11-29) is not checked."""
+    held = state_dict.get("residuals_of")
+    if held is None:
+        return
+    if compressor.residuals_of is None:
+        compressor.loaded_residuals_of = held
+    elif held != compressor.residuals_of:
+        raise other_residuals(held, compressor.residuals_of)
+
+
+def other_residuals(held, mine):
+    """The ValueError for residuals of ``held`` (``"gradients"`` or ``"updates"``) where
+    ``mine`` are expected."""
+    return ValueError(
+        f"state_dict holds error feedback of {held} (a run with compressed_update="
+        f"{held == 'updates'}); this compressor's is of {mine} (compressed_update="
+        f"{mine == 'updates'}): restore it into the same mode, or start the residuals "
+        "afresh (do not load it)")
+
+
 class ResidualMemory:
     """Per-name residuals ``r`` on top of a store (see the module docstring).
 

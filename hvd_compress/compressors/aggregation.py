@@ -57,7 +57,7 @@ is the whole tensor and the aggregate is non-finite where uncompressed Horovod's
 be; its residual is kept as it was.  A rank with nothing to propose (an all-zero
 gradient, or not the leader) still takes part in both collectives: nobody waits.
 
-Imports: the standard library; on first use, ``hvd_compress.memory``, ``hvd_compress.ops``,
+Imports: the standard library; on first use, ``hvd_compress.ops``,
 ``hvd_compress.stats``, and ``hvd_compress.exchange`` for the in-process simulator
 (:func:`in_process`) only.
 """
@@ -120,12 +120,10 @@ def wire_dtype(dtype, ops):
 
 def propose(sp, flat, ctx, ops, step, parts, own, rank, size):
     """Round 1: compensate, then this rank's int32 proposal (see the module docstring)."""
-    from ..memory import ResidualMemory
     memory = None
     compensated = flat
     if sp.ef:
-        memory = ResidualMemory(sp._state(ops), ops, reuse=sp.payload_is_copy,
-                                decay=sp.ef_decay)
+        memory = sp.error_feedback(ops)
         compensated = memory.compensate_parts(parts, flat, own=own)
     finite = ops.all_finite(compensated)
     domain, dctx = sp.to_domain(compensated, ctx, ops)

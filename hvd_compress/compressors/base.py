@@ -39,7 +39,7 @@ import numbers
 from typing import Any, NamedTuple, Tuple
 
 from ..buckets import layout as _layout
-from ..memory import ResidualMemory
+from ..memory import ResidualMemory, check_residuals_of, other_residuals
 from ..ops import ops_for
 
 REGISTRY = {}
@@ -95,30 +95,6 @@ class OwnPayload(tuple):
         self = super().__new__(cls, tensors)
         self.sent, self.residual = sent, residual
         return self
-
-
-def check_residuals_of(compressor, state_dict):
-    """ValueError when a checkpoint's residuals hold other quantities than ``compressor``'s
-    would: gradients' residuals (gradient-sized) restored as ``compressed_update=True``'s
-    update residuals would be added to the parameters, and update residuals (learning-rate
-    sized) restored as gradients' would all but vanish.  A compressor no glue has taken
-    yet accepts either and remembers which (:meth:`Compressor.mark_residuals` checks it);
-    a checkpoint without the key (before 2026-11-29) is not checked."""
-    held = state_dict.get("residuals_of")
-    if held is None:
-        return
-    if compressor.residuals_of is None:
-        compressor.loaded_residuals_of = held
-    elif held != compressor.residuals_of:
-        raise _other_residuals(held, compressor.residuals_of)
-
-
-def _other_residuals(held, mine):
-    return ValueError(
-        f"state_dict holds error feedback of {held} (a run with compressed_update="
-        f"{held == 'updates'}); this compressor's is of {mine} (compressed_update="
-        f"{mine == 'updates'}): restore it into the same mode, or start the residuals "
-        "afresh (do not load it)")
 
 
 class Compressor:
@@ -203,7 +179,7 @@ class Compressor:
         :func:`~hvd_compress.strategies.momentum.check_compressed_update`); ValueError
         when a checkpoint restored before held the other."""
         if self.loaded_residuals_of not in (None, kind):
-            raise _other_residuals(self.loaded_residuals_of, kind)
+            raise other_residuals(self.loaded_residuals_of, kind)
         self.residuals_of = kind
 
     def decay_residuals(self, beta):
@@ -274,8 +250,7 @@ class Compressor:
         tensors ``flat`` holds end to end (one for a single tensor)."""
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
-        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy,
-                                decay=self.ef_decay)
+        memory = self.error_feedback(ops)
         # (only an encode that checks its own input can add r first: finds_nonfinite)
         add = memory.residuals_to_add(parts, flat, own) \
             if self.finds_nonfinite and self.adds_residual(flat, ctx, ops) else None
@@ -389,21 +364,36 @@ class Compressor:
             return None
         return ResidualMemory(self._store, self._ops).residual(name)
 
+    def error_feedback(self, ops):
+        """The :class:`~hvd_compress.memory.ResidualMemory` of this compressor's residuals
+        (in place where its payload never aliases its input; its ``ef_decay``)."""
+        return ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy,
+                              decay=self.ef_decay)
+
     def state_dict(self):
         """Error-feedback residuals and counters, copied: ``{"spec", "residuals_of",
         "state"}``."""
-        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients",
-                "state": self._store.state_dict() if self._store is not None else {}}
+        return dict(self._state_header(),
+                    state=self._store.state_dict() if self._store is not None else {})
+
+    def _state_header(self):
+        """What every state_dict starts with: the spec and what the residuals hold."""
+        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients"}
+
+    def _check_state_header(self, state_dict):
+        """ValueError when ``state_dict`` is another compressor's, or holds residuals of
+        the other mode (:func:`~hvd_compress.memory.check_residuals_of`)."""
+        if state_dict.get("spec") != self.spec:
+            raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
+                             f"not {self.spec!r}")
+        check_residuals_of(self, state_dict)
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
         """Restore what :meth:`state_dict` returned; the spec must match.  ``strict``: a
         tensor compressed later that has no residual in ``state_dict`` (while others do)
         raises ValueError, as a checkpoint of another model would (Elastic restores pass
         False: a tensor may have had no gradient yet at the commit)."""
-        if state_dict.get("spec") != self.spec:
-            raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
-                             f"not {self.spec!r}")
-        check_residuals_of(self, state_dict)
+        self._check_state_header(state_dict)
         if self._store is None:
             from importlib import import_module
             ops = import_module("hvd_compress.ops." + {"torch": "torch_ops",

@@ -233,8 +233,7 @@ class DCTSparse(DensitySparsifier):
         last blocks only; each tensor's ``R`` under :func:`residual_name`."""
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
-        memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy,
-                                decay=self.ef_decay)
+        memory = self.error_feedback(ops)
         self._check_sizes(parts)
         coefs, cctx = self.to_domain(flat, ctx, ops)          # a new tensor: ours to write
         cparts = tuple((residual_name(self.block, n, name), m)

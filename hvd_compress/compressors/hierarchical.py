@@ -12,7 +12,7 @@ compressor.
 
 Imports: modules of its own package.
 """
-from .base import Compressor, check_residuals_of
+from .base import Compressor
 
 PREFIX = "hier:"
 
@@ -50,6 +50,10 @@ class Hierarchical(Compressor):
     def spec(self):
         return PREFIX + self.inner.spec
 
+    @property
+    def ef_decay(self):
+        return self.inner.ef_decay
+
     def decay_residuals(self, beta):
         self.inner.decay_residuals(beta)
         return self
@@ -85,14 +89,10 @@ class Hierarchical(Compressor):
         return self.inner.residual_names(lay)
 
     def state_dict(self):
-        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients",
-                "state": self.inner.state_dict()["state"]}
+        return dict(self._state_header(), state=self.inner.state_dict()["state"])
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
-        if state_dict.get("spec") != self.spec:
-            raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
-                             f"not {self.spec!r}")
-        check_residuals_of(self, state_dict)
+        self._check_state_header(state_dict)
         self.inner.load_state_dict({"spec": self.inner.spec, "state": state_dict["state"]},
                                    framework=framework, strict=strict)
 

@@ -31,7 +31,7 @@ A two-round exchange (:mod:`.base`): ``propose`` / ``agree`` / ``finish`` run by
 glue layers, not ``compress``; the warm-start ``Q`` of every tensor is in
 ``state_dict()`` beside the residuals.
 
-Imports: the standard library, numpy, ``hvd_compress.memory``, ``hvd_compress.ops``,
+Imports: the standard library, numpy, ``hvd_compress.ops``,
 ``hvd_compress.stats``; and modules of its own package.
 """
 import zlib
@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..memory import ResidualMemory
 from ..ops import ops_for
 from ..stats import ring_received
 from .base import Compressor, Ctx, register
@@ -133,8 +132,7 @@ class PowerSGD(Compressor):
     def _propose(self, flat, ctx, ops, parts, shapes, own, size):
         memory, compensated = None, flat
         if self.ef:
-            memory = ResidualMemory(self._state(ops), ops, reuse=self.payload_is_copy,
-                                    decay=self.ef_decay)
+            memory = self.error_feedback(ops)
             compensated = memory.compensate_parts(parts, flat, own=own)
         finite = ops.all_finite(compensated)
         x = ops.to_float32(compensated)

@@ -306,8 +306,7 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
                              "(the wrapped optimizer's own momentum is in the update)")
     if hasattr(compression, "mark_residuals"):
         compression.mark_residuals("updates" if compressed_update else "gradients")
-    inner = getattr(compression, "inner", compression)
-    if compressed_update and getattr(inner, "ef", False) and inner.ef_decay == 1.0:
+    if compressed_update and getattr(compression, "ef", False) and compression.ef_decay == 1.0:
         from ..log import logger
         logger.info("hvd_compress: compressed_update=True with %s: plain error feedback; "
                     "ef_decay=0.9 in the spec kept a GPT-2's AdamW within 3%% of dense's loss "

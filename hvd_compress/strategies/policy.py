@@ -20,7 +20,8 @@ parameters go uncompressed.
 import fnmatch
 import sys
 
-from ..compressors.base import Compressor, check_residuals_of
+from ..compressors.base import Compressor
+from ..memory import check_residuals_of
 from ..spec import from_spec
 
 
@@ -77,8 +78,7 @@ class Policy(Compressor):
         return f"policy({rules};*={self.default.spec})"
 
     def state_dict(self):
-        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients",
-                "state": [c.state_dict() for c in self.compressors()]}
+        return dict(self._state_header(), state=[c.state_dict() for c in self.compressors()])
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
         if state_dict.get("spec") != self.spec:

@@ -54,14 +54,12 @@ class KerasLocalUpdates:
                 return tf.constant(True)
             tf.cond(finite, step, lambda: tf.constant(False))
         updates = [tf.convert_to_tensor(v) - s for v, s in zip(variables, start)]
-        if not tf.executing_eagerly():
+        try:
             means = reduce(updates, variables)
-        else:
-            try:
-                means = reduce(updates, variables)
-            except BaseException:     # a failed exchange (every rank's): back to p_0
+        except BaseException:         # a failed exchange (every rank's): back to p_0
+            if tf.executing_eagerly():
                 for v, s in zip(variables, start):
                     v.assign(s)
-                raise
+            raise
         for v, s, u in zip(variables, start, means):
             v.assign(s + tf.cast(u, s.dtype))
