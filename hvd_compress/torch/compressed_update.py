@@ -56,7 +56,7 @@ import torch
 from ..log import logger
 from .amp import all_finite
 from ..strategies.momentum import check_compressed_update
-from .momentum import replace_step
+from .momentum import plain_step, replace_step
 
 
 def check(compressed_update, schedule, grad_scaler, compression, average=True, optimizer=None,
@@ -194,7 +194,8 @@ def update_optimizer(optimizer, exchange, compression=None):
                              f"since it was registered ({len(params)} then, "
                              f"{len(trainable(self))} now: add_param_group?); give the hook "
                              "an optimizer that holds every parameter from the start")
-        return updates.run(lambda: base.step(self), closure, lambda: exchange(params))
+        return updates.run(lambda: plain_step(base.step)(self), closure,
+                           lambda: exchange(params))
 
     replace_step(optimizer, step)
     return updates

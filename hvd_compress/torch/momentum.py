@@ -159,7 +159,7 @@ def momentum_optimizer(optimizer, owner, schedule, rank=lambda: 0):
 
     def step(self, closure=None):
         if momentum.dense:
-            loss = base.step(self, closure)
+            loss = plain_step(base.step)(self, closure)
             momentum.after_dense(params, owner.transport)
             return loss
         with torch.enable_grad():
@@ -179,12 +179,16 @@ def replace_step(optimizer, step):
     An LR scheduler made before has put a wrapper of the *old* class's ``step`` on the
     instance (to see whether the optimizer stepped), which would bypass the new class:
     that wrapper is replaced by one of the new ``step`` that tells the scheduler the
-    same.  ValueError for an optimizer whose step hvd_compress replaced already (a
-    second ``register``)."""
+    same.  torch's step hooks (``register_step_pre_hook``/``_post_hook``) run once, around
+    ``step`` (which calls the wrapped optimizer's step through :func:`plain_step`), so a
+    post hook sees the parameters every rank ends the step with.  ValueError for an
+    optimizer whose step hvd_compress replaced already (a second ``register``)."""
     base = type(optimizer)
     if getattr(base, "_hvd_compress_step", False):
         raise ValueError(f"the {base.__name__} optimizer's step() is hvd_compress's already "
                          "(registered twice?): give each registration its own optimizer")
+    step = torch.optim.Optimizer.profile_hook_step(step)
+    step.hooked = True                       # what torch's Optimizer.__init__ would mark
     optimizer.__class__ = type(base.__name__, (base,), {"step": step, "_hvd_compress_step": True,
                                                         "__module__": base.__module__})
     if "step" in vars(optimizer):            # an LR scheduler's wrapper of base.step
@@ -198,6 +202,17 @@ def replace_step(optimizer, step):
 
         tracked._wrapped_by_lr_sched = True
         optimizer.step = tracked
+
+
+def plain_step(step):
+    """The optimizer step function ``step`` (e.g. ``AdamW.step``) without torch's step
+    hooks, which ``torch.optim.Optimizer`` wraps around every optimizer class's step
+    (``profile_hook_step``).  The glues call the wrapped optimizer's step through this and
+    run the hooks once, around their own step: otherwise every hook ran twice a step, and
+    the first post hook saw this rank's local step, not the exchanged one."""
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return step.__wrapped__
+    return step
 
 
 def restore_step(optimizer):

@@ -31,7 +31,7 @@ from . import collectives, horovod_surface as surface
 from .amp import GradientUnits
 from .compressed_update import LocalUpdates, check as check_update
 from ..strategies.momentum import MomentumSchedule, adam_defaults, momentum_from_env
-from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc, warmup_entries
+from .momentum import ADAM_FAMILY, AdamMomentum, check_dgc, plain_step, warmup_entries
 
 
 class CompressedOptimizer:
@@ -305,7 +305,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._update is not None:         # this rank's step, then its update exchanged
             self._synchronized = False
-            return self._update.run(super(self.__class__, self).step, closure, self._exchange,
+            return self._update.run(self._wrapped_step, closure, self._exchange,
                                     self.drop_in_flight)
         if self._should_synchronize:
             if self._synchronized and not self._warned:
@@ -320,15 +320,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dense = self._driver_now() is not self._driver
         self._step_driver = None
         if self._momentum is None:
-            return super(self.__class__, self).step(closure)
+            return self._wrapped_step(closure)
         if not dense:
             with torch.enable_grad():
                 loss = closure() if closure is not None else None
             self._momentum.apply(self._params)
             return loss
-        loss = super(self.__class__, self).step(closure)
+        loss = self._wrapped_step(closure)
         self._momentum.after_dense(self._params, self._driver.transport)
         return loss
+
+    def _wrapped_step(self, closure=None):
+        """The wrapped optimizer's step without torch's step hooks: they run once, around
+        :meth:`step` (:func:`~hvd_compress.torch.momentum.plain_step`)."""
+        return plain_step(super(self.__class__, self).step.__func__)(self, closure)
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()

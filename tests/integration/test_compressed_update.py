@@ -103,6 +103,10 @@ def test_parameters_agree_and_each_rank_keeps_its_own_optimizer_state(ranks):
             assert np.array_equal(r[f"trace/{t}/grad"], r[f"trace/{t}/ref_grad"])
     for t in range(2, STEPS + 1):
         assert not np.array_equal(ranks[0][f"trace/{t}/param"], ranks[0][f"trace/{t-1}/param"])
+    for r in ranks:     # torch's step hooks ran once a step, the post hook after the exchange
+        for t in range(1, STEPS + 1):
+            assert list(r[f"trace/{t}/hooks"]) == ["pre", "post"]
+            assert np.array_equal(r[f"trace/{t}/hook_param"], r[f"trace/{t}/param"])
     # top-k at 30% of the updates: values and indices, well under the dense bytes
     assert 0 < int(ranks[0]["trace/sent"]) < 0.7 * int(ranks[0]["trace/dense"])
 

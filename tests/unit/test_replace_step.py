@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from hvd_compress.torch.momentum import replace_step, restore_step
+from hvd_compress.torch.momentum import plain_step, replace_step, restore_step
 
 
 def _optimizer():
@@ -38,3 +38,26 @@ def test_twice_is_refused_and_restore_undoes_it():
     restore_step(opt)
     assert type(opt) is torch.optim.AdamW
     replace_step(opt, lambda self, closure=None: None)      # a fresh registration again
+
+
+def test_step_hooks_run_once_around_the_new_step():
+    """torch wraps every optimizer class's step with its step hooks; the new step calls
+    the wrapped optimizer's step through plain_step, so each hook runs once a step and
+    the post hook sees what the new step did after it (the exchange, in the glues)."""
+    opt, seen = _optimizer(), []
+    param = opt.param_groups[0]["params"][0]
+
+    def step(self, closure=None):
+        plain_step(torch.optim.AdamW.step)(self, closure)     # the local step
+        with torch.no_grad():
+            param.fill_(7.0)                                  # what the exchange would do
+
+    replace_step(opt, step)
+    opt.register_step_pre_hook(lambda *args: seen.append(("pre", param.tolist())))
+    opt.register_step_post_hook(lambda *args: seen.append(("post", param.tolist())))
+    param.grad = torch.ones(3)
+    opt.step()
+    assert seen == [("pre", [1.0] * 3), ("post", [7.0] * 3)]
+    assert opt.state[param]["step"] == 1                      # the local step ran
+    assert plain_step(torch.optim.AdamW.step) is not torch.optim.AdamW.step
+    assert plain_step(step) is step                           # no hooks: unchanged

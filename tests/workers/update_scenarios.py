@@ -8,7 +8,8 @@ into ``out`` under its name; tests/integration/test_compressed_update.py compute
 expected values from them.
 
 Scenarios: ``trace`` (each step's start, this rank's update as a plain AdamW on its own
-gradient makes it, parameters and residuals after; ``trace_min_size``, ``trace_decay``:
+gradient makes it, parameters and residuals after, what torch's step hooks saw;
+``trace_min_size``, ``trace_decay``:
 with ``min_size=20``, ``ef_decay=0.5``), ``resume`` (a checkpoint after step
 3, restored into fresh objects; the same residuals marked as gradients' refused), ``nan`` (rank 1's gradient NaN at step 3),
 ``closure_and_scaler`` (step(closure), the GradScaler recipe, NaN/Inf on rank 1),
@@ -54,6 +55,9 @@ def trace(glue, out, spec=SPEC, key="trace"):
     model, opt, parts = glue.build(spec)
     ref = Net()
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    hooks = []                           # torch's step hooks: once a step, after the exchange
+    opt.register_step_pre_hook(lambda *args: hooks.append(("pre", None)))
+    opt.register_step_post_hook(lambda *args: hooks.append(("post", flat(model.parameters()))))
     for step in range(1, STEPS + 1):
         start = flat(model.parameters())
         with torch.no_grad():
@@ -69,6 +73,9 @@ def trace(glue, out, spec=SPEC, key="trace"):
         out[f"{key}/{step}/grad"] = flat(p.grad for p in model.parameters())
         out[f"{key}/{step}/ref_grad"] = flat(p.grad for p in ref.parameters())
         out[f"{key}/{step}/param"] = flat(model.parameters())
+        out[f"{key}/{step}/hooks"] = np.array([kind for kind, _ in hooks])
+        out[f"{key}/{step}/hook_param"] = hooks[-1][1]
+        hooks.clear()
         out[f"{key}/{step}/residual"] = residuals(parts)
         out[f"{key}/{step}/exp_avg"] = flat(opt.state[p]["exp_avg"] for p in model.parameters())
         out[f"{key}/{step}/ref_exp_avg"] = flat(ref_opt.state[p]["exp_avg"]
