@@ -88,7 +88,6 @@ Works on the Gloo backend (CPU) and NCCL (GPU): everything stays on the bucket's
 device except the payload byte lengths and the configuration digest, which the host
 needs to cut the gathered bytes.
 """
-import hashlib
 
 import torch
 import torch.distributed as dist
@@ -100,7 +99,8 @@ from ..spec import resolve
 from ..stats import Stats
 from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .compressed_update import check as check_update, update_optimizer
-from .ddp_bucket import TorchDistributed, UpdateBucket, _Bucket, find_ddp_model
+from .ddp_bucket import (TorchDistributed, UpdateBucket, _Bucket, check_config,
+                         find_ddp_model)
 from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer, restore_step
 
 OPS = ("average", "sum")
@@ -140,7 +140,7 @@ class CompressionState:
         compressed_update = check_update(compressed_update, schedule, None, self.compression,
                                          op == "average", optimizer,
                                          ("op='average'", "op='sum'"))
-        if compressed_update and optimizer is None:
+        if compressed_update and optimizer is None and ddp_model is not None:
             raise ValueError("compressed_update=True needs optimizer= (the optimizer that "
                              "steps ddp_model's parameters: its step() exchanges the update)")
         if schedule is None and not compressed_update and isinstance(optimizer, ADAM_FAMILY):
@@ -181,8 +181,30 @@ class CompressionState:
         self._update_order = None    # compressed updates: id(p) -> place in the module
         if ddp_model is not None:
             self.bind(ddp_model)
-        if compressed_update:        # last: nothing above can fail after the swap
-            self.update = update_optimizer(optimizer, self.exchange_updates, self.compression)
+        if compressed_update and optimizer is not None:   # last: nothing above can fail after
+            self.take_optimizer(optimizer)                # the swap
+
+    def take_optimizer(self, optimizer):
+        """Compressed updates: from now on ``optimizer.step()`` (any ``torch.optim``
+        optimizer but LBFGS, stepping exactly the DDP model's trainable parameters) runs
+        this rank's step, then exchanges the update (:func:`~hvd_compress.torch.
+        compressed_update.update_optimizer`).  The constructor calls it with ``optimizer=``;
+        a state made before the optimizer exists (``CompressionState(compression=...,
+        compressed_update=True)`` for a framework that makes the optimizer after the DDP
+        model: :class:`hvd_compress.lightning.DDPStrategy` calls it once it has set up the
+        optimizers) is given it here, before the first step; until then the hook refuses
+        to train.  ValueError for a state without compressed updates or one that has an
+        optimizer already.  Returns the :class:`~hvd_compress.torch.compressed_update.
+        LocalUpdates`."""
+        if not self.compressed_update:
+            raise ValueError("take_optimizer: this CompressionState has compressed_update="
+                             "False (pass compressed_update=True, or optimizer= to its "
+                             "constructor for compressed_momentum)")
+        if self.update is not None:
+            raise ValueError("take_optimizer: this CompressionState has an optimizer already")
+        check_update(True, None, None, resolve("none"), True, optimizer)    # LBFGS refused
+        self.update = update_optimizer(optimizer, self.exchange_updates, self.compression)
+        return self.update
 
     @property
     def bound(self):
@@ -330,35 +352,6 @@ class CompressionState:
             self.auto_names = {k: v for k, v in self.auto_names.items() if k in used}
         return out
 
-    def _full_description(self):
-        extra = self.driver.describe()
-        return self.description if not extra else \
-            f"{self.description} | {extra} buckets={sorted(self.auto_key.items())}"
-
-    def check_config(self, device):
-        """ValueError on every rank unless all ranks have the same :attr:`description`:
-        one all_gather of its sha256 (fixed shape, so ranks that differ cannot hang),
-        then, only if they differ, of the descriptions themselves for the message."""
-        group = self.process_group
-        description = self._full_description()
-        digest = torch.tensor(list(hashlib.sha256(description.encode()).digest()),
-                              dtype=torch.uint8, device=device)
-        everyone = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, digest, group=group)
-        if all(torch.equal(d, everyone[0]) for d in everyone):
-            self.checked = True
-            return
-        texts = [None] * len(everyone)
-        dist.all_gather_object(texts, description, group=group)
-        # the first 300 characters, or 300 around the first difference if it is further
-        at = next((i for i, cs in enumerate(zip(*texts)) if len(set(cs)) > 1),
-                  min(len(t) for t in texts))
-        lines = "\n".join(f"  rank {r}: {t[:300] if at < 250 else '...' + t[at - 100:at + 200]}"
-                          for r, t in enumerate(texts))
-        raise ValueError("hvd_compress.ddp: ranks are configured differently (compressor, op, "
-                         "parameter names, shapes and dtypes, and auto's state restored from "
-                         f"a checkpoint, must match on every rank):\n{lines}")
-
 
 def compression_hook(state, bucket):
     """DDP communication hook: compress ``bucket`` with ``state.compression``, start its
@@ -372,7 +365,11 @@ def compression_hook(state, bucket):
         state.bind(find_ddp_model(state, bucket))
     state.transport.device = device
     if not state.checked:       # the first bucket, also with compressed updates: ranks
-        state.check_config(device)      # that differ fail here, before DDP's own collectives
+        check_config(state, device)     # that differ fail here, before DDP's own collectives
+    if state.compressed_update and state.update is None:
+        raise ValueError("compressed_update=True: the CompressionState has no optimizer; "
+                         "give it optimizer= or call state.take_optimizer(optimizer) "
+                         "before the first step (each rank would train on its own)")
     if state.update is not None and not isinstance(bucket, UpdateBucket):
         future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         future.set_result(bucket.buffer())      # the local gradient: the step sends updates

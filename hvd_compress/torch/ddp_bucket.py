@@ -2,7 +2,8 @@
 :class:`TorchDistributed` (``torch.distributed`` collectives as an exchange transport),
 :class:`_Bucket` (one DDP bucket in flight: its names, compress calls, exchanges and
 the Future DDP waits on), :class:`UpdateBucket` (compressed updates read as a DDP
-bucket) and :func:`find_ddp_model` (the model of an unbound state).  Split out of
+bucket), :func:`find_ddp_model` (the model of an unbound state) and
+:func:`check_config` (the first step's check that every rank is configured alike).  Split out of
 ``ddp.py`` so each module stays short; the module docstring there describes the whole
 hook.
 
@@ -10,6 +11,7 @@ Imports: torch, ``hvd_compress.buckets``, ``hvd_compress.exchange``,
 ``hvd_compress.compressors``, ``hvd_compress.ops``, ``hvd_compress.stats``.
 """
 import gc
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -240,3 +242,32 @@ def find_ddp_model(state, bucket):
     raise ValueError("hvd_compress.ddp: CompressionState was made without its model and the "
                      f"DDP model of the bucket cannot be told ({len(holders)} hold its "
                      "parameters): call state.bind(ddp_model) before the first step")
+
+
+def check_config(state, device):
+    """ValueError on every rank unless all ranks have the same configuration: the
+    state's ``description`` (compressor, op, world size, parameters) and, with ``auto``,
+    its schedule, choices and buckets.  One all_gather of its sha256 (fixed shape, so
+    ranks that differ cannot hang), then, only if they differ, of the descriptions
+    themselves for the message.  Sets ``state.checked``."""
+    group = state.process_group
+    extra = state.driver.describe()
+    description = state.description if not extra else \
+        f"{state.description} | {extra} buckets={sorted(state.auto_key.items())}"
+    digest = torch.tensor(list(hashlib.sha256(description.encode()).digest()),
+                          dtype=torch.uint8, device=device)
+    everyone = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, digest, group=group)
+    if all(torch.equal(d, everyone[0]) for d in everyone):
+        state.checked = True
+        return
+    texts = [None] * len(everyone)
+    dist.all_gather_object(texts, description, group=group)
+    # the first 300 characters, or 300 around the first difference if it is further
+    at = next((i for i, cs in enumerate(zip(*texts)) if len(set(cs)) > 1),
+              min(len(t) for t in texts))
+    lines = "\n".join(f"  rank {r}: {t[:300] if at < 250 else '...' + t[at - 100:at + 200]}"
+                      for r, t in enumerate(texts))
+    raise ValueError("hvd_compress.ddp: ranks are configured differently (compressor, op, "
+                     "parameter names, shapes and dtypes, and auto's state restored from "
+                     f"a checkpoint, must match on every rank):\n{lines}")

@@ -19,7 +19,11 @@ when it is bound, at the hook's first bucket at the latest
 ``ddp_comm_hook`` only on CUDA devices, so on CPU (Gloo) its ``DDPStrategy`` trains
 with DDP's plain allreduce and the hook is never called.  Ours registers it on every
 device (and binds the state at once).  On GPUs Lightning's ``DDPStrategy`` works as
-well.  :class:`CompressionStats` warns when a step ended with no bucket through the hook.
+well, except for compressed updates: with
+``CompressionState(compression=..., compressed_update=True)`` (each rank's AdamW update
+sent instead of its gradient: :mod:`hvd_compress.torch.compressed_update`) ours gives
+the state the optimizer that ``configure_optimizers()`` returns (one) once Lightning has
+set it up (:meth:`~hvd_compress.torch.ddp.CompressionState.take_optimizer`).  :class:`CompressionStats` warns when a step ended with no bucket through the hook.
 
 Imports: torch, :mod:`hvd_compress.torch.ddp`; ``lightning.pytorch`` only when
 :class:`DDPStrategy` or :class:`CompressionStats` is first used (the classes are made
@@ -67,6 +71,17 @@ def _build():
             compression = _compression_state(state)
             if compression is not None and hook is not None:
                 compression.bind(self.model)
+
+        def setup_optimizers(self, trainer):
+            super().setup_optimizers(trainer)
+            state = _compression_state(self.hvd_comm[0])
+            if state is None or not state.compressed_update or state.update is not None:
+                return
+            if len(self.optimizers) != 1:
+                raise ValueError("compressed_update=True needs configure_optimizers() to "
+                                 "return one optimizer (its step() exchanges the update), "
+                                 f"got {len(self.optimizers)}")
+            state.take_optimizer(self.optimizers[0])
 
 
     class CompressionStats(Callback):

