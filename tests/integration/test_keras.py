@@ -138,9 +138,10 @@ def test_import_adds_no_torch(keras_job):
         assert list(r["torch_added"]) == []
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", list(MODES) + ["loop"])
 def test_compressed_update_every_step_matches_the_numpy_reference(keras_job, mode):
-    """``compressed_update=True`` with AdamW through ``fit``: every step's weights and
+    """``compressed_update=True`` with AdamW through ``fit`` (compiled, eager) and through
+    a custom TensorFlow loop (``loop``: a plain tape, ``apply_gradients``): every step's weights and
     residuals are the rule's (tests/reference.py) from the updates a plain Keras AdamW
     made of each rank's own gradient; both ranks hold the same weights."""
     ranks = [{k.split("|", 1)[1]: v for k, v in r.items() if k.startswith(mode + "|")}

@@ -103,18 +103,29 @@ def flat(arrays):
 
 def update(out):
     """``compressed_update=True`` with AdamW, compiled and eager, ``fit`` one batch a
-    step.  Recorded per step, as tests/workers/update_scenarios.py's trace: the start,
+    step, and a custom loop (``tf.function``: a plain ``tf.GradientTape``, then
+    ``opt.apply_gradients``).  Recorded per step, as tests/workers/update_scenarios.py's trace: the start,
     this rank's update as a plain Keras AdamW on its own gradient makes it (a copy of
     the model set to the start each step: its slots follow the wrapped optimizer's),
     the weights and residuals after.  Then a step with NaN in rank 1's gradient (eager,
     ``opt.apply``): rank 1 skips its own step, the weights stay equal and finite; and a
     step with rank 1's payload corrupted: every rank raises, the weights stay."""
     adamw = dict(learning_rate=0.05, weight_decay=0.1)
-    for mode in MODES:
+    for mode in list(MODES) + ["loop"]:
         model, ref = build(), build()
         opt = hck.DistributedOptimizer(keras.optimizers.AdamW(**adamw),
                                        compression=UPDATE_SPEC, compressed_update=True)
-        model.compile(optimizer=opt, loss=LOSS, run_eagerly=MODES[mode])
+        if mode == "loop":                    # a custom loop: a plain tape, apply_gradients
+            opt.build(model.trainable_variables)
+
+            @tf.function
+            def train_step(x, y, model=model, opt=opt):
+                with tf.GradientTape() as tape:
+                    loss = LOSS(y, model(x, training=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+        else:
+            model.compile(optimizer=opt, loss=LOSS, run_eagerly=MODES[mode])
         ref_opt = keras.optimizers.AdamW(**adamw)
         x, y = data(UPDATE_STEPS, 13)
         for t in range(1, UPDATE_STEPS + 1):
@@ -129,7 +140,10 @@ def update(out):
             out[f"{key}/start"] = flat(start)
             out[f"{key}/update"] = flat(v.numpy() for v in ref.trainable_variables) - \
                 flat(start)
-            model.fit(x[sl], y[sl], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            if mode == "loop":
+                train_step(tf.constant(x[sl]), tf.constant(y[sl]))
+            else:
+                model.fit(x[sl], y[sl], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
             out[f"{key}/param"] = flat(v.numpy() for v in model.trainable_variables)
             state = opt.compression.state_dict()["state"]
             out[f"{key}/residual"] = flat(state["residual/" + v.path]
