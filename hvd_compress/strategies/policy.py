@@ -67,6 +67,22 @@ class Policy(Compressor):
                 out.append(c)
         return out
 
+    def decay_residuals(self, beta):
+        """``ef_decay=beta`` for each member with error feedback (the others send all they
+        are given); ValueError when none has any, or one is ``auto`` (give ``ef_decay=``
+        to its candidates' specs).  Returns ``self``."""
+        if any(getattr(c, "adaptive", False) for c in self.compressors()):
+            raise ValueError(f"{self.spec}: ef_decay applies to one compressor's error "
+                             "feedback; auto chooses per bucket (give ef_decay= to the "
+                             "specs of its candidates and of the policy's other members)")
+        members = [c for c in self.compressors() if c.ef]
+        if not members:
+            raise ValueError(f"{self.spec}: ef_decay={beta!r} needs error feedback, which none "
+                             "of the policy's compressors has")
+        for c in members:                      # a bad beta: the first refuses, none changed
+            c.decay_residuals(beta)
+        return self
+
     def attach_journal(self, journal):
         super().attach_journal(journal)
         for c in self.compressors():

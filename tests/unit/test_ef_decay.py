@@ -119,3 +119,18 @@ def test_tensorflow_keeps_beta_times_the_residual(spec):
         c.compress(tf.constant(g), "w")
     np.testing.assert_allclose(np.asarray(decayed.residual("w")),
                                BETA * np.asarray(plain.residual("w")), rtol=1e-6, atol=1e-7)
+
+
+def test_a_policy_decays_the_residuals_of_its_members_with_error_feedback():
+    policy = hvd_compress.Policy({"a*": "topk:density=0.1", "b*": "fp16"}, default="twobit")
+    assert policy.decay_residuals(0.8) is policy
+    assert [(c.name, c.ef_decay) for c in policy.compressors()] == \
+        [("topk", 0.8), ("fp16", 1.0), ("twobit", 0.8)]
+    with pytest.raises(ValueError, match="none of the policy's compressors"):
+        hvd_compress.Policy({"a*": "fp16"}, default="none").decay_residuals(0.8)
+    with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+        hvd_compress.Policy({"a*": "topk:density=0.1"}).decay_residuals(1.5)
+    mixed = hvd_compress.Policy({"a*": "topk:density=0.1"}, default="auto")
+    with pytest.raises(ValueError, match="auto chooses per bucket"):
+        mixed.decay_residuals(0.8)
+    assert mixed.compressors()[0].ef_decay == 1.0
