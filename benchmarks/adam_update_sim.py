@@ -108,26 +108,39 @@ def library_mean(compressors, xs, name):
     return mean.view_as(xs[0]), sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run(label, args, train, val_batch):
+def parse(label):
+    """What ``label`` asks for: ``(kind, spec, lr or None, density, whole, agg, decay)``;
+    ValueError for a bad one (main checks every label before the first run)."""
     kind, _, spec = label.partition("=")
     spec = spec if kind in ("grad", "update") else ""
     method = kind + "@1" if spec else label
     if spec:
         from hvd_compress import from_spec
-        compressors = [from_spec(spec) for _ in range(args.ranks)]
-        if compressors[0].rounds or compressors[0].name == "hier":
+        first = from_spec(spec)
+        if first.rounds or first.name == "hier":
             raise ValueError(f"{label}: one-round compressors only here (not agg=, "
                              "powersgd or hier:)")
     method_, _, options = method.partition(":")
     kind, _, value = method_.partition("@")
+    if kind not in ("dense", "grad", "update"):
+        raise ValueError(f"unknown method {label!r}: dense[@lr], grad@density, "
+                         "update@density, grad=SPEC, update=SPEC")
     value, _, whole = value.partition("~")
-    whole = int(whole or 0)
     options = dict(o.split("=", 1) for o in options.split(",") if o)
     agg, decay = options.pop("agg", "local"), float(options.pop("decay", 1.0))
     if options:
         raise ValueError(f"{method}: unknown option(s) {sorted(options)} (agg=, decay=)")
-    lr = float(value) if kind == "dense" and value else args.lr
+    lr = float(value) if kind == "dense" and value else None
     density = float(value) if kind != "dense" else 1.0
+    return kind, spec, lr, density, int(whole or 0), agg, decay
+
+
+def run(label, args, train, val_batch):
+    kind, spec, lr, density, whole, agg, decay = parse(label)
+    lr = lr or args.lr
+    if spec:
+        from hvd_compress import from_spec
+        compressors = [from_spec(spec) for _ in range(args.ranks)]
     models = [make_model(args, args.seed) for _ in range(args.ranks)]
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01) for m in models]
     params = [list(m.parameters()) for m in models]
@@ -205,12 +218,12 @@ def main():
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="adam_update_sim")
     args = p.parse_args()
-    bad = [m for m in args.methods.split(";")
-           if m.partition(":")[0].partition("@")[0].partition("=")[0] not in
-           ("dense", "grad", "update")]
-    if bad:
-        p.error(f"unknown method(s) {bad}: dense[@lr], grad@density, update@density, "
-                "grad=SPEC, update=SPEC")
+    for m in args.methods.split(";"):          # every label checked before the first run
+        try:
+            if m:
+                parse(m)
+        except ValueError as e:
+            p.error(str(e))
     train, val = corpus()
     g = torch.Generator().manual_seed(12345)
     val_batch = windows(val, torch.randint(0, val.numel() - args.seq - 1, (32,), generator=g),
