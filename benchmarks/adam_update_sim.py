@@ -18,14 +18,16 @@ seeds as there.  Methods:
 - ``grad@d~n``, ``update@d~n``: the same, tensors of fewer than ``n`` values sent whole;
 - ``grad=SPEC``, ``update=SPEC``: each rank's gradient or update through its own
   instance of the library's compressor ``SPEC`` (``update=signsgd``,
-  ``update=laplace_topk:density=0.01``), its error feedback included; the mean of the
-  ranks' reconstructions;
+  ``update=laplace_topk:density=0.01``), its error feedback included (marked as a glue
+  marks it, so ``update=`` gets the library's default decay for updates unless the spec
+  gives ``ef_decay=``); the mean of the ranks' reconstructions;
 - a suffix ``:agg=A,decay=B`` on ``grad``/``update``: ``agg=union`` (every rank's top-k
   indices, their union ``U``, every rank's compensated values at ``U`` averaged: the
   library's ``agg=union``), ``agg=leader`` (rank ``t mod P`` picks the ``k`` indices at
   step ``t``, every rank sends its values there: the library's ``agg=leader``), and
   ``decay=B`` (the residual decays before compensation, ``c = x + B e``, as in
-  SparseLoCo's error feedback; ``B = 1`` is plain error feedback).
+  SparseLoCo's error feedback; ``B = 1``, the default here, is plain error feedback;
+  the library's default for updates is ``max(0.9, 1 - 10 d)``).
 
 ``--seed 0`` (the default) uses benchmarks/time_to_loss.py's initial weights and batches;
 another seed other batches and GPT-2's N(0, 0.02) initial weights anew.  One seed is
@@ -141,6 +143,8 @@ def run(label, args, train, val_batch):
     if spec:
         from hvd_compress import from_spec
         compressors = [from_spec(spec) for _ in range(args.ranks)]
+        for c in compressors:            # as a glue marks them: the updates' default decay
+            c.mark_residuals("updates" if kind == "update" else "gradients")
     models = [make_model(args, args.seed) for _ in range(args.ranks)]
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01) for m in models]
     params = [list(m.parameters()) for m in models]

@@ -24,15 +24,17 @@ def split_sizes(flat, sizes):
 
 
 def compressed_update_rule(ranks, steps, sizes, density, residual_order=None, min_size=0,
-                           key="trace", decay=1.0):
+                           key="trace", decay=None):
     """The compressed-update rule (hvd_compress/torch/compressed_update.py) with top-k,
     from what each rank recorded: ``trace/<t>/start`` (the weights, the same on every
     rank) and ``trace/<t>/update`` (what a plain optimizer on this rank's gradient made
     of them).  u_i = the update; c_i = u_i + e_i; s_i = topk(c_i) per tensor (``sizes``:
     ``{name: numel}`` in the flat order); e_i = c_i - s_i; p = start + mean(s_i).
     Tensors of fewer than ``min_size`` values are sent whole (no residual: zeros);
-    ``decay``: ``ef_decay=`` (e_i = decay (c_i - s_i)).  Returns ``{t: (p, [e_i with its tensors in residual_order (default sizes')])}``;
+    ``decay``: ``ef_decay=`` (e_i = decay (c_i - s_i)); default, a top-k's default for
+    updates, ``max(0.9, 1 - 10 density)``.  Returns ``{t: (p, [e_i with its tensors in residual_order (default sizes')])}``;
     ``key``: the recorded trace's prefix."""
+    decay = max(0.9, 1.0 - 10.0 * density) if decay is None else decay
     e = [np.zeros_like(ranks[0][f"{key}/1/start"]) for _ in ranks]
     expected = {}
     for t in range(1, steps + 1):

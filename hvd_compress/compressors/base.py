@@ -31,16 +31,18 @@ framework primitives of :mod:`hvd_compress.ops`, so each algorithm is written on
 for PyTorch and TensorFlow.  Error feedback (:mod:`hvd_compress.memory`) is applied
 here, around ``encode``, when ``ef`` is on (the default for biased compressors).
 
-Imports: the standard library, ``hvd_compress.buckets``, ``hvd_compress.memory``,
-``hvd_compress.ops``; and modules of its own package.
+What travels beside a payload (:class:`Ctx`, :class:`OwnPayload`, :func:`payload_bytes`)
+is in :mod:`.payload`, imported here too.
+
+Imports: the standard library, ``hvd_compress.memory``, ``hvd_compress.ops``; and
+modules of its own package.
 """
 import inspect
 import numbers
-from typing import Any, NamedTuple, Tuple
 
-from ..buckets import layout as _layout
 from ..memory import ResidualMemory, check_residuals_of, other_residuals
 from ..ops import ops_for
+from .payload import Ctx, OwnPayload, _wire, payload_bytes  # noqa: F401 (Ctx etc. live here too)
 
 REGISTRY = {}
 
@@ -49,52 +51,6 @@ def register(cls):
     """Class decorator: make ``cls`` buildable from a spec string by ``cls.name``."""
     REGISTRY[cls.name] = cls
     return cls
-
-
-class Ctx(NamedTuple):
-    """What ``decompress`` needs besides the payload; never sent."""
-    shape: Tuple[int, ...]
-    dtype: Any
-    numel: int
-    name: str
-    finite: Any = None   #: known "no NaN/Inf in encode's input" (so encode needn't check)
-    segments: Any = None  #: a bucket's :class:`~hvd_compress.buckets.Layout` (else None)
-    wire: Any = None      #: this rank's payload: dtypes (and an allreduce's length); the
-                          #: aggregate must match (:meth:`Compressor.check_aggregate`)
-    add: Any = None       #: error feedback's residuals, for encode_checked to add to its
-                          #: input in its first pass (:meth:`Compressor.adds_residual`)
-
-    @property
-    def bucket(self):
-        """The Layout when this is a bucket of several tensors, else None (one tensor)."""
-        lay = self.segments
-        return lay if lay is not None and len(lay.names) > 1 else None
-
-    @property
-    def layout(self):
-        """The :class:`~hvd_compress.buckets.Layout` this covers: the bucket's, else that
-        of one tensor (a tensor compressed on its own), for the bucket kernels."""
-        return self.segments if self.segments is not None else \
-            _layout((self.name or "tensor",), ((self.numel,),))
-
-    @property
-    def numels(self):
-        """The sizes of the tensors this covers, end to end: the layout's, else
-        ``(numel,)``."""
-        return self.segments.numels if self.segments is not None else (self.numel,)
-
-
-class OwnPayload(tuple):
-    """A payload (the tensors sent, a tuple) with what its encode already computed of
-    the sender's own error feedback, never sent: ``sent``, the values every rank will
-    decode (a sparsifier's, whose indices are the payload's), or ``residual``, ``c -
-    D(payload)`` written over encode's input ``c`` (its buffer).  Either way
-    :meth:`Compressor.subtract_sent` decodes nothing."""
-
-    def __new__(cls, tensors, sent=None, residual=None):
-        self = super().__new__(cls, tensors)
-        self.sent, self.residual = sent, residual
-        return self
 
 
 class Compressor:
@@ -120,8 +76,10 @@ class Compressor:
                                #: (:meth:`mark_residuals`); None before (checkpoints then
                                #: say ``"gradients"``)
     loaded_residuals_of = None  #: what a checkpoint restored before any glue took it held
-    ef_decay = 1.0             #: error feedback keeps ``ef_decay * (c - sent)``
-                               #: (:meth:`decay_residuals`)
+    ef_decay = 1.0             #: error feedback keeps ``ef_decay * (c - sent)``: the
+                               #: spec's (:meth:`decay_residuals`), else, once a glue has
+                               #: marked the residuals, :meth:`default_ef_decay`'s
+    ef_decay_given = False     #: ``ef_decay`` came from the spec (or decay_residuals)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -181,6 +139,21 @@ class Compressor:
         if self.loaded_residuals_of not in (None, kind):
             raise other_residuals(self.loaded_residuals_of, kind)
         self.residuals_of = kind
+        for c in self.holds():
+            c.mark_residuals(kind)
+        if self.ef and not self.holds() and not self.ef_decay_given:
+            self.ef_decay = self.default_ef_decay(kind)
+
+    def holds(self):
+        """The compressors inside this one that keep residuals of their own (a Policy's
+        members, auto's candidates, ``hier:``'s inner); none here."""
+        return []
+
+    def default_ef_decay(self, kind):
+        """``ef_decay`` when the spec gives none, for residuals of ``kind``
+        (:meth:`mark_residuals`): 1, plain error feedback (sparsifiers of a density
+        decay compressed updates' residuals: :mod:`hvd_compress.compressors.sparse`)."""
+        return 1.0
 
     def decay_residuals(self, beta):
         """Error feedback keeps ``beta (c - sent)`` instead of ``c - sent`` (spec parameter
@@ -196,7 +169,7 @@ class Compressor:
         if not self.ef and beta != 1:
             raise ValueError(f"{self.name}: ef_decay={beta} needs error feedback, which this "
                              "compressor has off (ef=0)")
-        self.ef_decay = float(beta)
+        self.ef_decay, self.ef_decay_given = float(beta), True
         return self
 
     def compress(self, tensor, name=None):
@@ -429,7 +402,7 @@ class Compressor:
             if value is None:
                 continue
             parts.append(f"{p}={int(value) if isinstance(value, bool) else value}")
-        if self.ef_decay != 1.0:
+        if self.ef_decay_given:
             parts.append(f"ef_decay={self.ef_decay}")
         if self.min_size and "min_size" not in self.params():
             parts.append(f"min_size={self.min_size}")
@@ -437,21 +410,3 @@ class Compressor:
 
     def __repr__(self):
         return f"<hvd_compress {self.spec}>"
-
-
-def _wire(payload, ops):
-    """What :meth:`Compressor.check_aggregate` compares the aggregate with."""
-    if isinstance(payload, (tuple, list)):
-        return tuple(t.dtype for t in payload)
-    return payload.dtype, ops.numel(payload)
-
-
-def payload_bytes(payload, ops):
-    """Bytes this rank puts on the wire for ``payload``."""
-    if isinstance(payload, (tuple, list)):
-        total = 0
-        for t in payload:
-            total = total + ops.size_bytes(t)
-        return total
-    return ops.size_bytes(payload)
-

@@ -54,6 +54,13 @@ class Hierarchical(Compressor):
     def ef_decay(self):
         return self.inner.ef_decay
 
+    @property
+    def ef_decay_given(self):
+        return self.inner.ef_decay_given
+
+    def holds(self):
+        return [self.inner]
+
     def decay_residuals(self, beta):
         self.inner.decay_residuals(beta)
         return self

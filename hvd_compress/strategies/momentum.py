@@ -274,9 +274,7 @@ class MomentumGlue:
 def dgc_compressors(compression):
     """The compressors of ``compression`` (a Policy's, an auto's candidates included) that
     apply DGC's momentum correction (``momentum=``)."""
-    members = compression.compressors()
-    members = members + [m for c in members for m in getattr(c, "members", [])]
-    return [c for c in members if getattr(c, "momentum", None)]
+    return [c for c in leaves(compression) if getattr(c, "momentum", None)]
 
 
 def check_compressed_update(compressed_update, schedule, compression, average, ops):
@@ -306,13 +304,22 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
                              "(the wrapped optimizer's own momentum is in the update)")
     if hasattr(compression, "mark_residuals"):
         compression.mark_residuals("updates" if compressed_update else "gradients")
-    if compressed_update and getattr(compression, "ef", False) and compression.ef_decay == 1.0:
+    decayed = [c for c in leaves(compression) if c.ef and not c.ef_decay_given and
+               c.ef_decay != 1.0]
+    if compressed_update and decayed:
         from ..log import logger
-        logger.info("hvd_compress: compressed_update=True with %s: plain error feedback; "
-                    "ef_decay=0.9 in the spec kept a GPT-2's AdamW within 3%% of dense's loss "
-                    "per step where plain error feedback ended 5-11%% above it "
-                    "(docs/adam-adamw.md)", compression.spec)
+        logger.info("hvd_compress: compressed_update=True: error feedback keeps %s of what "
+                    "is not sent (the default for updates, docs/adam-adamw.md; ef_decay=1 "
+                    "in the spec for plain error feedback)",
+                    ", ".join(f"ef_decay={c.ef_decay:g} ({c.spec})" for c in decayed))
     return compressed_update
+
+
+def leaves(compression):
+    """The compressors of ``compression`` that keep residuals themselves (through a
+    Policy's members, auto's candidates and ``hier:``)."""
+    held = compression.holds() if hasattr(compression, "holds") else []
+    return [c for h in held for c in leaves(h)] if held else [compression]
 
 
 def adam_defaults(compression, optimizer_name):

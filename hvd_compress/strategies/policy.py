@@ -83,6 +83,9 @@ class Policy(Compressor):
             c.decay_residuals(beta)
         return self
 
+    def holds(self):
+        return self.compressors()
+
     def attach_journal(self, journal):
         super().attach_journal(journal)
         for c in self.compressors():
@@ -102,6 +105,7 @@ class Policy(Compressor):
                              f"  {state_dict.get('spec')}\nnot\n  {self.spec}")
         check_residuals_of(self, state_dict)
         for c, sd in zip(self.compressors(), state_dict["state"]):
+            sd = {k: v for k, v in sd.items() if k != "residuals_of"}    # checked above
             # (an empty one clears; auto also holds its schedule and choices)
             if sd["state"] or c._store is not None or getattr(c, "adaptive", False):
                 c.load_state_dict(sd, framework, strict)

@@ -39,7 +39,9 @@ def test_spec_round_trips(spec):
     assert getattr(c, "inner", c).ef_decay == float(spec.split("ef_decay=")[1].split(",")[0])
     assert hvd_compress.from_spec("topk:density=0.1,ef_decay=0.9,hier=1").spec == \
         hvd_compress.from_spec("hier:topk:density=0.1,ef_decay=0.9").spec
-    assert "ef_decay" not in hvd_compress.from_spec("topk:density=0.1,ef_decay=1").spec
+    # an explicit 1 stays (plain error feedback, also for compressed updates); none: none
+    assert "ef_decay=1.0" in hvd_compress.from_spec("topk:density=0.1,ef_decay=1").spec
+    assert "ef_decay" not in hvd_compress.from_spec("topk:density=0.1").spec
 
 
 @pytest.mark.parametrize("spec,words", [("topk:density=0.1,ef_decay=0", ["ef_decay", "0"]),
@@ -134,3 +136,45 @@ def test_a_policy_decays_the_residuals_of_its_members_with_error_feedback():
     with pytest.raises(ValueError, match="auto chooses per bucket"):
         mixed.decay_residuals(0.8)
     assert mixed.compressors()[0].ef_decay == 1.0
+
+
+def _marked(compression, update):
+    """What every glue does with the compressor it takes (check_compressed_update)."""
+    from hvd_compress.strategies.momentum import check_compressed_update
+    check_compressed_update(update, None, compression, True, ("op=Average", "op=Sum"))
+    return compression
+
+
+@pytest.mark.parametrize("spec,updates,gradients", [
+    ("topk:density=0.01", 0.9, 1.0), ("laplace_topk:density=0.001", 0.99, 1.0),
+    ("topk:density=0.1", 0.9, 1.0), ("dct:density=0.01", 0.9, 1.0),
+    ("gaussian_k:density=0.0001", 0.999, 1.0),
+    ("randomk:density=0.01", 1.0, 1.0), ("twobit", 1.0, 1.0), ("powersgd:rank=2", 1.0, 1.0),
+    ("topk:density=0.01,ef_decay=1", 1.0, 1.0), ("topk:density=0.01,ef_decay=0.5", 0.5, 0.5),
+    ("hier:topk:density=0.01", 0.9, 1.0)])
+def test_compressed_updates_decay_a_sparsifiers_residuals_by_default(spec, updates, gradients):
+    """Unless the spec gives ef_decay, a sparsifier of a density keeps
+    max(0.9, 1 - 10 density) of what it does not send of an *update*, and all of a
+    gradient's; the spec stays as given (checkpoints and the ranks' check see no
+    difference)."""
+    for update, want in ((True, updates), (False, gradients)):
+        c = _marked(hvd_compress.from_spec(spec), update)
+        assert c.ef_decay == pytest.approx(want) and c.spec == hvd_compress.from_spec(spec).spec
+    if spec.startswith(("dct", "hier", "powersgd")):    # (their residuals: tests above)
+        return
+    c = _marked(hvd_compress.from_spec(spec), True)
+    g = grads(4, 1)[0]
+    c.for_tensor("w", g).compress(g.clone(), "w")
+    plain = hvd_compress.from_spec(spec.split(",ef_decay")[0] + ",ef_decay=1"
+                                   if "density" in spec else spec)
+    plain.for_tensor("w", g).compress(g.clone(), "w")
+    torch.testing.assert_close(residual(c, "w"), updates * residual(plain, "w"),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_the_default_reaches_a_policys_members_and_autos_candidates():
+    policy = _marked(hvd_compress.Policy({"a*": "topk:density=0.001"},
+                                         default="laplace_topk:density=0.05"), True)
+    assert [c.ef_decay for c in policy.compressors()] == [pytest.approx(0.99), 0.9]
+    auto = _marked(hvd_compress.from_spec("auto:candidates=none|topk:density=0.01"), True)
+    assert [c.ef_decay for c in auto.members if c.ef] == [0.9]

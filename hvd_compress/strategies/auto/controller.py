@@ -411,6 +411,9 @@ class Auto(Compressor):
         the candidates share one store)."""
         return residuals.carry(self._state(ops), layout, flat, compressor, ops, hosts)
 
+    def holds(self):
+        return self.members
+
     def residual(self, name):
         """Flat residual of ``name`` in the shared store, whichever candidate keeps it."""
         return None if self._store is None else stored_residual(self._store, self._ops, name)
