@@ -8,9 +8,10 @@ Stich et al. 2018; Karimireddy et al. 2019, "Error feedback fixes SignSGD"):
 
 so that ``sum_t D(C(c_t)) + r_T == sum_t g_t``: nothing is lost, only delayed.
 
-With a decay ``beta`` (spec key ``ef_decay=``, default 1: the rule above), what is kept
-fades before it is added back, as in SparseLoCo's error feedback (Sarfi, Thérien, Lidin &
-Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo", 2025,
+With a decay ``beta`` (spec key ``ef_decay=``; without it 1, the rule above, except for
+compressed updates through a sparsifier of a density: ``Compressor.default_ef_decay``),
+what is kept fades before it is added back, as in SparseLoCo's error feedback (Sarfi,
+Thérien, Lidin & Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo", 2025,
 arXiv:2508.15706; there on the updates of H local AdamW steps, here H = 1)::
 
     r_{t+1} = beta (c_t - D(C(c_t)))

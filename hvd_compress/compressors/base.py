@@ -47,6 +47,22 @@ from .payload import Ctx, OwnPayload, _wire, payload_bytes  # noqa: F401 (Ctx et
 REGISTRY = {}
 
 
+def same_spec(saved, spec):
+    """Whether a checkpoint's ``saved`` spec is ``spec``'s; an explicit ``ef_decay=1``
+    (plain error feedback, as checkpoints before it existed were written) matches none."""
+    plain = ",ef_decay=1.0"
+    return str(saved).replace(plain, "") == str(spec).replace(plain, "")
+
+
+def leaves(compression, into_auto=True):
+    """The compressors of ``compression`` that keep residuals themselves, through a
+    Policy's members, ``hier:``'s inner and (``into_auto``) auto's candidates."""
+    held = compression.holds() if hasattr(compression, "holds") else []
+    if not into_auto and getattr(compression, "adaptive", False):
+        held = []
+    return [c for h in held for c in leaves(h, into_auto)] if held else [compression]
+
+
 def register(cls):
     """Class decorator: make ``cls`` buildable from a spec string by ``cls.name``."""
     REGISTRY[cls.name] = cls
@@ -138,6 +154,11 @@ class Compressor:
         when a checkpoint restored before held the other."""
         if self.loaded_residuals_of not in (None, kind):
             raise other_residuals(self.loaded_residuals_of, kind)
+        if self.residuals_of not in (None, kind):
+            raise ValueError(f"compression {self.spec!r} is taken already by a glue whose "
+                             f"error feedback holds {self.residuals_of} (compressed_update="
+                             f"{self.residuals_of == 'updates'}); give this one its own "
+                             "compressor (the same spec, built anew)")
         self.residuals_of = kind
         for c in self.holds():
             c.mark_residuals(kind)
@@ -356,7 +377,7 @@ class Compressor:
     def _check_state_header(self, state_dict):
         """ValueError when ``state_dict`` is another compressor's, or holds residuals of
         the other mode (:func:`~hvd_compress.memory.check_residuals_of`)."""
-        if state_dict.get("spec") != self.spec:
+        if not same_spec(state_dict.get("spec"), self.spec):
             raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
                              f"not {self.spec!r}")
         check_residuals_of(self, state_dict)

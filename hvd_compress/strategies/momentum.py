@@ -53,11 +53,14 @@ variance ``v`` is then Adam's variance of the aggregate this compressor delivers
 ``m``, ``v``, the parameters, the step count and every error-feedback residual stay as
 they were (the glue undoes the residual writes with a :class:`hvd_compress.stores.Journal`).
 
-This module imports only the standard library (and, lazily, ``hvd_compress.log`` and
-``auto``'s candidates): the frameworks' glue (``hvd_compress.torch.momentum``) does
-the tensor arithmetic with the coefficients :func:`coefficients` returns.
+This module imports only the standard library and ``hvd_compress.compressors.base``'s
+``leaves`` (and, lazily, ``hvd_compress.log`` and ``auto``'s candidates): the frameworks'
+glue (``hvd_compress.torch.momentum``) does the tensor arithmetic with the coefficients
+:func:`coefficients` returns.
 """
 import math
+
+from ..compressors.base import leaves
 
 #: what ``compressed_momentum=`` accepts besides a :class:`MomentumSchedule`
 ACCEPTED = "True, an int (warm-up steps), 'auto', a dict of MomentumSchedule's arguments"
@@ -314,12 +317,6 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
                     ", ".join(f"ef_decay={c.ef_decay:g} ({c.spec})" for c in decayed))
     return compressed_update
 
-
-def leaves(compression):
-    """The compressors of ``compression`` that keep residuals themselves (through a
-    Policy's members, auto's candidates and ``hier:``)."""
-    held = compression.holds() if hasattr(compression, "holds") else []
-    return [c for h in held for c in leaves(h)] if held else [compression]
 
 
 def adam_defaults(compression, optimizer_name):

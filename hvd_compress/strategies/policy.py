@@ -20,7 +20,7 @@ parameters go uncompressed.
 import fnmatch
 import sys
 
-from ..compressors.base import Compressor
+from ..compressors.base import Compressor, leaves, same_spec
 from ..memory import check_residuals_of
 from ..spec import from_spec
 
@@ -71,11 +71,12 @@ class Policy(Compressor):
         """``ef_decay=beta`` for each member with error feedback (the others send all they
         are given); ValueError when none has any, or one is ``auto`` (give ``ef_decay=``
         to its candidates' specs).  Returns ``self``."""
-        if any(getattr(c, "adaptive", False) for c in self.compressors()):
+        members = leaves(self, into_auto=False)
+        if any(getattr(c, "adaptive", False) for c in members):
             raise ValueError(f"{self.spec}: ef_decay applies to one compressor's error "
                              "feedback; auto chooses per bucket (give ef_decay= to the "
                              "specs of its candidates and of the policy's other members)")
-        members = [c for c in self.compressors() if c.ef]
+        members = [c for c in members if c.ef]
         if not members:
             raise ValueError(f"{self.spec}: ef_decay={beta!r} needs error feedback, which none "
                              "of the policy's compressors has")
@@ -100,7 +101,7 @@ class Policy(Compressor):
         return dict(self._state_header(), state=[c.state_dict() for c in self.compressors()])
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
-        if state_dict.get("spec") != self.spec:
+        if not same_spec(state_dict.get("spec"), self.spec):
             raise ValueError("state_dict is for another policy:\n"
                              f"  {state_dict.get('spec')}\nnot\n  {self.spec}")
         check_residuals_of(self, state_dict)
@@ -205,3 +206,4 @@ def _keras_params(model):
                 kind = f"{cls} {short}"
             out.append((name, int(np.prod(v.shape)), kind))
     return out
+

@@ -17,8 +17,11 @@ The rule, every rank ``i``, every step (any ``torch.optim`` optimizer)::
     the wrapped optimizer's own step on g_i        (its state m_i, v_i: this rank's)
     u_i = p - p_0                                  (with AdamW's decay, clipping, ...)
     U   = (1/P) sum_i D(C(u_i + e_i))              (any compressor; buckets as gradients')
-    e_i = u_i + e_i - D(C(u_i + e_i))              (error feedback, per rank)
+    e_i = B (u_i + e_i - D(C(u_i + e_i)))          (error feedback, per rank)
     p   = p_0 + U                                  (the same on every rank)
+
+``B``: the spec's ``ef_decay``, else ``max(0.9, 1 - 10 density)`` for a sparsifier of a
+density but randomk (``DensitySparsifier.default_ef_decay``), else 1.
 
 This is the worker side of Efficient-Adam (Chen, Shen, Liu and Luo, "Efficient-Adam:
 Communication-Efficient Distributed Adam", arXiv:2205.14473, 2022: each worker's Adam

@@ -177,6 +177,7 @@ class CompressionState:
         #: :class:`~hvd_compress.torch.compressed_update.LocalUpdates` of ``optimizer``,
         #: whose ``step()`` exchanges the update; the hook sends nothing (else None)
         self.update = None
+        self.optimizer = None        # the optimizer whose step() exchanges the update
         self.compressed_update = compressed_update
         self._update_order = None    # compressed updates: id(p) -> place in the module
         if ddp_model is not None:
@@ -185,17 +186,14 @@ class CompressionState:
             self.take_optimizer(optimizer)                # the swap
 
     def take_optimizer(self, optimizer):
-        """Compressed updates: from now on ``optimizer.step()`` (any ``torch.optim``
-        optimizer but LBFGS, stepping exactly the DDP model's trainable parameters) runs
-        this rank's step, then exchanges the update (:func:`~hvd_compress.torch.
-        compressed_update.update_optimizer`).  The constructor calls it with ``optimizer=``;
-        a state made before the optimizer exists (``CompressionState(compression=...,
-        compressed_update=True)`` for a framework that makes the optimizer after the DDP
-        model: :class:`hvd_compress.lightning.DDPStrategy` calls it once it has set up the
-        optimizers) is given it here, before the first step; until then the hook refuses
-        to train.  ValueError for a state without compressed updates or one that has an
-        optimizer already.  Returns the :class:`~hvd_compress.torch.compressed_update.
-        LocalUpdates`."""
+        """Compressed updates: from now on ``optimizer.step()`` (not LBFGS; it must step
+        exactly the DDP model's trainable parameters) runs this rank's step, then
+        exchanges the update (:func:`~hvd_compress.torch.compressed_update.
+        update_optimizer`).  The constructor calls it with ``optimizer=``; a state made
+        before the optimizer (:class:`hvd_compress.lightning.DDPStrategy` calls it once
+        Lightning has set up the optimizer) is given it here, before the first backward
+        (the hook refuses to train without).  ValueError for a state without compressed
+        updates or with an optimizer already.  Returns the ``LocalUpdates``."""
         if not self.compressed_update:
             raise ValueError("take_optimizer: this CompressionState has compressed_update="
                              "False (pass compressed_update=True, or optimizer= to its "
@@ -204,7 +202,15 @@ class CompressionState:
             raise ValueError("take_optimizer: this CompressionState has an optimizer already")
         check_update(True, None, None, resolve("none"), True, optimizer)    # LBFGS refused
         self.update = update_optimizer(optimizer, self.exchange_updates, self.compression)
+        self.optimizer = optimizer
         return self.update
+
+    def drop_optimizer(self):
+        """Undo :meth:`take_optimizer`: the optimizer's ``step()`` is its own again (a
+        framework that makes a new optimizer for another fit gives the state that one)."""
+        if self.update is not None:
+            restore_step(self.optimizer)
+            self.update = self.optimizer = None
 
     @property
     def bound(self):
@@ -360,16 +366,17 @@ def compression_hook(state, bucket):
     collective further; the step's last bucket finishes every bucket and closes the
     step (module docstring).  With compressed updates a DDP bucket is handed back as it
     is (this rank's gradient); the optimizer's step sends the update through here."""
+    if state.compressed_update and state.update is None:
+        raise ValueError("compressed_update=True: the CompressionState has no optimizer; "
+                         "give it optimizer= or call state.take_optimizer(optimizer) "
+                         "before the first backward (each rank would train on its own); "
+                         "this DDP model's backward is now broken: build it anew")
     device = bucket.buffer().device
     if state.names is None:
         state.bind(find_ddp_model(state, bucket))
     state.transport.device = device
     if not state.checked:       # the first bucket, also with compressed updates: ranks
         check_config(state, device)     # that differ fail here, before DDP's own collectives
-    if state.compressed_update and state.update is None:
-        raise ValueError("compressed_update=True: the CompressionState has no optimizer; "
-                         "give it optimizer= or call state.take_optimizer(optimizer) "
-                         "before the first step (each rank would train on its own)")
     if state.update is not None and not isinstance(bucket, UpdateBucket):
         future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         future.set_result(bucket.buffer())      # the local gradient: the step sends updates

@@ -23,7 +23,8 @@ well, except for compressed updates: with
 ``CompressionState(compression=..., compressed_update=True)`` (each rank's AdamW update
 sent instead of its gradient: :mod:`hvd_compress.torch.compressed_update`) ours gives
 the state the optimizer that ``configure_optimizers()`` returns (one) once Lightning has
-set it up (:meth:`~hvd_compress.torch.ddp.CompressionState.take_optimizer`).  :class:`CompressionStats` warns when a step ended with no bucket through the hook.
+set it up (:meth:`~hvd_compress.torch.ddp.CompressionState.take_optimizer`).
+:class:`CompressionStats` warns when a step ended with no bucket through the hook.
 
 Imports: torch, :mod:`hvd_compress.torch.ddp`; ``lightning.pytorch`` only when
 :class:`DDPStrategy` or :class:`CompressionStats` is first used (the classes are made
@@ -75,13 +76,20 @@ def _build():
         def setup_optimizers(self, trainer):
             super().setup_optimizers(trainer)
             state = _compression_state(self.hvd_comm[0])
-            if state is None or not state.compressed_update or state.update is not None:
+            if state is None or not state.compressed_update:
                 return
             if len(self.optimizers) != 1:
                 raise ValueError("compressed_update=True needs configure_optimizers() to "
                                  "return one optimizer (its step() exchanges the update), "
                                  f"got {len(self.optimizers)}")
-            state.take_optimizer(self.optimizers[0])
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                raise ValueError("compressed_update=True does not take a precision with a "
+                                 "GradScaler (precision='16-mixed'): the scaler skips the "
+                                 "step, and with it the exchange, on an overflowing rank "
+                                 "only; use precision='bf16-mixed' or 32")
+            if state.optimizer is not self.optimizers[0]:   # each fit makes its optimizer
+                state.drop_optimizer()
+                state.take_optimizer(self.optimizers[0])
 
 
     class CompressionStats(Callback):

@@ -210,9 +210,13 @@ def plain_step(step):
     (``profile_hook_step``).  The glues call the wrapped optimizer's step through this and
     run the hooks once, around their own step: otherwise every hook ran twice a step, and
     the first post hook saw this rank's local step, not the exchanged one."""
-    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        return step.__wrapped__
+    if getattr(step, "__code__", None) is _HOOK_CODE:     # torch's wrapper itself, not a
+        return step.__wrapped__                          # decorator that copied its marks
     return step
+
+
+#: the code of torch's step-hook wrapper (``Optimizer.profile_hook_step``'s inner function)
+_HOOK_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
 
 
 def restore_step(optimizer):

@@ -50,14 +50,17 @@ def test_both_ranks_end_equal(job):
 
 
 def test_compressed_updates_through_lightning(job):
-    """The second fit: the state made without model and optimizer took the AdamW of
-    configure_optimizers(); every step exchanged the update (the parameters above agree
-    on both ranks and moved), each rank's AdamW state is its own, top-k at 5% sent far
-    fewer bytes than dense."""
+    """The second Trainer: the state made without model and optimizer took the AdamW of
+    configure_optimizers() (with a StepLR), and at its second fit the new AdamW (the first
+    gets its own step() back); every step exchanged the update (the parameters above
+    agree on both ranks and moved), each rank's AdamW state is its own, top-k at 5% sent
+    far fewer bytes than dense."""
     for i in job[1]:
-        assert i["update_taken"] and i["update_steps"] == STEPS and i["update_moved"] > 0
+        assert i["update_taken"] and i["first_restored"] and i["update_moved"] > 0
+        assert i["update_steps"] == STEPS           # the second fit's optimizer: its steps
+        assert i["update_lr"] == pytest.approx(3e-3 * 0.5 ** (STEPS // 2))   # StepLR stepped
         s = i["update_stats"]
-        assert s["steps"] == STEPS and s["total_dense"] == STEPS * DENSE
+        assert s["steps"] == 2 * STEPS and s["total_dense"] == 2 * STEPS * DENSE
         assert 0 < s["total_sent"] < s["total_dense"] / 5, s
     assert job[1][0]["update_exp_avg"] != job[1][1]["update_exp_avg"]
 

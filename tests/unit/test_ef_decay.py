@@ -178,3 +178,38 @@ def test_the_default_reaches_a_policys_members_and_autos_candidates():
     assert [c.ef_decay for c in policy.compressors()] == [pytest.approx(0.99), 0.9]
     auto = _marked(hvd_compress.from_spec("auto:candidates=none|topk:density=0.01"), True)
     assert [c.ef_decay for c in auto.members if c.ef] == [0.9]
+
+
+def test_one_compressor_is_not_taken_in_both_modes():
+    """Two glues sharing one compressor, one with compressed_update=True: refused (its
+    residuals and decay cannot be both)."""
+    c = _marked(hvd_compress.from_spec("topk:density=0.01"), True)
+    _marked(c, True)                                     # the same mode again: fine
+    with pytest.raises(ValueError, match="taken already by a glue whose error feedback "
+                                         "holds updates"):
+        _marked(c, False)
+    assert c.ef_decay == 0.9 and c.residuals_of == "updates"
+
+
+def test_plain_error_feedback_given_loads_a_checkpoint_written_without_ef_decay():
+    """Checkpoints before ef_decay (or with plain error feedback) carry no ef_decay in
+    their spec: an explicit ef_decay=1 restores them; another decay does not."""
+    old = _marked(hvd_compress.from_spec("topk:density=0.1"), True)
+    old.compress(grads(5, 1)[0], "w")
+    plain = _marked(hvd_compress.from_spec("topk:density=0.1,ef_decay=1"), True)
+    plain.load_state_dict(old.state_dict())
+    torch.testing.assert_close(residual(plain, "w"), residual(old, "w"))
+    with pytest.raises(ValueError, match="state_dict is for compressor"):
+        hvd_compress.from_spec("topk:density=0.1,ef_decay=0.9").load_state_dict(
+            old.state_dict())
+    policy = hvd_compress.Policy({"w": "topk:density=0.1"})
+    policy.for_tensor("w", grads(5, 1)[0]).compress(grads(5, 1)[0], "w")
+    hvd_compress.Policy({"w": "topk:density=0.1,ef_decay=1"}).load_state_dict(
+        policy.state_dict())
+
+
+def test_a_nested_policy_decays_its_members_too():
+    inner = hvd_compress.Policy({"a*": "topk:density=0.1"}, default="none")
+    outer = hvd_compress.Policy({"b*": inner}, default="fp16")
+    outer.decay_residuals(0.8)
+    assert inner.compressors()[0].ef_decay == 0.8

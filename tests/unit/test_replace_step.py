@@ -61,3 +61,21 @@ def test_step_hooks_run_once_around_the_new_step():
     assert opt.state[param]["step"] == 1                      # the local step ran
     assert plain_step(torch.optim.AdamW.step) is not torch.optim.AdamW.step
     assert plain_step(step) is step                           # no hooks: unchanged
+
+
+def test_plain_step_leaves_a_decorator_over_torchs_wrapper():
+    """A step decorated over torch's hooked one copies its marks (functools.wraps):
+    plain_step strips torch's wrapper only, never the user's decorator."""
+    import functools
+
+    def decorated(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return inner
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])     # AdamW.step hooked now
+    user = decorated(torch.optim.AdamW.step)
+    assert getattr(user, "hooked", False)                      # the copied mark
+    assert plain_step(user) is user
+    assert plain_step(torch.optim.AdamW.step) is torch.optim.AdamW.step.__wrapped__

@@ -58,8 +58,10 @@ class Tiny(L.LightningModule):
 
 
 class TinyAdamW(Tiny):
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+    def configure_optimizers(self):       # a scheduler too: it wraps the optimizer's step
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        return {"optimizer": opt, "lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5), "interval": "step"}}
 
 
 def compressed_updates_fit(data):
@@ -75,14 +77,19 @@ def compressed_updates_fit(data):
     model = TinyAdamW()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.fit(model, data)
+    first = trainer.optimizers[0]
+    trainer.fit_loop.epoch_loop.max_steps = 2 * STEPS   # a second fit: a new optimizer
+    trainer.fit(model, data)
     opt = trainer.optimizers[0]
     params = {f"update/{n}": p.detach().numpy() for n, p in model.named_parameters()}
     moved = min(float((p.detach() - start[n]).abs().max()) for n, p in model.named_parameters())
-    first = next(iter(model.parameters()))
+    p0 = next(iter(model.parameters()))
     return params, dict(update_stats=state.stats.as_dict(), update_moved=moved,
-                        update_taken=state.update is not None,
-                        update_steps=float(opt.state[first]["step"]),
-                        update_exp_avg=float(opt.state[first]["exp_avg"].abs().sum()))
+                        update_taken=state.optimizer is opt and opt is not first,
+                        first_restored=type(first) is torch.optim.AdamW,
+                        update_steps=float(opt.state[p0]["step"]),
+                        update_lr=opt.param_groups[0]["lr"],
+                        update_exp_avg=float(opt.state[p0]["exp_avg"].abs().sum()))
 
 
 class Record(L.Callback):
