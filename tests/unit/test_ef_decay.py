@@ -213,3 +213,13 @@ def test_a_nested_policy_decays_its_members_too():
     outer = hvd_compress.Policy({"b*": inner}, default="fp16")
     outer.decay_residuals(0.8)
     assert inner.compressors()[0].ef_decay == 0.8
+
+
+def test_the_glue_logs_the_decay_it_chose(caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="hvd_compress"):
+        _marked(hvd_compress.from_spec("topk:density=0.001"), True)
+        _marked(hvd_compress.from_spec("topk:density=0.01,ef_decay=1"), True)
+        _marked(hvd_compress.from_spec("topk:density=0.01"), False)
+    said = [r.getMessage() for r in caplog.records if "ef_decay=" in r.getMessage()]
+    assert len(said) == 1 and "ef_decay=0.99 (topk:density=0.001" in said[0]
