@@ -81,6 +81,15 @@ def test_every_rank_applies_the_same_update(ranks):
         assert not np.array_equal(ranks[0][f"trace/{t}/param"], ranks[0][f"trace/{t-1}/param"])
 
 
+def test_step_hooks_run_once_a_step_and_see_the_step_applied(ranks):
+    """torch's optimizer step hooks, in dense warm-up steps and compressed ones: once a
+    step, the post hook after the whole step (it sees the parameters the step ends with)."""
+    for r in ranks:
+        for t in range(1, STEPS + 1):
+            assert list(r[f"trace/{t}/hooks"]) == ["pre", "post"], t
+            assert np.array_equal(r[f"trace/{t}/hook_param"], r[f"trace/{t}/param"]), t
+
+
 def test_compressed_steps_match_numpy_reference(ranks):
     expected = reference_rule(ranks)
     for t, (p, m, residuals) in expected.items():

@@ -4,8 +4,8 @@ hook), chosen by the launcher's environment.  One launch runs every scenario; ea
 saves ``momentum_<mode>_rank<r>.npz`` in $OUT_DIR for tests/integration/test_momentum.py,
 which computes the expected values itself.
 
-Scenarios: ``trace`` (every step's local gradient, parameters and Adam state, and a
-plain AdamW stepped on the dense average for the warm-up), ``resume<k>`` (a checkpoint
+Scenarios: ``trace`` (every step's local gradient, parameters and Adam state, what
+torch's step hooks saw, and a plain AdamW stepped on the dense average for the warm-up), ``resume<k>`` (a checkpoint
 after step k, restored into fresh objects), ``nan`` (one rank's NaN at a compressed
 step), ``spec/<compressor>`` (each compressor, ranks agree), ``gpt2`` (a transformers
 model), ``mismatch`` (ranks with different warm-ups).
@@ -105,6 +105,9 @@ def trace():
     ref = Net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, betas=(0.9, 0.99), weight_decay=0.1)
     OUT["trace/init"] = flat(model.parameters())
+    hooks = []                      # torch's step hooks: once a step, after the whole step
+    opt.register_step_pre_hook(lambda *args: hooks.append(("pre", None)))
+    opt.register_step_post_hook(lambda *args: hooks.append(("post", flat(model.parameters()))))
     for step in range(1, STEPS + 1):
         g = local_grad(model, step)
         OUT[f"trace/{step}/grad"] = flat(g)
@@ -115,6 +118,9 @@ def trace():
             OUT[f"trace/{step}/dense_ref"] = flat(ref.parameters())
         one_step(model, ddp, opt, step)
         OUT[f"trace/{step}/param"] = flat(model.parameters())
+        OUT[f"trace/{step}/hooks"] = np.array([kind for kind, _ in hooks])
+        OUT[f"trace/{step}/hook_param"] = hooks[-1][1]
+        hooks.clear()
         OUT[f"trace/{step}/m"] = adam_state(opt, model, "exp_avg")
         OUT[f"trace/{step}/v"] = adam_state(opt, model, "exp_avg_sq")
         OUT[f"trace/{step}/residual"] = residuals(owner)
