@@ -160,9 +160,10 @@ class Compressor:
                              f"{self.residuals_of == 'updates'}); give this one its own "
                              "compressor (the same spec, built anew)")
         self.residuals_of = kind
-        for c in self.holds():
+        held = self.holds()
+        for c in held:
             c.mark_residuals(kind)
-        if self.ef and not self.holds() and not self.ef_decay_given:
+        if self.ef and not held and not self.ef_decay_given:
             self.ef_decay = self.default_ef_decay(kind)
 
     def holds(self):

@@ -77,10 +77,16 @@ def check(compressed_update, schedule, grad_scaler, compression, average=True, o
                          "carries no loss scale; with a GradScaler call scaler.unscale_(opt), "
                          "then opt.step() (not scaler.step(opt), which would skip the "
                          "exchange on an overflowing rank only), then scaler.update()")
+    check_optimizer(optimizer)
+    return True
+
+
+def check_optimizer(optimizer):
+    """ValueError for an optimizer compressed updates cannot wrap: LBFGS (its step
+    evaluates the closure several times; the rule needs the gradients before the step)."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("compressed_update=True does not take LBFGS (its step evaluates "
                          "the closure several times)")
-    return True
 
 
 class LocalUpdates:

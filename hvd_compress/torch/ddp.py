@@ -98,7 +98,7 @@ from ..exchange import Driver, find_auto, finish_all
 from ..spec import resolve
 from ..stats import Stats
 from ..strategies.momentum import MomentumSchedule, adam_defaults
-from .compressed_update import check as check_update, update_optimizer
+from .compressed_update import check as check_update, check_optimizer, update_optimizer
 from .ddp_bucket import (TorchDistributed, UpdateBucket, _Bucket, check_config,
                          find_ddp_model)
 from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer, restore_step
@@ -200,7 +200,7 @@ class CompressionState:
                              "constructor for compressed_momentum)")
         if self.update is not None:
             raise ValueError("take_optimizer: this CompressionState has an optimizer already")
-        check_update(True, None, None, resolve("none"), True, optimizer)    # LBFGS refused
+        check_optimizer(optimizer)
         self.update = update_optimizer(optimizer, self.exchange_updates, self.compression)
         self.optimizer = optimizer
         return self.update
