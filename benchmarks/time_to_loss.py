@@ -33,6 +33,12 @@ one curve per method, a panel per link; and against steps).  Shaped links need r
 (hvd_compress/tools/shaped_link.py); without it only plain loopback is measured.  The
 two workers share this machine's cores (one thread each): absolute seconds are CPU
 seconds, the ratios between methods of one run are the result.
+
+``--np N`` runs N workers (on a shaped link N hosts, each host's link shaped both ways:
+the ``-2host`` links' names stay), ``--width`` and ``--layers`` another GPT-2:
+
+    python benchmarks/time_to_loss.py --glue ddp --links 1gbit-2host --np 4 --steps 300 \
+        --methods "none;cu:laplace_topk:density=0.01"
 """
 import sys
 from pathlib import Path
@@ -58,8 +64,8 @@ QUICK = ["none", "laplace_topk:density=0.01", "cm:laplace_topk:density=0.01", "c
 LINKS = {"plain": None, "1gbit-2host": "1gbit", "100mbit-2host": "100mbit"}
 
 
-def ddp_launch(where, hosts):
-    """Launch function of ``--glue ddp``: two workers of ``argv`` (a python command), by
+def ddp_launch(where, hosts, np=2):
+    """Launch function of ``--glue ddp``: ``np`` workers of ``argv`` (a python command), by
     torchrun behind ``where`` (an argv prefix) on one machine, or one on each of
     ``hosts`` (``shaped_link.Hosts``) meeting at host 0 (``env://``, Gloo on the link)."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -67,14 +73,14 @@ def ddp_launch(where, hosts):
     def launch(argv, timeout):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if hosts is None:
-            done = subprocess.run(where + [torchrun, "--nproc_per_node", "2", "--standalone"]
+            done = subprocess.run(where + [torchrun, "--nproc_per_node", str(np), "--standalone"]
                                   + argv[1:], capture_output=True, text=True, timeout=timeout,
                                   env=env)
             return done.returncode, done.stdout, done.stderr
         with tempfile.TemporaryDirectory() as tmp:
             procs = []
-            for i in range(2):
-                host_env = dict(env, RANK=str(i), WORLD_SIZE="2", LOCAL_RANK="0",
+            for i in range(np):
+                host_env = dict(env, RANK=str(i), WORLD_SIZE=str(np), LOCAL_RANK="0",
                                 MASTER_ADDR=hosts.addresses[0], MASTER_PORT="29533",
                                 GLOO_SOCKET_IFNAME=hosts.iface)
                 with open(os.path.join(tmp, f"{i}.out"), "w") as out, \
@@ -82,7 +88,7 @@ def ddp_launch(where, hosts):
                     procs.append(subprocess.Popen(hosts.prefix(i) + argv, env=host_env,
                                                   stdout=out, stderr=err))
             rcs = [p.wait(timeout=timeout) for p in procs]
-            text = [open(os.path.join(tmp, f"{i}.{k}")).read() for i in range(2)
+            text = [open(os.path.join(tmp, f"{i}.{k}")).read() for i in range(np)
                     for k in ("out", "err")]
         return max(rcs, key=abs), text[0], "".join(text[1:])
     return launch
@@ -94,7 +100,7 @@ def ddp_row(method, args, launch, link):
         out = os.path.join(tmp, "row.json")
         argv = [sys.executable, str(ROOT / "examples" / "ddp_gpt2.py"), "--steps",
                 str(args.steps), "--eval-every", str(args.eval_every), "--json", out,
-                "--no-progress", "--seed", str(args.seed)]
+                "--no-progress", "--seed", str(args.seed)] + model_args(args)
         if method.startswith("cu:"):
             argv += ["--compressed-update", "--compression", method[3:]]
         elif method == "none" or method.startswith("torch_"):
@@ -120,18 +126,19 @@ def ddp_row(method, args, launch, link):
 def run_link(link, methods, args):
     rate = LINKS[link]
     if args.glue == "ddp":
-        with (two_hosts(rate, n=2) if rate else shaped_link(None)) as where:
-            launch = ddp_launch(None, where) if rate else ddp_launch(where, None)
+        with (two_hosts(rate, n=args.np) if rate else shaped_link(None)) as where:
+            launch = (ddp_launch(None, where, args.np) if rate
+                      else ddp_launch(where, None, args.np))
             return [ddp_row(m, args, launch, link) for m in methods]
-    setup = two_hosts(rate, n=2) if rate else shaped_link(None)
+    setup = two_hosts(rate, n=args.np) if rate else shaped_link(None)
     with setup as where, tempfile.TemporaryDirectory() as tmp:
-        launch = hosts_launch(where) if rate else horovodrun_launch(where, 2)
+        launch = hosts_launch(where) if rate else horovodrun_launch(where, args.np)
         out = os.path.join(tmp, "rows.json")
         argv = [sys.executable, str(ROOT / "benchmarks" / "time_to_loss_worker.py"),
                 "--methods", ";".join(methods), "--steps", str(args.steps),
                 "--eval-every", str(args.eval_every), "--warmup", args.warmup,
                 "--momentum-args", args.momentum_args, "--seed", str(args.seed),
-                "--out", out]
+                "--out", out] + model_args(args)
         rc, stdout, stderr = launch(argv, args.timeout)
         for line in stdout.splitlines():
             if "<stdout>:" in line:
@@ -143,6 +150,11 @@ def run_link(link, methods, args):
     for r in rows:
         r["link"] = link
     return rows
+
+
+def model_args(args):
+    """The GPT-2's shape, for the worker or examples/ddp_gpt2.py."""
+    return ["--width", str(args.width), "--layers", str(args.layers)]
 
 
 def time_to(curve, target):
@@ -240,6 +252,12 @@ def main():
                    help="initial weights and batches (examples/gpt2_text.py): 0, the recorded "
                         "runs'; another, others (one seed does not rank methods whose losses "
                         "differ by less than ~0.2)")
+    p.add_argument("--np", type=int, default=2,
+                   help="workers; on a shaped link each is its own host, every host's link "
+                        "shaped to the rate both ways (2 CPU cores here: more workers, "
+                        "slower steps for every method alike)")
+    p.add_argument("--width", type=int, default=256, help="the GPT-2's width")
+    p.add_argument("--layers", type=int, default=4, help="the GPT-2's layers")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="time_to_loss")
@@ -248,6 +266,8 @@ def main():
     bad = [link for link in links if link not in LINKS]
     if bad:
         p.error(f"unknown link(s) {bad}: use {','.join(LINKS)}")
+    if args.np < 2:
+        p.error(f"--np must be at least 2 workers, got {args.np}")
     methods = args.methods.split(";") if args.methods else (QUICK if args.quick_methods
                                                              else METHODS)
     if any(LINKS[link] for link in links) and os.geteuid() != 0:
@@ -262,8 +282,8 @@ def main():
     import torch
     import transformers
     info = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
-                transformers=transformers.__version__, cpus=os.cpu_count(), workers=2,
-                threads_per_worker=1, glue=args.glue, links=links, steps=steps,
+                transformers=transformers.__version__, cpus=os.cpu_count(), workers=args.np,
+                width=args.width, layers=args.layers, threads_per_worker=1, glue=args.glue, links=links, steps=steps,
                 steps_100mbit=args.steps_100mbit, warmup=args.warmup,
                 momentum_args=args.momentum_args, seed=args.seed,
                 target_step=args.target_step, rows=rows)
