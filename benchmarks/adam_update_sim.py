@@ -27,7 +27,9 @@ seeds as there.  Methods:
   step ``t``, every rank sends its values there: the library's ``agg=leader``), and
   ``decay=B`` (the residual decays before compensation, ``c = x + B e``, as in
   SparseLoCo's error feedback; ``B = 1``, the default here, is plain error feedback;
-  the library's default for updates is ``max(0.9, 1 - 10 d)``).
+  the library's default for updates is ``max(0.9, 1 - 10 d)``); ``norm=count``: each
+  index's sum divided by the number of ranks that sent it (``norm=ranks``, the default:
+  by P, the library's mean).
 
 ``--seed 0`` (the default) uses benchmarks/time_to_loss.py's initial weights and batches;
 another seed other batches and GPT-2's N(0, 0.02) initial weights anew.  One seed is
@@ -66,14 +68,17 @@ def top_indices(c, density):
     return c.abs().topk(max(1, math.ceil(density * c.numel()))).indices
 
 
-def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0):
+def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0,
+                norm="ranks"):
     """(mean of what the ranks sent, their new residuals, bytes each rank sent: a float32
     value and an int32 index per value; ``union``: its k indices and a value per index of
     the union; ``leader``: a value per index, the indices once in P steps; 4 per value of a
     tensor sent whole) for one
     tensor whose value on rank r is ``xs[r]``: each rank compensates
     ``c_r = x_r + decay e_r``, sends ``c_r`` at its indices (its own top-k; the union of
-    all ranks' top-k; or the leader's top-k), and keeps the rest as its residual."""
+    all ranks' top-k; or the leader's top-k), and keeps the rest as its residual.
+    ``norm="count"``: each index's sum divided by the number of ranks that sent it, not
+    by P (the mean over the senders)."""
     cs = [(x + decay * e).reshape(-1) for x, e in zip(xs, errors)]
     if density >= 1 or cs[0].numel() < whole_below:
         mean = 0
@@ -89,11 +94,18 @@ def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0
     else:
         raise ValueError(f"agg={agg!r}: local, union or leader")
     mean, residuals = torch.zeros_like(cs[0]), []
+    count = torch.zeros_like(cs[0]) if norm == "count" else None
     for c, idx in zip(cs, picks):
-        mean[idx] += c[idx] / len(cs)
+        if count is None:
+            mean[idx] += c[idx] / len(cs)
+        else:
+            mean[idx] += c[idx]
+            count[idx] += 1
         r = c.clone()
         r[idx] = 0
         residuals.append(r.view_as(xs[0]))
+    if count is not None:
+        mean /= count.clamp_min(1)
     k = max(1, math.ceil(density * cs[0].numel()))
     index_bytes = {"local": 4 * k, "union": 4 * k, "leader": 4 * k / len(cs)}[agg]
     return mean.view_as(xs[0]), residuals, 4 * picks[0].numel() + index_bytes
@@ -111,7 +123,8 @@ def library_mean(compressors, xs, name):
 
 
 def parse(label):
-    """What ``label`` asks for: ``(kind, spec, lr or None, density, whole, agg, decay)``;
+    """What ``label`` asks for: ``(kind, spec, lr or None, density, whole, agg, decay,
+    norm)``;
     ValueError for a bad one (main checks every label before the first run)."""
     kind, _, spec = label.partition("=")
     spec = spec if kind in ("grad", "update") else ""
@@ -130,15 +143,19 @@ def parse(label):
     value, _, whole = value.partition("~")
     options = dict(o.split("=", 1) for o in options.split(",") if o)
     agg, decay = options.pop("agg", "local"), float(options.pop("decay", 1.0))
+    norm = options.pop("norm", "ranks")
     if options:
-        raise ValueError(f"{method}: unknown option(s) {sorted(options)} (agg=, decay=)")
+        raise ValueError(f"{method}: unknown option(s) {sorted(options)} (agg=, decay=, "
+                         "norm=)")
+    if norm not in ("ranks", "count"):
+        raise ValueError(f"{method}: norm={norm!r}: ranks or count")
     lr = float(value) if kind == "dense" and value else None
     density = float(value) if kind != "dense" else 1.0
-    return kind, spec, lr, density, int(whole or 0), agg, decay
+    return kind, spec, lr, density, int(whole or 0), agg, decay, norm
 
 
 def run(label, args, train, val_batch):
-    kind, spec, lr, density, whole, agg, decay = parse(label)
+    kind, spec, lr, density, whole, agg, decay, norm = parse(label)
     lr = lr or args.lr
     if spec:
         from hvd_compress import from_spec
@@ -159,7 +176,7 @@ def run(label, args, train, val_batch):
             mean, n = library_mean(compressors, xs, str(i))
         else:
             mean, res, n = sparse_mean(xs, [e[i] for e in errors], density, step, whole,
-                                       agg, decay)
+                                       agg, decay, norm)
             for r in range(len(models)):
                 errors[r][i] = res[r]
         sent += n
@@ -199,9 +216,9 @@ def run(label, args, train, val_batch):
     sizes = [p.numel() for p in params[0]]
     sent = round(sent / args.steps)         # agg=union, laplace_topk: vary with the step
     if spec:                                 # the compressor's own: in its spec
-        density = whole = agg = decay = None
+        density = whole = agg = decay = norm = None
     return dict(method=label, kind=kind, spec=spec or None, lr=lr, density=density,
-                whole_below=whole, agg=agg, decay=decay,
+                whole_below=whole, agg=agg, decay=decay, norm=norm,
                 bytes_sent_per_rank_step=sent, values=sum(sizes), curve=curve)
 
 
