@@ -34,6 +34,7 @@ one curve per method, a panel per link; and against steps).  Shaped links need r
 two workers share this machine's cores (one thread each): absolute seconds are CPU
 seconds, the ratios between methods of one run are the result.
 
+``METHOD@LR`` trains that method at learning rate LR (default ``--lr``, 1e-3).
 ``--np N`` runs N workers (on a shaped link N hosts, each host's link shaped both ways:
 the ``-2host`` links' names stay), ``--width`` and ``--layers`` another GPT-2:
 
@@ -94,13 +95,24 @@ def ddp_launch(where, hosts, np=2):
     return launch
 
 
-def ddp_row(method, args, launch, link):
+def method_lr(method, default):
+    """``(method, learning rate)`` of a method label ``METHOD[@LR]``."""
+    method, at, lr = method.partition("@")
+    try:
+        return method, float(lr) if at else default
+    except ValueError:
+        raise ValueError(f"{method}@{lr}: the learning rate after '@' must be a number "
+                         "('cu:topk:density=0.01@2e-3')") from None
+
+
+def ddp_row(label, args, launch, link):
     """One method through examples/ddp_gpt2.py; its JSON as a row of the Horovod worker's."""
+    method, lr = method_lr(label, args.lr)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
         argv = [sys.executable, str(ROOT / "examples" / "ddp_gpt2.py"), "--steps",
                 str(args.steps), "--eval-every", str(args.eval_every), "--json", out,
-                "--no-progress", "--seed", str(args.seed)] + model_args(args)
+                "--no-progress", "--seed", str(args.seed), "--lr", str(lr)] + model_args(args)
         if method.startswith("cu:"):
             argv += ["--compressed-update", "--compression", method[3:]]
         elif method == "none" or method.startswith("torch_"):
@@ -110,12 +122,12 @@ def ddp_row(method, args, launch, link):
         rc, stdout, stderr = launch(argv, args.timeout)
         for line in stdout.splitlines():
             if line.startswith(("step ", "done:")):
-                print(f"  [{link}] {method}: {line}", flush=True)
+                print(f"  [{link}] {label}: {line}", flush=True)
         if rc != 0 or not os.path.exists(out):
-            raise RuntimeError(f"{method} failed ({rc}) on {link}:\n{stderr[-3000:]}")
+            raise RuntimeError(f"{label} failed ({rc}) on {link}:\n{stderr[-3000:]}")
         with open(out) as f:
             r = json.load(f)
-    return dict(method=method, spec=r["label"], compressed_momentum=False,
+    return dict(method=label, lr=lr, spec=r["label"], compressed_momentum=False,
                 compressed_update=method.startswith("cu:"), curve=r["curve"],
                 step_s=r["step_s"], warmup_steps=None, total_sent=r["total_sent"],
                 total_dense=r["dense_bytes_per_step"] * len(r["step_s"]),
@@ -138,7 +150,7 @@ def run_link(link, methods, args):
                 "--methods", ";".join(methods), "--steps", str(args.steps),
                 "--eval-every", str(args.eval_every), "--warmup", args.warmup,
                 "--momentum-args", args.momentum_args, "--seed", str(args.seed),
-                "--out", out] + model_args(args)
+                "--lr", str(args.lr), "--out", out] + model_args(args)
         rc, stdout, stderr = launch(argv, args.timeout)
         for line in stdout.splitlines():
             if "<stdout>:" in line:
@@ -256,6 +268,8 @@ def main():
                    help="workers; on a shaped link each is its own host, every host's link "
                         "shaped to the rate both ways (2 CPU cores here: more workers, "
                         "slower steps for every method alike)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="AdamW's learning rate; a method's own: METHOD@LR")
     p.add_argument("--width", type=int, default=256, help="the GPT-2's width")
     p.add_argument("--layers", type=int, default=4, help="the GPT-2's layers")
     p.add_argument("--timeout", type=int, default=3600)
@@ -270,6 +284,11 @@ def main():
         p.error(f"--np must be at least 2 workers, got {args.np}")
     methods = args.methods.split(";") if args.methods else (QUICK if args.quick_methods
                                                              else METHODS)
+    for m in methods:
+        try:
+            method_lr(m, args.lr)
+        except ValueError as e:
+            p.error(str(e))
     if any(LINKS[link] for link in links) and os.geteuid() != 0:
         print("not root: shaped links need network namespaces and tc; plain loopback only")
         links = ["plain"]
@@ -285,7 +304,7 @@ def main():
                 transformers=transformers.__version__, cpus=os.cpu_count(), workers=args.np,
                 width=args.width, layers=args.layers, threads_per_worker=1, glue=args.glue, links=links, steps=steps,
                 steps_100mbit=args.steps_100mbit, warmup=args.warmup,
-                momentum_args=args.momentum_args, seed=args.seed,
+                momentum_args=args.momentum_args, seed=args.seed, lr=args.lr,
                 target_step=args.target_step, rows=rows)
     for link in links:
         print(table(rows, link))

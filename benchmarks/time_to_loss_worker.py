@@ -7,7 +7,8 @@ the same processes, and (rank 0) writes validation loss against steps and second
 
 A method is a compressor spec; ``cm:<spec>`` sends the compressed *momentum* after a
 dense warm-up (``compressed_momentum=--warmup``), ``cu:<spec>`` each rank's AdamW
-*update* (``compressed_update=True``), the plain spec compresses gradients.
+*update* (``compressed_update=True``), the plain spec compresses gradients; a suffix
+``@LR`` trains that method at learning rate LR.
 
 The text: the Python reference documentation that every CPython install carries as plain
 text (``pydoc_data.topics``, what ``help()`` prints: 465 KB of English prose and code
@@ -38,11 +39,13 @@ import hvd_compress.torch as hct  # noqa: E402
 from gpt2_text import corpus, make_model, train_batch, validation_loss, windows  # noqa: E402
 
 
-def run(method, args, train, val_batch):
+def run(label, args, train, val_batch):
+    method, at, lr = label.partition("@")            # METHOD@LR: its own learning rate
+    lr = float(lr) if at else args.lr
     momentum, update = method.startswith("cm:"), method.startswith("cu:")
     spec = method[3:] if momentum or update else method
     model = make_model(args, args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = dict(json.loads(args.momentum_args),
                     warmup=int(args.warmup) if args.warmup.isdigit() else args.warmup)
     opt = hct.DistributedOptimizer(opt, model.named_parameters(), compression=spec,
@@ -74,11 +77,11 @@ def run(method, args, train, val_batch):
             curve.append((step, seconds, validate()))
             hvd.allreduce(torch.zeros(1), name="ttl.meet")      # the clock restarts together
             if hvd.rank() == 0:
-                print(f"{method}: step {step} {seconds:.1f}s val loss {curve[-1][2]:.4f}",
+                print(f"{label}: step {step} {seconds:.1f}s val loss {curve[-1][2]:.4f}",
                       flush=True)
     stats = opt.stats.as_dict()
     dense = sum(p.numel() * 4 for p in model.parameters())
-    return dict(method=method, spec=spec, compressed_momentum=momentum,
+    return dict(method=label, lr=lr, spec=spec, compressed_momentum=momentum,
                 compressed_update=update, curve=curve,
                 step_s=steps_s, warmup_steps=frozen if momentum else None,
                 total_sent=stats["total_sent"], total_dense=stats["total_dense"],
