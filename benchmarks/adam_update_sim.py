@@ -36,7 +36,9 @@ another seed other batches and GPT-2's N(0, 0.02) initial weights anew.  One see
 not enough to rank methods whose losses differ by less than ~0.2
 (docs/adam-adamw.md).
 
-Prints validation loss every ``--eval-every`` steps and a table; writes
+Prints validation loss every ``--eval-every`` steps (for ``update`` methods also the norm
+of the update applied, over that of the mean of the ranks' uncompressed updates, averaged
+over the steps since the last print) and a table; writes
 benchmarks/results/adam_update_sim_<date>.json and .png (loss against step).
 """
 import sys
@@ -186,6 +188,7 @@ def run(label, args, train, val_batch):
         return validation_loss(models[0], val_batch)
 
     curve, t0 = [(0, validate())], time.perf_counter()
+    ratios, norms = [], []       # update methods: |applied mean| / |mean of the updates|
     for step in range(1, args.steps + 1):
         grads = []
         for r, m in enumerate(models):
@@ -205,20 +208,29 @@ def run(label, args, train, val_batch):
                 start = [p.clone() for p in params[0]]
                 for r, o in enumerate(opts):
                     o.step()
+                applied = full = 0.0
                 for i, p0 in enumerate(start):
-                    mean = exchange(i, [p[i] - p0 for p in params], step)
+                    updates = [p[i] - p0 for p in params]
+                    full += float(sum(updates).square().sum()) / len(updates) ** 2
+                    mean = exchange(i, updates, step)
+                    applied += float(mean.square().sum())
                     for r in range(len(models)):
                         params[r][i].copy_(p0 + mean)
+                ratios.append(math.sqrt(applied / full))
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, validate()))
-            print(f"{label}: step {step} val loss {curve[-1][1]:.4f} "
+            norm = ""
+            if ratios:
+                norms.append((step, sum(ratios) / len(ratios)))
+                norm, ratios[:] = f", applied/uncompressed update norm {norms[-1][1]:.3f}", []
+            print(f"{label}: step {step} val loss {curve[-1][1]:.4f}{norm} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     sizes = [p.numel() for p in params[0]]
     sent = round(sent / args.steps)         # agg=union, laplace_topk: vary with the step
     if spec:                                 # the compressor's own: in its spec
         density = whole = agg = decay = norm = None
     return dict(method=label, kind=kind, spec=spec or None, lr=lr, density=density,
-                whole_below=whole, agg=agg, decay=decay, norm=norm,
+                whole_below=whole, agg=agg, decay=decay, norm=norm, update_norm_ratio=norms,
                 bytes_sent_per_rank_step=sent, values=sum(sizes), curve=curve)
 
 

@@ -302,7 +302,8 @@ def main():
     import transformers
     info = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
                 transformers=transformers.__version__, cpus=os.cpu_count(), workers=args.np,
-                width=args.width, layers=args.layers, threads_per_worker=1, glue=args.glue, links=links, steps=steps,
+                width=args.width, layers=args.layers, threads_per_worker=1, glue=args.glue,
+                links=links, steps=steps,
                 steps_100mbit=args.steps_100mbit, warmup=args.warmup,
                 momentum_args=args.momentum_args, seed=args.seed, lr=args.lr,
                 target_step=args.target_step, rows=rows)
