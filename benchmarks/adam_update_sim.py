@@ -219,11 +219,11 @@ def run(label, args, train, val_batch):
                 ratios.append(math.sqrt(applied / full))
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, validate()))
-            norm = ""
+            shown = ""
             if ratios:
                 norms.append((step, sum(ratios) / len(ratios)))
-                norm, ratios[:] = f", applied/uncompressed update norm {norms[-1][1]:.3f}", []
-            print(f"{label}: step {step} val loss {curve[-1][1]:.4f}{norm} "
+                shown, ratios[:] = f", applied/uncompressed update norm {norms[-1][1]:.3f}", []
+            print(f"{label}: step {step} val loss {curve[-1][1]:.4f}{shown} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     sizes = [p.numel() for p in params[0]]
     sent = round(sent / args.steps)         # agg=union, laplace_topk: vary with the step
