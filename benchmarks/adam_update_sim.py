@@ -29,16 +29,27 @@ seeds as there.  Methods:
   SparseLoCo's error feedback; ``B = 1``, the default here, is plain error feedback;
   the library's default for updates is ``max(0.9, 1 - 10 d)``); ``norm=count``: each
   index's sum divided by the number of ranks that sent it (``norm=ranks``, the default:
-  by P, the library's mean).
+  by P, the library's mean); ``vcorr=1`` (``update`` only): each rank's AdamW step
+  rescaled per coordinate by ``sqrt(v / v_g)``, ``v_g = v - (1 - 1/P) s2`` an estimate
+  of the mean gradient's second moment, where ``s2 = (a - m^2) / (1 - c)`` is this
+  rank's gradient noise from ``a`` (an EMA of ``g^2`` at AdamW's ``beta1``), its
+  bias-corrected ``m``, and ``c`` (the share of the noise variance an EMA of that
+  length keeps); ``v_g`` is clamped to ``[v/P, v]`` (tried against the shrinking of
+  the ranks' mean update; it did not help).
 
 ``--seed 0`` (the default) uses benchmarks/time_to_loss.py's initial weights and batches;
 another seed other batches and GPT-2's N(0, 0.02) initial weights anew.  One seed is
 not enough to rank methods whose losses differ by less than ~0.2
 (docs/adam-adamw.md).
 
-Prints validation loss every ``--eval-every`` steps (for ``update`` methods also the norm
-of the update applied, over that of the mean of the ranks' uncompressed updates, averaged
-over the steps since the last print) and a table; writes
+Prints validation loss every ``--eval-every`` steps and a table.  For ``update`` methods
+also four ratios, averaged over the steps since the last print: the norm of the update
+applied over that of the mean of the ranks' uncompressed updates; that mean's norm over
+dense AdamW's step from the same parameters on the mean gradient (its own moments kept
+along the run); the same ratio as the two second moments alone predict it (the mean
+update scaled per coordinate by ``sqrt(v_0 / v_dense)``, rank 0's ``v`` over dense
+AdamW's); and the part of the mean the applied update delivers, ``<applied, mean> /
+|mean|^2``.  Writes
 benchmarks/results/adam_update_sim_<date>.json and .png (loss against step).
 """
 import sys
@@ -126,7 +137,7 @@ def library_mean(compressors, xs, name):
 
 def parse(label):
     """What ``label`` asks for: ``(kind, spec, lr or None, density, whole, agg, decay,
-    norm)``;
+    norm, vcorr)``;
     ValueError for a bad one (main checks every label before the first run)."""
     kind, _, spec = label.partition("=")
     spec = spec if kind in ("grad", "update") else ""
@@ -145,19 +156,36 @@ def parse(label):
     value, _, whole = value.partition("~")
     options = dict(o.split("=", 1) for o in options.split(",") if o)
     agg, decay = options.pop("agg", "local"), float(options.pop("decay", 1.0))
-    norm = options.pop("norm", "ranks")
+    norm, vcorr = options.pop("norm", "ranks"), options.pop("vcorr", "0") == "1"
     if options:
         raise ValueError(f"{method}: unknown option(s) {sorted(options)} (agg=, decay=, "
-                         "norm=)")
+                         "norm=, vcorr=)")
+    if vcorr and kind != "update":
+        raise ValueError(f"{method}: vcorr=1 rescales AdamW updates: update@ only")
     if norm not in ("ranks", "count"):
         raise ValueError(f"{method}: norm={norm!r}: ranks or count")
     lr = float(value) if kind == "dense" and value else None
     density = float(value) if kind != "dense" else 1.0
-    return kind, spec, lr, density, int(whole or 0), agg, decay, norm
+    return kind, spec, lr, density, int(whole or 0), agg, decay, norm, vcorr
+
+
+def noise_corrected(update, p0, grad, state, short, lr, ranks, betas=(0.9, 0.999), wd=0.01):
+    """One rank's AdamW ``update`` of ``p0`` with its Adam part rescaled per coordinate
+    by ``sqrt(v / v_g)`` (``vcorr=1``; the module docstring states the estimate), and the
+    new EMA of ``grad^2`` (``short``, at ``beta1``)."""
+    (b1, b2), t = betas, float(state["step"])
+    short = b1 * short + (1 - b1) * grad.square()
+    a, m2 = short / (1 - b1 ** t), state["exp_avg"].square() / (1 - b1 ** t) ** 2
+    kept = (1 - b1) * (1 + b1 ** t) / ((1 + b1) * (1 - b1 ** t))   # Var(m) / Var(g)
+    noise = (a - m2).clamp_min(0) / (1 - kept) if t > 1 else torch.zeros_like(a)
+    v = state["exp_avg_sq"] / (1 - b2 ** t) + 1e-30
+    share = (1 - (1 - 1 / ranks) * noise / v).clamp(1 / ranks, 1)  # v_g / v
+    decay = -lr * wd * p0
+    return (update - decay) / share.sqrt() + decay, short
 
 
 def run(label, args, train, val_batch):
-    kind, spec, lr, density, whole, agg, decay, norm = parse(label)
+    kind, spec, lr, density, whole, agg, decay, norm, vcorr = parse(label)
     lr = lr or args.lr
     if spec:
         from hvd_compress import from_spec
@@ -168,6 +196,7 @@ def run(label, args, train, val_batch):
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01) for m in models]
     params = [list(m.parameters()) for m in models]
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
+    shorts = [[torch.zeros_like(p) for p in params[0]] for _ in models]      # vcorr=1
     sent = 0                     # bytes per rank, all steps
 
     def exchange(i, xs, step):
@@ -188,7 +217,11 @@ def run(label, args, train, val_batch):
         return validation_loss(models[0], val_batch)
 
     curve, t0 = [(0, validate())], time.perf_counter()
-    ratios, norms = [], []       # update methods: |applied mean| / |mean of the updates|
+    ratios, norms = [], []       # update methods: the four ratios (module docstring)
+    if kind == "update":         # dense AdamW's step from the same point, on the mean gradient
+        shadow = make_model(args, args.seed)
+        shadow_params = list(shadow.parameters())
+        shadow_opt = torch.optim.AdamW(shadow_params, lr=lr, weight_decay=0.01)
     for step in range(1, args.steps + 1):
         grads = []
         for r, m in enumerate(models):
@@ -208,29 +241,54 @@ def run(label, args, train, val_batch):
                 start = [p.clone() for p in params[0]]
                 for r, o in enumerate(opts):
                     o.step()
-                applied = full = 0.0
+                for i, (q, p0) in enumerate(zip(shadow_params, start)):
+                    q.copy_(p0)
+                    q.grad = sum(g[i] for g in grads) / len(grads)
+                shadow_opt.step()
+                applied = full = dense = by_v = along = 0.0
                 for i, p0 in enumerate(start):
                     updates = [p[i] - p0 for p in params]
-                    full += float(sum(updates).square().sum()) / len(updates) ** 2
+                    for r in range(len(models) if vcorr else 0):
+                        updates[r], shorts[r][i] = noise_corrected(
+                            updates[r], p0, grads[r][i], opts[r].state[params[r][i]],
+                            shorts[r][i], lr, len(models))
+                    uncompressed = sum(updates) / len(updates)
+                    square = uncompressed.square()
+                    full += float(square.sum())
+                    dense += float((shadow_params[i] - p0).square().sum())
+                    v_dense = shadow_opt.state[shadow_params[i]]["exp_avg_sq"]
+                    by_v += float((square * opts[0].state[params[0][i]]["exp_avg_sq"]
+                                   / (v_dense + 1e-30)).sum())
                     mean = exchange(i, updates, step)
                     applied += float(mean.square().sum())
+                    along += float((mean * uncompressed).sum())
                     for r in range(len(models)):
                         params[r][i].copy_(p0 + mean)
-                ratios.append(math.sqrt(applied / full))
+                ratios.append((math.sqrt(applied / full), math.sqrt(full / dense),
+                               math.sqrt(full / by_v), along / full))
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, validate()))
             shown = ""
             if ratios:
-                norms.append((step, sum(ratios) / len(ratios)))
-                shown, ratios[:] = f", applied/uncompressed update norm {norms[-1][1]:.3f}", []
+                norms.append((step, *(sum(r) / len(ratios) for r in zip(*ratios))))
+                shown = (f", update norm: applied/uncompressed {norms[-1][1]:.3f}, "
+                         f"uncompressed/dense AdamW {norms[-1][2]:.3f} "
+                         f"(by the second moments: {norms[-1][3]:.3f}); applied along "
+                         f"uncompressed {norms[-1][4]:.3f}")
+                ratios[:] = []
             print(f"{label}: step {step} val loss {curve[-1][1]:.4f}{shown} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     sizes = [p.numel() for p in params[0]]
     sent = round(sent / args.steps)         # agg=union, laplace_topk: vary with the step
     if spec:                                 # the compressor's own: in its spec
-        density = whole = agg = decay = norm = None
+        density = whole = agg = decay = norm = vcorr = None
     return dict(method=label, kind=kind, spec=spec or None, lr=lr, density=density,
-                whole_below=whole, agg=agg, decay=decay, norm=norm, update_norm_ratio=norms,
+                whole_below=whole, agg=agg, decay=decay, norm=norm, vcorr=vcorr,
+                update_norm_ratio=norms,
+                update_norm_ratio_columns=["step", "applied/uncompressed",
+                                           "uncompressed/dense AdamW",
+                                           "uncompressed/dense AdamW by v",
+                                           "applied along uncompressed"],
                 bytes_sent_per_rank_step=sent, values=sum(sizes), curve=curve)
 
 

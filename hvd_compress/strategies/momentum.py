@@ -280,7 +280,8 @@ def dgc_compressors(compression):
     return [c for c in leaves(compression) if getattr(c, "momentum", None)]
 
 
-def check_compressed_update(compressed_update, schedule, compression, average, ops):
+def check_compressed_update(compressed_update, schedule, compression, average, ops,
+                            ranks=None):
     """What every glue refuses with ``compressed_update=True`` (the rule:
     :mod:`hvd_compress.torch.compressed_update`): ValueError for a value not a bool,
     compressed momentum (``schedule`` not None), a sum (``average`` False: P ranks'
@@ -289,7 +290,11 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
     momentum to updates).  Then marks what the compressor's residuals hold, updates or
     gradients (:meth:`~hvd_compress.compressors.base.Compressor.mark_residuals`: its
     checkpoints record it; ValueError when one restored before held the other).  Returns
-    ``compressed_update``."""
+    ``compressed_update``.
+
+    Logs the decay it chose for the updates' sparsifiers and, given the number of
+    ``ranks`` P > 1, the learning rate measured best for them: about ``sqrt(P)`` times
+    dense training's (docs/adam-adamw.md; the optimizer's own rate is used as given)."""
     if not isinstance(compressed_update, bool):
         raise ValueError(f"compressed_update must be True or False, got {compressed_update!r}")
     if compressed_update:
@@ -315,6 +320,11 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
                     "is not sent (the default for updates, docs/adam-adamw.md; ef_decay=1 "
                     "in the spec for plain error feedback)",
                     ", ".join(f"ef_decay={c.ef_decay:g} ({c.spec})" for c in decayed))
+        if ranks is not None and ranks > 1:
+            logger.info("hvd_compress: compressed_update=True on %d ranks: sparsified AdamW "
+                        "updates trained best at about sqrt(%d) = %.1f times dense "
+                        "training's learning rate (docs/adam-adamw.md); the optimizer's own "
+                        "rate is used as given", ranks, ranks, math.sqrt(ranks))
     return compressed_update
 
 

@@ -145,7 +145,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     object.__setattr__(wrapped, "_hvd_local", local)
     schedule = MomentumSchedule.build(compressed_momentum)
     update = check_compressed_update(compressed_update, schedule, wrapped.compression,
-                                     op == hvd.Average, ("op=hvd.Average", "op=hvd.Sum"))
+                                     op == hvd.Average, ("op=hvd.Average", "op=hvd.Sum"),
+                                     process_set.size() if process_set.included() else None)
     if update and accumulation.passes > 1:
         raise ValueError("backward_passes_per_step > 1 does not go with compressed_update "
                          "(each step's update is exchanged)")

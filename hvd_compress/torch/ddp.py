@@ -139,7 +139,9 @@ class CompressionState:
         schedule = MomentumSchedule.build(compressed_momentum)
         compressed_update = check_update(compressed_update, schedule, None, self.compression,
                                          op == "average", optimizer,
-                                         ("op='average'", "op='sum'"))
+                                         ("op='average'", "op='sum'"),
+                                         dist.get_world_size(process_group)
+                                         if dist.is_initialized() else None)
         if compressed_update and optimizer is None and ddp_model is not None:
             raise ValueError("compressed_update=True needs optimizer= (the optimizer that "
                              "steps ddp_model's parameters: its step() exchanges the update)")

@@ -48,7 +48,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.compression = resolve(compression)
         schedule = MomentumSchedule.build(compressed_momentum)
         update = check_update(compressed_update, schedule, grad_scaler, self.compression,
-                              op == hvd.Average, self)
+                              op == hvd.Average, self,
+                              ranks=process_set.size() if process_set.included() else None)
         if schedule is None and not update and isinstance(self, ADAM_FAMILY):
             adam_defaults(self.compression, type(self).__name__)
         check_dgc(self.compression, self, schedule)

@@ -22,7 +22,7 @@ WORKERS = {"horovodrun": ROOT / "tests/workers/compressed_update_worker.py",
 STEPS, DENSITY = 6, 0.3
 #: the MLP's tensors in parameter order, and their sizes
 SIZES = {"fc1.weight": 96, "fc1.bias": 16, "fc2.weight": 48, "fc2.bias": 3}
-_JOBS = {}
+_JOBS, _LOGS = {}, {}
 
 
 def job(tmp_path_factory, launcher):
@@ -34,6 +34,7 @@ def job(tmp_path_factory, launcher):
         else:
             rc, log = torchrun([WORKERS[launcher]], out, timeout=300)
         assert rc == 0, log[-3000:]
+        _LOGS[launcher] = log
         _JOBS[launcher] = load_ranks(out, "update" if launcher == "horovodrun" else "ddp_update")
     return _JOBS[launcher]
 
@@ -256,6 +257,13 @@ def test_ddp_hook_trains_as_the_horovod_optimizer(hvd_ranks, ddp_ranks):
         for key in ("param", "residual"):
             np.testing.assert_allclose(ddp_ranks[0][f"trace/{t}/{key}"],
                                        hvd_ranks[0][f"trace/{t}/{key}"], rtol=1e-6, atol=1e-7)
+
+
+def test_both_glues_log_the_learning_rate_measured_best_for_two_ranks(hvd_ranks, ddp_ranks):
+    """The glue tells the user the rate the updates trained best at (docs/adam-adamw.md)."""
+    for launcher, log in _LOGS.items():
+        assert "compressed_update=True on 2 ranks" in log, (launcher, log[-2000:])
+        assert "sqrt(2) = 1.4 times dense training's learning rate" in log, launcher
 
 
 def test_ddp_gpt2_example_learns_with_compressed_updates(tmp_path):

@@ -223,3 +223,22 @@ def test_the_glue_logs_the_decay_it_chose(caplog):
         _marked(hvd_compress.from_spec("topk:density=0.01"), False)
     said = [r.getMessage() for r in caplog.records if "ef_decay=" in r.getMessage()]
     assert len(said) == 1 and "ef_decay=0.99 (topk:density=0.001" in said[0]
+
+
+@pytest.mark.parametrize("spec,update,ranks,hint", [
+    ("topk:density=0.01", True, 8, True), ("topk:density=0.01", True, None, False),
+    ("topk:density=0.01", True, 1, False), ("topk:density=0.01", False, 8, False),
+    ("topk:density=0.01,ef_decay=1", True, 8, False), ("twobit", True, 8, False)])
+def test_the_glue_logs_sqrt_ranks_times_the_learning_rate_for_decayed_updates(
+        caplog, spec, update, ranks, hint):
+    """Only where it was measured: sparsified updates with the default decay, P > 1."""
+    import logging
+    from hvd_compress.strategies.momentum import check_compressed_update
+    with caplog.at_level(logging.INFO, logger="hvd_compress"):
+        check_compressed_update(update, None, hvd_compress.from_spec(spec), True,
+                                ("op=Average", "op=Sum"), ranks=ranks)
+    said = [r.getMessage() for r in caplog.records if "learning rate" in r.getMessage()]
+    assert said == ([f"hvd_compress: compressed_update=True on {ranks} ranks: sparsified AdamW "
+                     f"updates trained best at about sqrt({ranks}) = 2.8 times dense "
+                     "training's learning rate (docs/adam-adamw.md); the optimizer's own rate "
+                     "is used as given"] if hint else [])
