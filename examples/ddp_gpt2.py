@@ -40,7 +40,8 @@ def parse_args():
     p.add_argument("--compressed-update", action="store_true",
                    help="compress each rank's AdamW update, not its gradients")
     p.add_argument("--hook", default="hvd_compress",
-                   help="hvd_compress, none (DDP's allreduce), torch_powersgd:rank=R[,start=S]")
+                   help="hvd_compress[:start=S], none (DDP's allreduce), "
+                        "torch_powersgd:rank=R[,start=S]")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0,

@@ -8,7 +8,9 @@ Prints per epoch the test accuracy and the bytes this rank sent vs a dense float
 allreduce, and at the end the median time of a training step.
 
 ``--hook`` picks what reduces the gradients instead, for comparison:
-  hvd_compress (default)     hvd_compress.ddp with --compression
+  hvd_compress[:start=S] (default)
+                             hvd_compress.ddp with --compression; start=S: DDP's allreduce
+                             for the first S steps, as PyTorch's start_powerSGD_iter
   none                       DDP's own allreduce (no hook)
   torch_fp16                 PyTorch's fp16_compress_hook
   torch_powersgd:rank=R[,start=S]
@@ -66,9 +68,25 @@ def set_up_hook(args, ddp, model):
     name, _, params = args.hook.partition(":")
     kv = dict(p.split("=") for p in params.split(",") if p)
     if name == "hvd_compress":
-        state = hvd_compress.ddp.register(
-            ddp, build_compression(args.compression, model, verbose=dist.get_rank() == 0))
-        return f"hvd_compress.ddp {state.compression.spec}", state.stats
+        compression = build_compression(args.compression, model, verbose=dist.get_rank() == 0)
+        start = int(kv.get("start", 0))
+        if not start:
+            state = hvd_compress.ddp.register(ddp, compression)
+            return f"hvd_compress.ddp {state.compression.spec}", state.stats
+        state, steps = hvd_compress.ddp.CompressionState(ddp, compression), [0]
+
+        def dense_first(state, bucket):
+            if steps[0] >= start:
+                return hvd_compress.ddp.compression_hook(state, bucket)
+            dense = bucket.buffer().numel() * 4            # counted as the hook counts
+            received = ring_received(dense, dist.get_world_size())
+            state.stats.add(dense, dense, received, received)
+            if bucket.is_last():
+                state.stats.end_step()
+                steps[0] += 1
+            return default_hooks.allreduce_hook(None, bucket)
+        ddp.register_comm_hook(state, dense_first)
+        return f"hvd_compress.ddp {state.compression.spec} start={start}", state.stats
     if name == "none":
         return "DDP allreduce (no hook)", None
     stats = Stats()
@@ -90,8 +108,8 @@ def set_up_hook(args, ddp, model):
         ddp.register_comm_hook(state, counted(powerSGD_hook.powerSGD_hook, stats, powersgd_bytes))
         return (f"torch powerSGD_hook rank={state.matrix_approximation_rank} "
                 f"start={state.start_powerSGD_iter}"), stats
-    raise ValueError(f"unknown --hook {args.hook!r}: hvd_compress, none, torch_fp16, "
-                     "torch_powersgd:rank=R[,start=S]")
+    raise ValueError(f"unknown --hook {args.hook!r}: hvd_compress[:start=S], none, "
+                     "torch_fp16, torch_powersgd:rank=R[,start=S]")
 
 
 def main():

@@ -326,6 +326,25 @@ def test_mnist_topk_within_one_point_of_uncompressed(tmp_path):
     assert topk["median_step_ms"] > 0 and topk["stats"]["steps"] == topk["steps"]
 
 
+def test_gpt2_example_hook_starts_compressing_after_dense_steps(tmp_path):
+    """``--hook hvd_compress:start=2`` (as PyTorch's start_powerSGD_iter): DDP's dense
+    allreduce for two steps, counted as dense, then hvd_compress (~2% of dense a step
+    for top-k at 1%: a value and an index each); the loss goes down."""
+    out = tmp_path / "gpt2.json"
+    rc, log = torchrun([ROOT / "examples/ddp_gpt2.py", "--hook", "hvd_compress:start=2",
+                        "--compression", "topk:density=0.01", "--steps", 4, "--eval-every", 2,
+                        "--layers", 1, "--width", 64, "--no-progress", "--json", out],
+                       tmp_path, timeout=240)
+    assert rc == 0, log[-4000:]
+    assert "gradients: hvd_compress.ddp topk:density=0.01" in log, log[-2000:]
+    assert " start=2; GPT-2 of" in log, log[-2000:]
+    result = json.loads(out.read_text())
+    dense, sent = result["dense_bytes_per_step"], result["total_sent"]
+    assert 2 * dense < sent < 2.2 * dense, (sent / dense)
+    losses = [loss for _, _, loss in result["curve"]]
+    assert losses[-1] < losses[0], losses
+
+
 # -- (e) auto: a compressor chosen per DDP bucket --------------------------------------------
 
 AUTO_CANDIDATES = ["none", "topk:density=0.1", "fp16"]
