@@ -156,6 +156,15 @@ def passes(value, name="backward_passes_per_step"):
     return number
 
 
+def ranks_of(process_set):
+    """The number of ranks in ``process_set`` (Horovod's), or None where it cannot be
+    known yet (Horovod not initialised, or this rank not in the set): for messages only."""
+    try:
+        return process_set.size() if process_set.included() else None
+    except ValueError:                  # "Horovod has not been initialized"
+        return None
+
+
 def check_device(value, name, parse=None):
     """``device_dense``/``device_sparse`` (``name``) as given: a string, ``""`` for
     Horovod's default; ``parse`` (e.g. ``tf.DeviceSpec.from_string``) checks its syntax.

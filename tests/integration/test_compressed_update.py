@@ -261,6 +261,7 @@ def test_ddp_hook_trains_as_the_horovod_optimizer(hvd_ranks, ddp_ranks):
 
 def test_both_glues_log_the_learning_rate_measured_best_for_two_ranks(hvd_ranks, ddp_ranks):
     """The glue tells the user the rate the updates trained best at (docs/adam-adamw.md)."""
+    assert set(_LOGS) == {"horovodrun", "torchrun"}, set(_LOGS)
     for launcher, log in _LOGS.items():
         assert "compressed_update=True on 2 ranks" in log, (launcher, log[-2000:])
         assert "sqrt(2) = 1.4 times dense training's learning rate" in log, launcher
