@@ -169,18 +169,19 @@ def parse(label):
     return kind, spec, lr, density, int(whole or 0), agg, decay, norm, vcorr
 
 
-def noise_corrected(update, p0, grad, state, short, lr, ranks, betas=(0.9, 0.999), wd=0.01):
+def noise_corrected(update, p0, grad, state, short, group, ranks):
     """One rank's AdamW ``update`` of ``p0`` with its Adam part rescaled per coordinate
     by ``sqrt(v / v_g)`` (``vcorr=1``; the module docstring states the estimate), and the
-    new EMA of ``grad^2`` (``short``, at ``beta1``)."""
-    (b1, b2), t = betas, float(state["step"])
+    new EMA of ``grad^2`` (``short``, at ``beta1``); ``state`` and ``group``: the
+    parameter's AdamW state and its param group."""
+    (b1, b2), t = group["betas"], float(state["step"])
     short = b1 * short + (1 - b1) * grad.square()
     a, m2 = short / (1 - b1 ** t), state["exp_avg"].square() / (1 - b1 ** t) ** 2
     kept = (1 - b1) * (1 + b1 ** t) / ((1 + b1) * (1 - b1 ** t))   # Var(m) / Var(g)
     noise = (a - m2).clamp_min(0) / (1 - kept) if t > 1 else torch.zeros_like(a)
     v = state["exp_avg_sq"] / (1 - b2 ** t) + 1e-30
     share = (1 - (1 - 1 / ranks) * noise / v).clamp(1 / ranks, 1)  # v_g / v
-    decay = -lr * wd * p0
+    decay = -group["lr"] * group["weight_decay"] * p0
     return (update - decay) / share.sqrt() + decay, short
 
 
@@ -193,10 +194,12 @@ def run(label, args, train, val_batch):
         for c in compressors:            # as a glue marks them: the updates' default decay
             c.mark_residuals("updates" if kind == "update" else "gradients")
     models = [make_model(args, args.seed) for _ in range(args.ranks)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01) for m in models]
+    def adamw(parameters):
+        return torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01)
+    opts = [adamw(m.parameters()) for m in models]
     params = [list(m.parameters()) for m in models]
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
-    shorts = [[torch.zeros_like(p) for p in params[0]] for _ in models]      # vcorr=1
+    shorts = [[torch.zeros_like(p) for p in params[0]] for _ in models] if vcorr else None
     sent = 0                     # bytes per rank, all steps
 
     def exchange(i, xs, step):
@@ -221,7 +224,7 @@ def run(label, args, train, val_batch):
     if kind == "update":         # dense AdamW's step from the same point, on the mean gradient
         shadow = make_model(args, args.seed)
         shadow_params = list(shadow.parameters())
-        shadow_opt = torch.optim.AdamW(shadow_params, lr=lr, weight_decay=0.01)
+        shadow_opt = adamw(shadow_params)
     for step in range(1, args.steps + 1):
         grads = []
         for r, m in enumerate(models):
@@ -251,7 +254,7 @@ def run(label, args, train, val_batch):
                     for r in range(len(models) if vcorr else 0):
                         updates[r], shorts[r][i] = noise_corrected(
                             updates[r], p0, grads[r][i], opts[r].state[params[r][i]],
-                            shorts[r][i], lr, len(models))
+                            shorts[r][i], opts[r].param_groups[0], len(models))
                     uncompressed = sum(updates) / len(updates)
                     square = uncompressed.square()
                     full += float(square.sum())

@@ -74,17 +74,15 @@ def set_up_hook(args, ddp, model):
             state = hvd_compress.ddp.register(ddp, compression)
             return f"hvd_compress.ddp {state.compression.spec}", state.stats
         state, steps = hvd_compress.ddp.CompressionState(ddp, compression), [0]
+        allreduce = counted(lambda _, bucket: default_hooks.allreduce_hook(None, bucket),
+                            state.stats, lambda _, bucket, call: (bucket.buffer().numel() * 4,
+                                                                  call()))
 
         def dense_first(state, bucket):
             if steps[0] >= start:
                 return hvd_compress.ddp.compression_hook(state, bucket)
-            dense = bucket.buffer().numel() * 4            # counted as the hook counts
-            received = ring_received(dense, dist.get_world_size())
-            state.stats.add(dense, dense, received, received)
-            if bucket.is_last():
-                state.stats.end_step()
-                steps[0] += 1
-            return default_hooks.allreduce_hook(None, bucket)
+            steps[0] += bucket.is_last()
+            return allreduce(state, bucket)
         ddp.register_comm_hook(state, dense_first)
         return f"hvd_compress.ddp {state.compression.spec} start={start}", state.stats
     if name == "none":
