@@ -86,7 +86,8 @@ def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0
     """(mean of what the ranks sent, their new residuals, bytes each rank sent: a float32
     value and an int32 index per value; ``union``: its k indices and a value per index of
     the union; ``leader``: a value per index, the indices once in P steps; 4 per value of a
-    tensor sent whole) for one
+    tensor sent whole; and, unless sent whole, ``(distinct indices sent, indices sent,
+    sum over ranks of |sent|^2)``) for one
     tensor whose value on rank r is ``xs[r]``: each rank compensates
     ``c_r = x_r + decay e_r``, sends ``c_r`` at its indices (its own top-k; the union of
     all ranks' top-k; or the leader's top-k), and keeps the rest as its residual.
@@ -97,7 +98,8 @@ def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0
         mean = 0
         for c in cs:             # this order: the recorded runs' rounding
             mean = mean + c / len(cs)
-        return mean.view_as(xs[0]), [torch.zeros_like(x) for x in xs], 4 * cs[0].numel()
+        return (mean.view_as(xs[0]), [torch.zeros_like(x) for x in xs], 4 * cs[0].numel(),
+                None)
     if agg == "local":
         picks = [top_indices(c, density) for c in cs]
     elif agg == "union":
@@ -121,7 +123,9 @@ def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0
         mean /= count.clamp_min(1)
     k = max(1, math.ceil(density * cs[0].numel()))
     index_bytes = {"local": 4 * k, "union": 4 * k, "leader": 4 * k / len(cs)}[agg]
-    return mean.view_as(xs[0]), residuals, 4 * picks[0].numel() + index_bytes
+    spread = (torch.cat(picks).unique().numel(), sum(i.numel() for i in picks),
+              sum(float(c[i].square().sum()) for c, i in zip(cs, picks)))
+    return mean.view_as(xs[0]), residuals, 4 * picks[0].numel() + index_bytes, spread
 
 
 def library_mean(compressors, xs, name):
@@ -201,18 +205,22 @@ def run(label, args, train, val_batch):
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
     shorts = [[torch.zeros_like(p) for p in params[0]] for _ in models] if vcorr else None
     sent = 0                     # bytes per rank, all steps
+    spread = [0, 0, 0.0, 0.0]    # this step's sparsified tensors: sparse_mean's last item,
+                                 # and |mean|^2 over them
 
     def exchange(i, xs, step):
         """The mean of tensor ``i``'s ``xs`` (one per rank) as the method sends it; its
-        residuals and bytes counted."""
+        residuals, bytes and spread counted."""
         nonlocal sent
         if spec:
             mean, n = library_mean(compressors, xs, str(i))
         else:
-            mean, res, n = sparse_mean(xs, [e[i] for e in errors], density, step, whole,
-                                       agg, decay, norm)
+            mean, res, n, s = sparse_mean(xs, [e[i] for e in errors], density, step, whole,
+                                          agg, decay, norm)
             for r in range(len(models)):
                 errors[r][i] = res[r]
+            for j, v in enumerate((*s, float(mean.square().sum())) if s else ()):
+                spread[j] += v
         sent += n
         return mean
 
@@ -249,6 +257,7 @@ def run(label, args, train, val_batch):
                     q.grad = sum(g[i] for g in grads) / len(grads)
                 shadow_opt.step()
                 applied = full = dense = by_v = along = 0.0
+                spread[:] = [0, 0, 0.0, 0.0]
                 for i, p0 in enumerate(start):
                     updates = [p[i] - p0 for p in params]
                     for r in range(len(models) if vcorr else 0):
@@ -267,8 +276,12 @@ def run(label, args, train, val_batch):
                     along += float((mean * uncompressed).sum())
                     for r in range(len(models)):
                         params[r][i].copy_(p0 + mean)
+                distinct = spread[0] / spread[1] if spread[1] else math.nan
+                disjoint = (math.sqrt(spread[3] / spread[2]) * len(models)
+                            if spread[2] else math.nan)
                 ratios.append((math.sqrt(applied / full), math.sqrt(full / dense),
-                               math.sqrt(full / by_v), along / full))
+                               math.sqrt(full / by_v), along / full, distinct, disjoint,
+                               math.sqrt(applied / dense)))
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, validate()))
             shown = ""
@@ -277,7 +290,10 @@ def run(label, args, train, val_batch):
                 shown = (f", update norm: applied/uncompressed {norms[-1][1]:.3f}, "
                          f"uncompressed/dense AdamW {norms[-1][2]:.3f} "
                          f"(by the second moments: {norms[-1][3]:.3f}); applied along "
-                         f"uncompressed {norms[-1][4]:.3f}")
+                         f"uncompressed {norms[-1][4]:.3f}; indices distinct "
+                         f"{norms[-1][5]:.3f}, applied/disjoint {norms[-1][6]:.3f}, "
+                         f"applied/dense AdamW {norms[-1][7]:.3f} (x sqrt(P) "
+                         f"{norms[-1][7] * math.sqrt(len(models)):.3f})")
                 ratios[:] = []
             print(f"{label}: step {step} val loss {curve[-1][1]:.4f}{shown} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -291,7 +307,10 @@ def run(label, args, train, val_batch):
                 update_norm_ratio_columns=["step", "applied/uncompressed",
                                            "uncompressed/dense AdamW",
                                            "uncompressed/dense AdamW by v",
-                                           "applied along uncompressed"],
+                                           "applied along uncompressed",
+                                           "distinct indices / indices sent",
+                                           "applied / (sqrt(sum |sent_r|^2) / P)",
+                                           "applied/dense AdamW"],
                 bytes_sent_per_rank_step=sent, values=sum(sizes), curve=curve)
 
 

@@ -312,20 +312,34 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
                              "(the wrapped optimizer's own momentum is in the update)")
     if hasattr(compression, "mark_residuals"):
         compression.mark_residuals("updates" if compressed_update else "gradients")
-    decayed = [c for c in leaves(compression) if c.ef and not c.ef_decay_given and
-               c.ef_decay != 1.0]
+    decayed = _decayed(compression)
     if compressed_update and decayed:
         from ..log import logger
         logger.info("hvd_compress: compressed_update=True: error feedback keeps %s of what "
                     "is not sent (the default for updates, docs/adam-adamw.md; ef_decay=1 "
                     "in the spec for plain error feedback)",
                     ", ".join(f"ef_decay={c.ef_decay:g} ({c.spec})" for c in decayed))
-        if ranks is not None and ranks > 1:
-            logger.info("hvd_compress: compressed_update=True on %d ranks: sparsified AdamW "
-                        "updates trained best at about sqrt(%d) = %.1f times dense "
-                        "training's learning rate (docs/adam-adamw.md); the optimizer's own "
-                        "rate is used as given", ranks, ranks, math.sqrt(ranks))
+        learning_rate_hint(compression, ranks)
     return compressed_update
+
+
+def _decayed(compression):
+    """The sparsifiers of ``compression`` whose residual decays by the updates' default."""
+    return [c for c in leaves(compression) if c.ef and not c.ef_decay_given and
+            c.ef_decay != 1.0]
+
+
+def learning_rate_hint(compression, ranks):
+    """Logs, for compressed updates through sparsifiers at their default decay on
+    ``ranks`` P > 1, the learning rate measured best for them: about ``sqrt(P)`` times
+    dense training's (docs/adam-adamw.md).  :func:`check_compressed_update` calls it; a
+    glue that learns P only later (Lightning's strategy) calls it then."""
+    if ranks is not None and ranks > 1 and _decayed(compression):
+        from ..log import logger
+        logger.info("hvd_compress: compressed_update=True on %d ranks: sparsified AdamW "
+                    "updates trained best at about sqrt(%d) = %.1f times dense "
+                    "training's learning rate (docs/adam-adamw.md); the optimizer's own "
+                    "rate is used as given", ranks, ranks, math.sqrt(ranks))
 
 
 

@@ -137,11 +137,11 @@ class CompressionState:
                              "hierarchical exchange) is for Horovod's optimizers, which know "
                              "each worker's host; the DDP hook exchanges flat: drop 'hier:'")
         schedule = MomentumSchedule.build(compressed_momentum)
+        #: the world size when made (None before the process group: Lightning's strategy)
+        self.ranks = dist.get_world_size(process_group) if dist.is_initialized() else None
         compressed_update = check_update(compressed_update, schedule, None, self.compression,
                                          op == "average", optimizer,
-                                         ("op='average'", "op='sum'"),
-                                         dist.get_world_size(process_group)
-                                         if dist.is_initialized() else None)
+                                         ("op='average'", "op='sum'"), self.ranks)
         if compressed_update and optimizer is None and ddp_model is not None:
             raise ValueError("compressed_update=True needs optimizer= (the optimizer that "
                              "steps ddp_model's parameters: its step() exchanges the update)")

@@ -36,6 +36,7 @@ import importlib.util
 import sys
 
 from ..log import logger
+from ..strategies.momentum import learning_rate_hint
 from .ddp import CompressionState
 
 
@@ -90,6 +91,8 @@ def _build():
             if state.optimizer is not self.optimizers[0]:   # each fit makes its optimizer
                 state.drop_optimizer()
                 state.take_optimizer(self.optimizers[0])
+                if state.ranks is None:       # made before the process group: hint now
+                    learning_rate_hint(state.compression, trainer.world_size)
 
 
     class CompressionStats(Callback):

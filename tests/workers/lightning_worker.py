@@ -64,11 +64,11 @@ class TinyAdamW(Tiny):
             "scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5), "interval": "step"}}
 
 
-def compressed_updates_fit(data):
-    """Compressed updates through Lightning: ``CompressionState(..., compressed_update=
-    True)`` made before the model and the optimizer; our DDPStrategy gives it the
-    AdamW of ``configure_optimizers()``.  Returns what the test checks."""
-    state = CompressionState(compression=SPEC, compressed_update=True)
+def compressed_updates_fit(data, state):
+    """Compressed updates through Lightning: ``state``, ``CompressionState(...,
+    compressed_update=True)``, made before the model, the optimizer and the process group;
+    our DDPStrategy gives it the AdamW of ``configure_optimizers()`` (and the world size,
+    for the learning-rate hint).  Returns what the test checks."""
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
         strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=compression_hook,
@@ -155,6 +155,7 @@ def main():
     data = DataLoader(TensorDataset(torch.from_numpy(x[:1024]), torch.from_numpy(y[:1024])),
                       batch_size=32, shuffle=True)
     state = CompressionState(compression=SPEC)               # before the model is wrapped
+    update_state = CompressionState(compression=SPEC, compressed_update=True)  # and the group
     record = Record(state)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=STEPS, logger=CSVLogger(OUT, name="logs"),
@@ -166,7 +167,7 @@ def main():
     trainer.fit(model, data)
     rank = trainer.global_rank
     params = {n: p.detach().numpy() for n, p in model.named_parameters()}
-    update_params, update_info = compressed_updates_fit(data)
+    update_params, update_info = compressed_updates_fit(data, update_state)
     params.update(update_params)
     np.savez(os.path.join(OUT, f"lightning_rank{rank}.npz"), **params)
     info = dict(stats=state.stats.as_dict(), sent=record.sent, rank=rank,
