@@ -29,7 +29,10 @@ seeds as there.  Methods:
   SparseLoCo's error feedback; ``B = 1``, the default here, is plain error feedback;
   the library's default for updates is ``max(0.9, 1 - 10 d)``); ``norm=count``: each
   index's sum divided by the number of ranks that sent it (``norm=ranks``, the default:
-  by P, the library's mean); ``vcorr=1`` (``update`` only): each rank's AdamW step
+  by P, the library's mean); ``norm=distinct``: the mean times ``sqrt(|U| / k)``, ``U``
+  the union of the ranks' ``k``-index picks (``sqrt(P)`` when they are disjoint: it
+  undoes what averaging P disjoint sparse updates does to the norm, which is what a
+  ``sqrt(P)`` times higher learning rate also undoes); ``vcorr=1`` (``update`` only): each rank's AdamW step
   rescaled per coordinate by ``sqrt(v / v_g)``, ``v_g = v - (1 - 1/P) s2`` an estimate
   of the mean gradient's second moment, where ``s2 = (a - m^2) / (1 - c)`` is this
   rank's gradient noise from ``a`` (an EMA of ``g^2`` at AdamW's ``beta1``), its
@@ -92,7 +95,8 @@ def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0
     ``c_r = x_r + decay e_r``, sends ``c_r`` at its indices (its own top-k; the union of
     all ranks' top-k; or the leader's top-k), and keeps the rest as its residual.
     ``norm="count"``: each index's sum divided by the number of ranks that sent it, not
-    by P (the mean over the senders)."""
+    by P (the mean over the senders); ``norm="distinct"``: the mean times
+    ``sqrt(|U| / k)``, ``U`` the union of the ranks' picks."""
     cs = [(x + decay * e).reshape(-1) for x, e in zip(xs, errors)]
     if density >= 1 or cs[0].numel() < whole_below:
         mean = 0
@@ -122,6 +126,8 @@ def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0
     if count is not None:
         mean /= count.clamp_min(1)
     k = max(1, math.ceil(density * cs[0].numel()))
+    if norm == "distinct":       # P disjoint picks: |mean| = |sent| / sqrt(P); undone
+        mean *= math.sqrt(torch.cat(picks).unique().numel() / k)
     index_bytes = {"local": 4 * k, "union": 4 * k, "leader": 4 * k / len(cs)}[agg]
     spread = (torch.cat(picks).unique().numel(), sum(i.numel() for i in picks),
               sum(float(c[i].square().sum()) for c, i in zip(cs, picks)))
@@ -166,8 +172,8 @@ def parse(label):
                          "norm=, vcorr=)")
     if vcorr and kind != "update":
         raise ValueError(f"{method}: vcorr=1 rescales AdamW updates: update@ only")
-    if norm not in ("ranks", "count"):
-        raise ValueError(f"{method}: norm={norm!r}: ranks or count")
+    if norm not in ("ranks", "count", "distinct"):
+        raise ValueError(f"{method}: norm={norm!r}: ranks, count or distinct")
     lr = float(value) if kind == "dense" and value else None
     density = float(value) if kind != "dense" else 1.0
     return kind, spec, lr, density, int(whole or 0), agg, decay, norm, vcorr
