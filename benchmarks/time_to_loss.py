@@ -56,6 +56,8 @@ import tempfile  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))      # last: benchmarks/select.py is no stdlib
+sys.path.append(str(ROOT / "examples"))        # gpt2_text
+from gpt2_text import method_lr  # noqa: E402
 from hvd_compress.tools.shaped_link import shaped_link, two_hosts  # noqa: E402
 from step_time import horovodrun_launch, hosts_launch  # noqa: E402
 
@@ -93,16 +95,6 @@ def ddp_launch(where, hosts, np=2):
                     for k in ("out", "err")]
         return max(rcs, key=abs), text[0], "".join(text[1:])
     return launch
-
-
-def method_lr(method, default):
-    """``(method, learning rate)`` of a method label ``METHOD[@LR]``."""
-    method, at, lr = method.partition("@")
-    try:
-        return method, float(lr) if at else default
-    except ValueError:
-        raise ValueError(f"{method}@{lr}: the learning rate after '@' must be a number "
-                         "('cu:topk:density=0.01@2e-3')") from None
 
 
 def ddp_row(label, args, launch, link):

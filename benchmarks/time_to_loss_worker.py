@@ -36,12 +36,12 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 import hvd_compress.torch as hct  # noqa: E402
-from gpt2_text import corpus, make_model, train_batch, validation_loss, windows  # noqa: E402
+from gpt2_text import (corpus, make_model, method_lr, train_batch, validation_loss,  # noqa: E402
+                       windows)
 
 
 def run(label, args, train, val_batch):
-    method, at, lr = label.partition("@")            # METHOD@LR: its own learning rate
-    lr = float(lr) if at else args.lr
+    method, lr = method_lr(label, args.lr)           # METHOD@LR: its own learning rate
     momentum, update = method.startswith("cm:"), method.startswith("cu:")
     spec = method[3:] if momentum or update else method
     model = make_model(args, args.seed)

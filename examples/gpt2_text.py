@@ -52,3 +52,14 @@ def validation_loss(model, batch):
         loss = float(model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss)
     model.train()
     return loss
+
+
+def method_lr(method, default):
+    """``(method, learning rate)`` of a benchmark's method label ``METHOD[@LR]``
+    (benchmarks/time_to_loss.py and its worker); ValueError for a bad ``LR``."""
+    method, at, lr = method.partition("@")
+    try:
+        return method, float(lr) if at else default
+    except ValueError:
+        raise ValueError(f"{method}@{lr}: the learning rate after '@' must be a number "
+                         "('cu:topk:density=0.01@2e-3')") from None
