@@ -32,9 +32,9 @@ seeds as there.  Methods:
   by P, the library's mean); ``norm=distinct``: the mean times ``sqrt(|U| / k)``, ``U``
   the union of the ranks' ``k``-index picks (``sqrt(P)`` when they are disjoint: it
   undoes what averaging P disjoint sparse updates does to the norm, which is what a
-  ``sqrt(P)`` times higher learning rate also undoes); ``vcorr=1`` (``update`` only): each rank's AdamW step
-  rescaled per coordinate by ``sqrt(v / v_g)``, ``v_g = v - (1 - 1/P) s2`` an estimate
-  of the mean gradient's second moment, where ``s2 = (a - m^2) / (1 - c)`` is this
+  ``sqrt(P)`` times higher learning rate also undoes); ``vcorr=1`` (``update`` only):
+  each rank's AdamW step rescaled per coordinate by ``sqrt(v / v_g)``,
+  ``v_g = v - (1 - 1/P) s2`` an estimate of the mean gradient's second moment, where ``s2 = (a - m^2) / (1 - c)`` is this
   rank's gradient noise from ``a`` (an EMA of ``g^2`` at AdamW's ``beta1``), its
   bias-corrected ``m``, and ``c`` (the share of the noise variance an EMA of that
   length keeps); ``v_g`` is clamped to ``[v/P, v]`` (tried against the shrinking of
@@ -126,10 +126,11 @@ def sparse_mean(xs, errors, density, step, whole_below=0, agg="local", decay=1.0
     if count is not None:
         mean /= count.clamp_min(1)
     k = max(1, math.ceil(density * cs[0].numel()))
+    union = torch.cat(picks).unique().numel()
     if norm == "distinct":       # P disjoint picks: |mean| = |sent| / sqrt(P); undone
-        mean *= math.sqrt(torch.cat(picks).unique().numel() / k)
+        mean *= math.sqrt(union / k)
     index_bytes = {"local": 4 * k, "union": 4 * k, "leader": 4 * k / len(cs)}[agg]
-    spread = (torch.cat(picks).unique().numel(), sum(i.numel() for i in picks),
+    spread = (union, sum(i.numel() for i in picks),
               sum(float(c[i].square().sum()) for c, i in zip(cs, picks)))
     return mean.view_as(xs[0]), residuals, 4 * picks[0].numel() + index_bytes, spread
 
@@ -211,24 +212,22 @@ def run(label, args, train, val_batch):
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in models]
     shorts = [[torch.zeros_like(p) for p in params[0]] for _ in models] if vcorr else None
     sent = 0                     # bytes per rank, all steps
-    spread = [0, 0, 0.0, 0.0]    # this step's sparsified tensors: sparse_mean's last item,
-                                 # and |mean|^2 over them
 
     def exchange(i, xs, step):
-        """The mean of tensor ``i``'s ``xs`` (one per rank) as the method sends it; its
-        residuals, bytes and spread counted."""
+        """The mean of tensor ``i``'s ``xs`` (one per rank) as the method sends it, and
+        sparse_mean's spread (None when sent whole or by the library); its residuals and
+        bytes counted."""
         nonlocal sent
+        spread = None
         if spec:
             mean, n = library_mean(compressors, xs, str(i))
         else:
-            mean, res, n, s = sparse_mean(xs, [e[i] for e in errors], density, step, whole,
-                                          agg, decay, norm)
+            mean, res, n, spread = sparse_mean(xs, [e[i] for e in errors], density, step,
+                                               whole, agg, decay, norm)
             for r in range(len(models)):
                 errors[r][i] = res[r]
-            for j, v in enumerate((*s, float(mean.square().sum())) if s else ()):
-                spread[j] += v
         sent += n
-        return mean
+        return mean, spread
 
     def validate():
         return validation_loss(models[0], val_batch)
@@ -249,7 +248,7 @@ def run(label, args, train, val_batch):
         with torch.no_grad():
             if kind in ("dense", "grad"):
                 for i in range(len(params[0])):
-                    mean = exchange(i, [g[i] for g in grads], step)
+                    mean, _ = exchange(i, [g[i] for g in grads], step)
                     for r in range(len(models)):
                         params[r][i].grad = mean.clone()
                 for o in opts:
@@ -263,7 +262,8 @@ def run(label, args, train, val_batch):
                     q.grad = sum(g[i] for g in grads) / len(grads)
                 shadow_opt.step()
                 applied = full = dense = by_v = along = 0.0
-                spread[:] = [0, 0, 0.0, 0.0]
+                spread = [0, 0, 0.0, 0.0]    # over the sparsified tensors: sparse_mean's
+                                             # spread, and |mean|^2
                 for i, p0 in enumerate(start):
                     updates = [p[i] - p0 for p in params]
                     for r in range(len(models) if vcorr else 0):
@@ -277,8 +277,11 @@ def run(label, args, train, val_batch):
                     v_dense = shadow_opt.state[shadow_params[i]]["exp_avg_sq"]
                     by_v += float((square * opts[0].state[params[0][i]]["exp_avg_sq"]
                                    / (v_dense + 1e-30)).sum())
-                    mean = exchange(i, updates, step)
-                    applied += float(mean.square().sum())
+                    mean, s = exchange(i, updates, step)
+                    length = float(mean.square().sum())
+                    applied += length
+                    for j, v in enumerate((*s, length) if s else ()):
+                        spread[j] += v
                     along += float((mean * uncompressed).sum())
                     for r in range(len(models)):
                         params[r][i].copy_(p0 + mean)

@@ -342,7 +342,6 @@ def learning_rate_hint(compression, ranks):
                     "rate is used as given", ranks, ranks, math.sqrt(ranks))
 
 
-
 def adam_defaults(compression, optimizer_name):
     """An Adam-family optimizer that compresses its *gradients*: ``auto`` with default
     candidates keeps only the ones that keep Adam's convergence

@@ -155,7 +155,8 @@ def main():
     data = DataLoader(TensorDataset(torch.from_numpy(x[:1024]), torch.from_numpy(y[:1024])),
                       batch_size=32, shuffle=True)
     state = CompressionState(compression=SPEC)               # before the model is wrapped
-    update_state = CompressionState(compression=SPEC, compressed_update=True)  # and the group
+    # before the process group too, as a user makes it: the strategy gives it the world size
+    update_state = CompressionState(compression=SPEC, compressed_update=True)
     record = Record(state)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=STEPS, logger=CSVLogger(OUT, name="logs"),
