@@ -9,7 +9,9 @@ Horovod's ``hvd.elastic.TensorFlowState`` fails on Keras 3 model variables and k
 nothing of error feedback; :class:`ElasticState` takes its place:
 
 * ``commit()`` snapshots the variables (tf.Variable or Keras 3), the optimizer's
-  variables, and *this rank's* error-feedback residuals and counters;
+  variables, and *this rank's* error-feedback residuals and counters (a Keras
+  optimizer not built yet is built here, on the trainable ones among ``variables``, so
+  that every rank, a joining one too, has the same variables at every sync);
 * a restore (after a failure) brings all of them back to the commit, each rank its own
   residuals;
 * ``sync`` (after every reset) broadcasts rank 0's variables and the counters that must
@@ -41,6 +43,11 @@ class ElasticState(ObjectState):
     def __init__(self, variables, compression=None, optimizer=None, **kwargs):
         self._model_variables = list(variables)
         self._optimizer = optimizer
+        if optimizer is not None and not getattr(optimizer, "built", True):
+            # a Keras optimizer makes its variables at its first step: a rank that joins
+            # later would broadcast fewer of them than rank 0 at the sync (measured: the
+            # job failed with "Mismatched data types"); so build it here, on every rank
+            optimizer.build([v for v in self._model_variables if getattr(v, "trainable", True)])
         self.compression = resolve_cached(compression)
         self._commit = CompressionCommit(self.compression, hvd, "tensorflow")
         self._save_values()

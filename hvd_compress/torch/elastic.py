@@ -21,6 +21,15 @@ handler:
   on every rank (random-k draws, the leader rotation of ``agg=leader``): rank 0's are
   broadcast; residuals stay per rank, and a rank that joins starts with none (zero);
   the configuration check runs again at the next step.
+* with ``compressed_update=True`` each rank's optimizer state (AdamW's ``m_i, v_i``) is
+  its own gradients' (:mod:`hvd_compress.torch.compressed_update`), like its residuals:
+  ``sync`` leaves a rank that has one with its own, where Horovod's handler gives every
+  rank rank 0's; a rank that joins (no state yet) takes rank 0's.
+* an empty optimizer state (a rank that joins; every rank at the first sync) is made by
+  Horovod's ``broadcast_optimizer_state`` with a step on zero gradients, which moves the
+  parameters just broadcast when the optimizer decays weights (AdamW): the new rank's
+  parameters then differed from the others' for the rest of the run.  ``sync`` puts the
+  parameters back after that step.
 
 A lost worker's residual is lost with it, like its in-flight gradient: that part of its
 past gradients was never sent.  Every commit shares each rank's residual norm (one small
@@ -28,7 +37,10 @@ allgather), so after a loss rank 0 prints the norm of what the lost workers had 
 at the last commit, and ``opt.stats.lost_residual_norm`` adds it up.  ``opt.stats`` go
 on counting across resets.
 """
+import copy
+
 import horovod.torch as hvd
+import torch
 from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_registry,
                                          set_handler_registry)
 
@@ -53,10 +65,28 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
         self._commit.restore()
 
     def sync(self):
-        self.value.drop_in_flight()
+        opt = self.value
+        opt.drop_in_flight()
+        own = _own_state(opt)
+        # an empty state is initialised by a step on zero gradients, which moves the
+        # parameters that were just broadcast (weight decay): put them back after it
+        params = [(p, p.detach().clone()) for p in opt._params] if not opt.state else []
         super().sync()              # rank 0's optimizer state (no compressed step: see
         #                             DistributedOptimizer, broadcast_optimizer_state)
-        self.value.stats.lost_residual_norm += self._commit.sync()
+        with torch.no_grad():
+            for p, before in params:
+                p.copy_(before)
+        if own is not None:
+            opt.load_state_dict(own)
+        opt.stats.lost_residual_norm += self._commit.sync()
+
+
+def _own_state(optimizer):
+    """A copy of the optimizer state to keep through ``sync``: this rank's, when it runs
+    compressed updates and has one; else None (Horovod's broadcast writes in place)."""
+    if optimizer._update is None or not optimizer.state:
+        return None
+    return copy.deepcopy(optimizer.state_dict())
 
 
 def register():

@@ -16,7 +16,8 @@ from hvd_compress.memory import residual_norm
 
 WORKER = ROOT / "tests" / "workers" / "elastic_worker.py"
 TF_WORKER = ROOT / "tests" / "workers" / "elastic_tf_worker.py"
-SPECS = ["none", "topk:density=0.1", "laplace_topk:density=0.1", "twobit", "hylo"]
+SPECS = ["none", "topk:density=0.1", "laplace_topk:density=0.1", "twobit", "hylo",
+         "update:laplace_topk:density=0.1"]     # AdamW, compressed_update=True
 
 
 def _env(tmp_path, **extra):
@@ -49,7 +50,7 @@ def _elastic(tmp_path, hosts, np_, *args):
     discover.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
     discover.chmod(0o755)
     cmd = [str(HOROVODRUN), "--network-interface", "lo", "-np", str(np_), "--min-np", "1",
-           "--max-np", "2", "--host-discovery-script", str(discover), "--gloo",
+           "--max-np", str(max(2, np_)), "--host-discovery-script", str(discover), "--gloo",
            sys.executable, *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, HOSTS_FILE=str(hosts_file),
                                                   TF_CPP_MIN_LOG_LEVEL="2"),
@@ -145,6 +146,73 @@ def test_joining_worker_takes_the_counters_and_starts_without_residuals(tmp_path
             if k.startswith("step/")} == counters
     assert not any(k.startswith("residual/") for k in new["compression"]["state"])
     assert any(k.startswith("residual/") for k in first["compression"]["state"])
+
+
+def _third_host():
+    """A third name for this machine (Horovod tells hosts apart by name), or a skip."""
+    import socket
+    name = socket.gethostname()
+    try:
+        local = socket.gethostbyname(name).startswith("127.")
+    except OSError:
+        local = False
+    if name in ("localhost", "127.0.0.1") or not local:
+        pytest.skip(f"the host name {name!r} is not a third name for 127.0.0.1")
+    return name
+
+
+def test_compressed_update_survivors_keep_their_own_optimizer_state(tmp_path):
+    """Compressed updates: each rank's AdamW moments are its own gradients', like its
+    residuals.  Three workers, rank 1 dies; after the reset's sync the two survivors
+    hold the same parameters and each its *own* optimizer state and residuals from the
+    commit (Horovod's handler alone gives the new rank 1 the new rank 0's moments)."""
+    hosts = ["localhost", "127.0.0.1", _third_host()]
+    rc, log = _elastic(tmp_path, hosts, 3, WORKER, "elastic", "update:topk:density=0.1")
+    assert rc == 0 and "RESET size 2" in log and "ELASTIC_DONE 1 2" in log, log[-5000:]
+    synced = [torch.load(tmp_path / f"synced_rank{r}.pt") for r in (0, 1)]
+    step = synced[0]["step"]
+    by_rank = [torch.load(tmp_path / f"commit{step}_rank{r}.pt") for r in (0, 1, 2)]
+    commits = {c["host"]: c for c in by_rank}
+    assert {s["host"] for s in synced} == set(hosts) - {by_rank[1]["host"]}   # rank 1 left
+    _equal(synced[0]["model"], synced[1]["model"], "parameters agree")
+    for mine in synced:
+        _equal(mine["opt"], commits[mine["host"]]["opt"], f"optimizer state of {mine['host']}")
+        _equal(mine["compression"], commits[mine["host"]]["compression"], "residuals")
+    moments = [s["opt"]["state"][0]["exp_avg"] for s in synced]
+    assert not torch.equal(*moments)        # the two ranks' moments did differ
+
+
+def test_a_joining_worker_under_adamw_gets_rank_0s_parameters_and_state(tmp_path):
+    """Horovod's broadcast_optimizer_state initialises an empty optimizer state with a
+    step on zero gradients: AdamW's weight decay then shrank the new rank's parameters
+    *after* they were broadcast, and the ranks went on apart.  Both with compressed
+    updates (each rank's moments its own) and with compressed gradients."""
+    for spec in ("update:topk:density=0.1", "adamw:topk:density=0.1"):
+        out = tmp_path / spec.replace(":", "_")
+        out.mkdir()
+        rc, log = _elastic(out, ["localhost"], 1, WORKER, "join", spec)
+        assert rc == 0 and "JOIN_DONE 1 2" in log, log[-5000:]
+        first, new = (torch.load(out / f"joined_rank{r}.pt") for r in (0, 1))
+        assert first["step"] == new["step"] > 5
+        _equal(new["model"], first["model"], f"{spec}: parameters at the first joint step")
+        _equal(new["opt"], first["opt"], f"{spec}: the new rank's optimizer state")
+        final = [torch.load(out / f"joined_final_rank{r}.pt") for r in (0, 1)]
+        _equal(final[0], final[1], f"{spec}: final parameters")
+
+
+def test_tensorflow_joining_worker_under_adamw_gets_rank_0s_variables(tmp_path):
+    """TensorFlow: a worker joins a run whose Keras AdamW was not built before the
+    ElasticState (the recipe does not build it); at its first step every variable, the
+    optimizer's too, is rank 0's, and the two end equal."""
+    import numpy as np
+    rc, log = _elastic(tmp_path, ["localhost"], 1, TF_WORKER, "join", "topk:density=0.1")
+    assert rc == 0 and "JOIN_DONE 1 2" in log, log[-5000:]
+    for name in ("joined", "joined_final"):
+        first, new = (pickle.loads((tmp_path / f"{name}_rank{r}.pkl").read_bytes())
+                      for r in (0, 1))
+        assert first["step"] == new["step"] and len(first["vars"]) == len(new["vars"]) > 8
+        for a, b in zip(first["vars"], new["vars"]):
+            np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_hier_is_refused_under_elastic_naming_why(tmp_path):

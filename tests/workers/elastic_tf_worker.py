@@ -2,11 +2,13 @@
 
 ``elastic SPEC``: rank 1 removes its host and dies at step DIE; rank 0 restores the
 commit (``hvd_compress.tensorflow.ElasticState``) and finishes.  ``reference SPEC FILE``:
-one process from a commit.  Files as in elastic_worker.py (numpy .npz).
+one process from a commit.  ``join SPEC``: one worker, a second joins (AdamW).  Files as
+in elastic_worker.py (pickled numpy arrays).
 """
 import os
 import pickle
 import sys
+import time
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -75,6 +77,41 @@ def elastic(spec):
     print("ELASTIC_DONE", hvd.rank(), hvd.size(), flush=True)
 
 
+def join(spec):
+    """As elastic_worker.py's ``join``, with AdamW and the optimizer *not* built first (as
+    the recipe in docs/fault-tolerance.md reads): starts alone, a second host appears at
+    step 5; every rank writes its variables at its first step in the world of 2 and at
+    the end."""
+    model, _, comp = build(spec)
+    opt = tf.keras.optimizers.AdamW(1e-2)
+    state = hctf.ElasticState(model.variables, compression=comp, optimizer=opt, step=0)
+
+    @hctf.elastic.run
+    def train(state):
+        written = False
+        while state.step < STEPS:
+            if state.step == 5 and hvd.size() == 1:
+                with open(os.environ["HOSTS_FILE"], "a") as f:
+                    f.write("127.0.0.1:1\n")
+            if hvd.size() == 2 and not written:
+                with open(f"{OUT}/joined_rank{hvd.rank()}.pkl", "wb") as f:
+                    pickle.dump(snapshot(model, opt, comp, state.step), f)
+                written = True
+            one_step(model, opt, comp, state.step)
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+            deadline = time.time() + 120
+            while hvd.size() == 1 and state.step >= 8 and time.time() < deadline:
+                time.sleep(0.5)      # wait (on a slow machine) for the new worker
+                state.commit()
+
+    train(state)
+    with open(f"{OUT}/joined_final_rank{hvd.rank()}.pkl", "wb") as f:
+        pickle.dump(snapshot(model, opt, comp, state.step), f)
+    print("JOIN_DONE", hvd.rank(), hvd.size(), flush=True)
+
+
 def reference(spec, commit_file):
     model, opt, comp = build(spec)
     opt.build(model.trainable_variables)
@@ -94,5 +131,7 @@ if __name__ == "__main__":
     tf.config.threading.set_intra_op_parallelism_threads(1)
     if sys.argv[1] == "elastic":
         elastic(sys.argv[2])
+    elif sys.argv[1] == "join":
+        join(sys.argv[2])
     else:
         reference(sys.argv[2], sys.argv[3])

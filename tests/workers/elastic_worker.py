@@ -1,13 +1,17 @@
 """Elastic Horovod with hvd_compress (tests/integration/test_elastic.py runs it).
 
-``elastic SPEC``: under ``horovodrun --host-discovery-script`` with 2 workers; rank 1
-removes its host from ``$HOSTS_FILE`` and dies at step DIE; rank 0 resets and finishes.
-Every rank writes each commit (model, optimizer, compression state) and, after a reset,
-its compression state; rank 0 writes its final parameters.
+``elastic SPEC``: under ``horovodrun --host-discovery-script`` with 2 (or 3) workers;
+rank 1 removes its host from ``$HOSTS_FILE`` and dies at step DIE; the others reset and
+finish.  Every rank writes each commit (model, optimizer, compression state, host), its
+state after the reset's restore (``reset_rank*``) and after its sync (``synced_rank*``);
+rank 0 writes its final parameters.
 
 ``join SPEC``: starts with one worker; a second host appears at step 5 and joins.
 
 ``killed SPEC``: plain ``horovodrun -np 2`` (no Elastic); rank 1 exits at step 3.
+
+``SPEC``: a compressor spec, SGD with momentum; ``adamw:X``: AdamW with ``X`` on the
+gradients; ``update:X``: AdamW with ``compressed_update=True`` and ``X``.
 
 ``refused SPEC``: building the optimizer under Elastic; prints the ValueError (``hier:``).
 
@@ -40,12 +44,19 @@ class Net(torch.nn.Module):
 
 
 def build(spec):
+    """SGD with momentum; ``adamw:SPEC``: AdamW (its default weight decay, 0.01);
+    ``update:SPEC``: AdamW with ``compressed_update=True`` (each rank its own moments,
+    the updates compressed with SPEC)."""
     torch.manual_seed(0)
     model = Net()
+    update, adamw = spec.startswith("update:"), spec.startswith(("update:", "adamw:"))
+    spec = spec.removeprefix("update:").removeprefix("adamw:")
     compression = hvd_compress.Hylo.from_model(model, min_size=64) if spec == "hylo" \
         else hvd_compress.from_spec(spec)
-    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   model.named_parameters(), compression=compression)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw else \
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = hct.DistributedOptimizer(inner, model.named_parameters(), compression=compression,
+                                   compressed_update=update)
     return model, opt
 
 
@@ -65,7 +76,8 @@ def has_state(state_dict):
 
 def snapshot(model, opt, step):
     return {"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
-            "compression": opt.compression.state_dict()}
+            "compression": opt.compression.state_dict(),
+            "host": os.environ.get("HOROVOD_HOSTNAME")}
 
 
 def elastic(spec):
@@ -80,11 +92,17 @@ def elastic(spec):
         print(f"RESET size {hvd.size()} at step {state.step}", flush=True)
     state.register_reset_callbacks([on_reset])
 
+    started, resets = hvd.size(), []
+    state.register_reset_callbacks([lambda: resets.append(state.step)])
+
     @hvd.elastic.run
     def train(state):
         while state.step < STEPS:
-            if state.step == DIE and hvd.rank() == 1 and hvd.size() == 2:
+            if state.step == DIE and hvd.rank() == 1 and hvd.size() == started:
                 leave_and_die()
+            if resets and resets[-1] is not None:     # the first step after a reset's sync
+                torch.save(snapshot(model, opt, state.step), f"{OUT}/synced_rank{hvd.rank()}.pt")
+                resets[-1] = None
             one_step(model, opt, state.step)
             opt.step()
             state.step += 1
@@ -115,8 +133,7 @@ def join(spec):
                 with open(os.environ["HOSTS_FILE"], "a") as f:
                     f.write("127.0.0.1:1\n")
             if hvd.size() == 2 and not written:
-                torch.save({"step": state.step, "compression": opt.compression.state_dict()},
-                           f"{OUT}/joined_rank{hvd.rank()}.pt")
+                torch.save(snapshot(model, opt, state.step), f"{OUT}/joined_rank{hvd.rank()}.pt")
                 written = True
             one_step(model, opt, state.step).step()
             state.step += 1
@@ -128,6 +145,7 @@ def join(spec):
                 state.commit()       # raises HostsUpdatedInterrupt once it is seen
 
     train(state)
+    torch.save(model.state_dict(), f"{OUT}/joined_final_rank{hvd.rank()}.pt")
     print("JOIN_DONE", hvd.rank(), hvd.size(), flush=True)
 
 
