@@ -24,7 +24,9 @@ handler:
 * with ``compressed_update=True`` each rank's optimizer state (AdamW's ``m_i, v_i``) is
   its own gradients' (:mod:`hvd_compress.torch.compressed_update`), like its residuals:
   ``sync`` leaves a rank that has one with its own, where Horovod's handler gives every
-  rank rank 0's; a rank that joins (no state yet) takes rank 0's.
+  rank rank 0's; a rank that joins (no state yet) takes rank 0's.  It logs the learning
+  rate measured best for the new number of ranks (``learning_rate_hint``); the
+  optimizer's own rate stays as it is (a reset callback may change it).
 * an empty optimizer state (a rank that joins; every rank at the first sync) is made by
   Horovod's ``broadcast_optimizer_state`` with a step on zero gradients, which moves the
   parameters just broadcast when the optimizer decays weights (AdamW): the new rank's
@@ -45,6 +47,7 @@ from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_regi
                                          set_handler_registry)
 
 from ..elastic import CompressionCommit
+from ..strategies.momentum import learning_rate_hint
 
 
 class CompressedOptimizerStateHandler(OptimizerStateHandler):
@@ -78,6 +81,8 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
                 p.copy_(before)
         if own is not None:
             opt.load_state_dict(own)
+        if opt._update is not None:       # the world changed: the rate measured best did
+            learning_rate_hint(opt.compression, hvd.size())
         opt.stats.lost_residual_norm += self._commit.sync()
 
 

@@ -178,6 +178,8 @@ def test_compressed_update_survivors_keep_their_own_optimizer_state(tmp_path):
     for mine in synced:
         _equal(mine["opt"], commits[mine["host"]]["opt"], f"optimizer state of {mine['host']}")
         _equal(mine["compression"], commits[mine["host"]]["compression"], "residuals")
+    # the rate measured best, logged for 3 ranks at the start and for 2 after the reset
+    assert "compressed_update=True on 3 ranks" in log and "on 2 ranks" in log, log[-3000:]
     moments = [s["opt"]["state"][0]["exp_avg"] for s in synced]
     assert not torch.equal(*moments)        # the two ranks' moments did differ
 
