@@ -9,6 +9,9 @@ for the loopback), a discovery script that prints the current ones:
         --host-discovery-script /tmp/discover.sh --gloo \\
         python examples/elastic_pytorch.py --compression topk:density=0.01 --kill-at 60
 
+AdamW with compressed updates (the configuration docs/adam-adamw.md measured best):
+``--optimizer adamw --lr 1e-3 --compressed-update``.
+
 ``--kill-at N``: rank 1 removes its host from the file named by ``--hosts`` and exits at
 step N of epoch 2, as a failed machine would; rank 0 restores the last commit (model,
 optimizer, its own error-feedback residuals) and finishes alone.  Without
@@ -39,14 +42,21 @@ def main():
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--kill-at", type=int, default=None, help="rank 1 dies at this step of epoch 2")
     p.add_argument("--hosts", default="/tmp/hosts", help="the file the discovery script prints")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="sgd: momentum 0.9; adamw: AdamW (try --lr 1e-3 --compressed-update)")
+    p.add_argument("--compressed-update", action="store_true",
+                   help="compress each rank's optimizer update, not its gradient "
+                        "(docs/adam-adamw.md); each rank keeps its own moments across resets")
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(42)
     model = Net()
-    opt = hct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
-                                   model.named_parameters(),
-                                   compression=hvd_compress.from_spec(args.compression))
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr) if args.optimizer == "adamw" \
+        else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = hct.DistributedOptimizer(inner, model.named_parameters(),
+                                   compression=hvd_compress.from_spec(args.compression),
+                                   compressed_update=args.compressed_update)
     x_all, y_all, x_test, y_test = (torch.from_numpy(a) for a in load_mnist(0, 1))
     state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=1, batch=0)
     state.register_reset_callbacks([lambda: print(

@@ -57,6 +57,7 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
     def __init__(self, optimizer):
         super().__init__(optimizer)
         self._commit = CompressionCommit(optimizer.compression, hvd, "torch")
+        self._ranks = hvd.size()        #: the world the learning-rate hint was logged for
 
     def save(self):
         super().save()
@@ -81,8 +82,9 @@ class CompressedOptimizerStateHandler(OptimizerStateHandler):
                 p.copy_(before)
         if own is not None:
             opt.load_state_dict(own)
-        if opt._update is not None:       # the world changed: the rate measured best did
-            learning_rate_hint(opt.compression, hvd.size())
+        if opt._update is not None and hvd.size() != self._ranks:   # the rate measured
+            learning_rate_hint(opt.compression, hvd.size())            # best changed too
+        self._ranks = hvd.size()
         opt.stats.lost_residual_norm += self._commit.sync()
 
 
