@@ -16,7 +16,10 @@ nothing of error feedback; :class:`ElasticState` takes its place:
   residuals;
 * ``sync`` (after every reset) broadcasts rank 0's variables and the counters that must
   agree (random-k draws, ``agg=leader``'s rotation); residuals stay per rank, a rank that
-  joins starts with none; the configuration check runs again in the new world.
+  joins starts with none; the configuration check runs again in the new world.  With
+  ``hvd_compress.keras.DistributedOptimizer(..., compressed_update=True)`` a rank that
+  has stepped keeps its own optimizer variables (its moments are its own gradients',
+  like its residuals); a rank that joins takes rank 0's.
 
 A lost worker's residual is lost with it (the part of its gradients it had not sent):
 every commit shares each rank's residual norm (one small allgather), so after a loss
@@ -65,6 +68,15 @@ class ElasticState(ObjectState):
     def _save_values(self):
         self._values = [np.array(v.numpy(), copy=True) for v in self._variables()]
 
+    def _own_optimizer_values(self):
+        """``(variable, value)`` of the optimizer to keep through ``sync``: this rank's,
+        when its optimizer runs compressed updates (its moments are its own gradients')
+        and it has stepped; else none (a rank that joins takes rank 0's)."""
+        opt = self._optimizer
+        if getattr(opt, "_hvd_update", None) is None or int(opt.iterations.numpy()) == 0:
+            return []
+        return [(v, np.array(v.numpy(), copy=True)) for v in opt.variables]
+
     def save(self):
         self._save_values()
         self._commit.save()
@@ -77,9 +89,12 @@ class ElasticState(ObjectState):
         super().restore()
 
     def sync(self):
+        own = self._own_optimizer_values()
         for i, v in enumerate(self._variables()):
             v.assign(hvd.broadcast(v.value() if hasattr(v, "value") and callable(v.value)
                                    else v, root_rank=0, name=f"hvd_compress.elastic.var{i}"))
+        for v, value in own:
+            v.assign(value)
         self._commit.sync()
         _tape._CHECKED.pop(self.compression, None)     # check the configuration again
         self._save_values()

@@ -217,6 +217,36 @@ def test_tensorflow_joining_worker_under_adamw_gets_rank_0s_variables(tmp_path):
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_tensorflow_compressed_update_survivors_keep_their_own_optimizer_variables(tmp_path):
+    """As the PyTorch test: Keras AdamW with compressed_update=True in a custom loop,
+    three workers, rank 1 dies; after the sync each survivor holds its own optimizer
+    variables and residuals from the commit, and the model's are the same on both."""
+    import numpy as np
+    hosts = ["localhost", "127.0.0.1", _third_host()]
+    rc, log = _elastic(tmp_path, hosts, 3, TF_WORKER, "update", "topk:density=0.1")
+    assert rc == 0 and "UPDATE_DONE 1 2" in log, log[-5000:]
+    load = lambda name: pickle.loads((tmp_path / f"{name}.pkl").read_bytes())  # noqa: E731
+    synced = [load(f"synced_rank{r}") for r in (0, 1)]
+    step = synced[0]["step"]
+    by_rank = [load(f"commit{step}_rank{r}") for r in (0, 1, 2)]
+    commits = {c["host"]: c for c in by_rank}
+    assert {s["host"] for s in synced} == set(hosts) - {by_rank[1]["host"]}
+    n = 4                                     # the model's variables come first
+    for a, b in zip(synced[0]["vars"][:n], synced[1]["vars"][:n]):
+        np.testing.assert_array_equal(a, b)
+    for mine in synced:
+        theirs = commits[mine["host"]]
+        assert len(mine["vars"]) == len(theirs["vars"]) > n
+        for a, b in zip(mine["vars"], theirs["vars"]):
+            np.testing.assert_array_equal(a, b, err_msg=mine["host"])
+        state, saved = mine["compression"]["state"], theirs["compression"]["state"]
+        assert set(state) == set(saved) and saved
+        for k in saved:
+            np.testing.assert_array_equal(state[k], saved[k], err_msg=k)
+    assert any(not np.array_equal(a, b) for a, b in zip(synced[0]["vars"][n:],
+                                                         synced[1]["vars"][n:]))
+
+
 def test_hier_is_refused_under_elastic_naming_why(tmp_path):
     """Horovod 0.28.1 aborts an elastic job that loses a worker while process sets exist
     (tried: 2 hosts x 2 workers, hier:topk and even flat topk with dynamic process sets,

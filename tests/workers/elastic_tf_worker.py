@@ -2,7 +2,8 @@
 
 ``elastic SPEC``: rank 1 removes its host and dies at step DIE; rank 0 restores the
 commit (``hvd_compress.tensorflow.ElasticState``) and finishes.  ``reference SPEC FILE``:
-one process from a commit.  ``join SPEC``: one worker, a second joins (AdamW).  Files as
+one process from a commit.  ``join SPEC``: one worker, a second joins (AdamW).  ``update SPEC``: 3 workers, one dies,
+Keras AdamW with ``compressed_update=True``.  Files as
 in elastic_worker.py (pickled numpy arrays).
 """
 import os
@@ -112,6 +113,49 @@ def join(spec):
     print("JOIN_DONE", hvd.rank(), hvd.size(), flush=True)
 
 
+def update(spec):
+    """``hvd_compress.keras.DistributedOptimizer(AdamW, compressed_update=True)`` in a custom
+    loop (a plain tape, ``apply_gradients``) under ``ElasticState``; 3 workers, rank 1
+    dies at DIE.  Every rank writes each commit and its state after the reset's sync,
+    with its host name."""
+    import hvd_compress.keras as hck
+    model, _, comp = build(spec)
+    opt = hck.DistributedOptimizer(tf.keras.optimizers.AdamW(1e-2), compression=comp,
+                                   compressed_update=True)
+    state = hctf.ElasticState(model.variables, compression=comp, optimizer=opt, step=0)
+    started, resets = hvd.size(), []
+    state.register_reset_callbacks([lambda: resets.append(state.step)])
+
+    def write(name):
+        with open(f"{OUT}/{name}.pkl", "wb") as f:
+            pickle.dump(dict(snapshot(model, opt, comp, state.step),
+                             host=os.environ["HOROVOD_HOSTNAME"]), f)
+
+    @hctf.elastic.run
+    def train(state):
+        while state.step < STEPS:
+            if state.step == DIE and hvd.rank() == 1 and hvd.size() == started:
+                leave_and_die()
+            if resets and resets[-1] is not None:     # the first step after a reset's sync
+                write(f"synced_rank{hvd.rank()}")
+                resets[-1] = None
+            gen = np.random.default_rng([state.step, hvd.rank()])
+            x = tf.constant(gen.standard_normal((16, 20)).astype(np.float32))
+            y = tf.constant(gen.integers(0, 10, 16))
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                    y, model(x), from_logits=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                write(f"commit{state.step}_rank{hvd.rank()}")
+                state.commit()
+
+    train(state)
+    print("UPDATE_DONE", hvd.rank(), hvd.size(), flush=True)
+
+
 def reference(spec, commit_file):
     model, opt, comp = build(spec)
     opt.build(model.trainable_variables)
@@ -133,5 +177,7 @@ if __name__ == "__main__":
         elastic(sys.argv[2])
     elif sys.argv[1] == "join":
         join(sys.argv[2])
+    elif sys.argv[1] == "update":
+        update(sys.argv[2])
     else:
         reference(sys.argv[2], sys.argv[3])
