@@ -17,7 +17,8 @@ from hvd_compress.memory import residual_norm
 WORKER = ROOT / "tests" / "workers" / "elastic_worker.py"
 TF_WORKER = ROOT / "tests" / "workers" / "elastic_tf_worker.py"
 SPECS = ["none", "topk:density=0.1", "laplace_topk:density=0.1", "twobit", "hylo",
-         "update:laplace_topk:density=0.1"]     # AdamW, compressed_update=True
+         "update:laplace_topk:density=0.1",     # AdamW, compressed_update=True
+         "momentum:topk:density=0.1"]           # AdamW, compressed_momentum=4
 
 
 def _env(tmp_path, **extra):

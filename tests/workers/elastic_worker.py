@@ -11,7 +11,8 @@ rank 0 writes its final parameters.
 ``killed SPEC``: plain ``horovodrun -np 2`` (no Elastic); rank 1 exits at step 3.
 
 ``SPEC``: a compressor spec, SGD with momentum; ``adamw:X``: AdamW with ``X`` on the
-gradients; ``update:X``: AdamW with ``compressed_update=True`` and ``X``.
+gradients; ``update:X``: AdamW with ``compressed_update=True`` and ``X``;
+``momentum:X``: AdamW, its momentum compressed with ``X`` after 4 dense steps.
 
 ``refused SPEC``: building the optimizer under Elastic; prints the ValueError (``hier:``).
 
@@ -46,17 +47,20 @@ class Net(torch.nn.Module):
 def build(spec):
     """SGD with momentum; ``adamw:SPEC``: AdamW (its default weight decay, 0.01);
     ``update:SPEC``: AdamW with ``compressed_update=True`` (each rank its own moments,
-    the updates compressed with SPEC)."""
+    the updates compressed with SPEC); ``momentum:SPEC``: AdamW with compressed momentum
+    after a 4-step dense warm-up."""
     torch.manual_seed(0)
     model = Net()
-    update, adamw = spec.startswith("update:"), spec.startswith(("update:", "adamw:"))
-    spec = spec.removeprefix("update:").removeprefix("adamw:")
+    update, momentum = spec.startswith("update:"), spec.startswith("momentum:")
+    adamw = spec.startswith(("update:", "adamw:", "momentum:"))
+    spec = spec.split(":", 1)[1] if adamw else spec
     compression = hvd_compress.Hylo.from_model(model, min_size=64) if spec == "hylo" \
         else hvd_compress.from_spec(spec)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw else \
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt = hct.DistributedOptimizer(inner, model.named_parameters(), compression=compression,
-                                   compressed_update=update)
+                                   compressed_update=update,
+                                   compressed_momentum=4 if momentum else None)
     return model, opt
 
 
