@@ -2,14 +2,13 @@
 
 ``elastic SPEC``: rank 1 removes its host and dies at step DIE; rank 0 restores the
 commit (``hvd_compress.tensorflow.ElasticState``) and finishes.  ``reference SPEC FILE``:
-one process from a commit.  ``join SPEC``: one worker, a second joins (AdamW).  ``update SPEC``: 3 workers, one dies,
-Keras AdamW with ``compressed_update=True``.  Files as
-in elastic_worker.py (pickled numpy arrays).
+one process from a commit.  ``join SPEC``: one worker, a second joins (AdamW).
+``update SPEC``: 3 workers, one dies, Keras AdamW with ``compressed_update=True``.  Files
+as in elastic_worker.py (pickled numpy arrays).
 """
 import os
 import pickle
 import sys
-import time
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -17,7 +16,7 @@ import tensorflow as tf
 
 import hvd_compress
 import hvd_compress.tensorflow as hctf
-from lost_host import leave_and_die
+from lost_host import join_step, leave_and_die
 
 STEPS, DIE, COMMIT_EVERY = 24, 11, 4
 OUT = os.environ.get("OUT_DIR", ".")
@@ -91,21 +90,13 @@ def join(spec):
     def train(state):
         written = False
         while state.step < STEPS:
-            if state.step == 5 and hvd.size() == 1:
-                with open(os.environ["HOSTS_FILE"], "a") as f:
-                    f.write("127.0.0.1:1\n")
-            if hvd.size() == 2 and not written:
-                with open(f"{OUT}/joined_rank{hvd.rank()}.pkl", "wb") as f:
-                    pickle.dump(snapshot(model, opt, comp, state.step), f)
-                written = True
-            one_step(model, opt, comp, state.step)
-            state.step += 1
-            if state.step % COMMIT_EVERY == 0:
-                state.commit()
-            deadline = time.time() + 120
-            while hvd.size() == 1 and state.step >= 8 and time.time() < deadline:
-                time.sleep(0.5)      # wait (on a slow machine) for the new worker
-                state.commit()
+            with join_step(state, hvd.size, COMMIT_EVERY):
+                if hvd.size() == 2 and not written:
+                    with open(f"{OUT}/joined_rank{hvd.rank()}.pkl", "wb") as f:
+                        pickle.dump(snapshot(model, opt, comp, state.step), f)
+                    written = True
+                one_step(model, opt, comp, state.step)
+                state.step += 1
 
     train(state)
     with open(f"{OUT}/joined_final_rank{hvd.rank()}.pkl", "wb") as f:

@@ -28,7 +28,7 @@ import torch
 
 import hvd_compress
 import hvd_compress.torch as hct
-from lost_host import leave_and_die
+from lost_host import join_step, leave_and_die
 
 STEPS, DIE, COMMIT_EVERY = 24, 11, 4
 OUT = os.environ.get("OUT_DIR", ".")
@@ -133,20 +133,13 @@ def join(spec):
     def train(state):
         written = False
         while state.step < STEPS:
-            if state.step == 5 and hvd.size() == 1:
-                with open(os.environ["HOSTS_FILE"], "a") as f:
-                    f.write("127.0.0.1:1\n")
-            if hvd.size() == 2 and not written:
-                torch.save(snapshot(model, opt, state.step), f"{OUT}/joined_rank{hvd.rank()}.pt")
-                written = True
-            one_step(model, opt, state.step).step()
-            state.step += 1
-            if state.step % COMMIT_EVERY == 0:
-                state.commit()
-            deadline = time.time() + 120
-            while hvd.size() == 1 and state.step >= 8 and time.time() < deadline:
-                time.sleep(0.5)      # wait (on a slow machine) for the new worker:
-                state.commit()       # raises HostsUpdatedInterrupt once it is seen
+            with join_step(state, hvd.size, COMMIT_EVERY):
+                if hvd.size() == 2 and not written:
+                    torch.save(snapshot(model, opt, state.step),
+                               f"{OUT}/joined_rank{hvd.rank()}.pt")
+                    written = True
+                one_step(model, opt, state.step).step()
+                state.step += 1
 
     train(state)
     torch.save(model.state_dict(), f"{OUT}/joined_final_rank{hvd.rank()}.pt")

@@ -1,4 +1,6 @@
-"""What a failed machine does in the elastic workers (no framework imported here)."""
+"""What a failed machine does, and what a joining one needs, in the elastic workers (no
+framework imported here)."""
+import contextlib
 import os
 import time
 
@@ -13,3 +15,25 @@ def leave_and_die():
         f.write("\n".join(keep) + "\n")
     time.sleep(1)
     os._exit(7)
+
+
+JOIN_AT, WAIT_FROM = 5, 8       #: the step a host is added at; alone from this one, wait
+
+
+@contextlib.contextmanager
+def join_step(state, size, commit_every):
+    """Around one step of the ``join`` workers: before it, at step JOIN_AT and alone, add
+    a second host to ``$HOSTS_FILE``; the step runs (and moves ``state.step`` on); after
+    it, commit every ``commit_every`` steps and, still alone from step
+    WAIT_FROM, commit every 0.5 s for up to 120 s (a slow machine's new worker): the
+    commit raises HostsUpdatedInterrupt once the new worker is seen."""
+    if state.step == JOIN_AT and size() == 1:
+        with open(os.environ["HOSTS_FILE"], "a") as f:
+            f.write("127.0.0.1:1\n")
+    yield
+    if state.step % commit_every == 0:
+        state.commit()
+    deadline = time.time() + 120
+    while size() == 1 and state.step >= WAIT_FROM and time.time() < deadline:
+        time.sleep(0.5)
+        state.commit()
