@@ -162,6 +162,16 @@ def _third_host():
     return name
 
 
+def _survivors(load, hosts):
+    """Of a three-worker run where rank 1 died: the two survivors' states after the sync
+    (``load("synced_rank0")``, ...), and each one's commit of that step (by host)."""
+    synced = [load(f"synced_rank{r}") for r in (0, 1)]
+    by_rank = [load(f"commit{synced[0]['step']}_rank{r}") for r in (0, 1, 2)]
+    assert {s["host"] for s in synced} == set(hosts) - {by_rank[1]["host"]}   # rank 1 left
+    commits = {c["host"]: c for c in by_rank}
+    return [(mine, commits[mine["host"]]) for mine in synced]
+
+
 def test_compressed_update_survivors_keep_their_own_optimizer_state(tmp_path):
     """Compressed updates: each rank's AdamW moments are its own gradients', like its
     residuals.  Three workers, rank 1 dies; after the reset's sync the two survivors
@@ -170,18 +180,14 @@ def test_compressed_update_survivors_keep_their_own_optimizer_state(tmp_path):
     hosts = ["localhost", "127.0.0.1", _third_host()]
     rc, log = _elastic(tmp_path, hosts, 3, WORKER, "elastic", "update:topk:density=0.1")
     assert rc == 0 and "RESET size 2" in log and "ELASTIC_DONE 1 2" in log, log[-5000:]
-    synced = [torch.load(tmp_path / f"synced_rank{r}.pt") for r in (0, 1)]
-    step = synced[0]["step"]
-    by_rank = [torch.load(tmp_path / f"commit{step}_rank{r}.pt") for r in (0, 1, 2)]
-    commits = {c["host"]: c for c in by_rank}
-    assert {s["host"] for s in synced} == set(hosts) - {by_rank[1]["host"]}   # rank 1 left
-    _equal(synced[0]["model"], synced[1]["model"], "parameters agree")
-    for mine in synced:
-        _equal(mine["opt"], commits[mine["host"]]["opt"], f"optimizer state of {mine['host']}")
-        _equal(mine["compression"], commits[mine["host"]]["compression"], "residuals")
+    pairs = _survivors(lambda name: torch.load(tmp_path / f"{name}.pt"), hosts)
+    _equal(pairs[0][0]["model"], pairs[1][0]["model"], "parameters agree")
+    for mine, commit in pairs:
+        _equal(mine["opt"], commit["opt"], f"optimizer state of {mine['host']}")
+        _equal(mine["compression"], commit["compression"], "residuals")
     # the rate measured best, logged for 3 ranks at the start and for 2 after the reset
     assert "compressed_update=True on 3 ranks" in log and "on 2 ranks" in log, log[-3000:]
-    moments = [s["opt"]["state"][0]["exp_avg"] for s in synced]
+    moments = [mine["opt"]["state"][0]["exp_avg"] for mine, _ in pairs]
     assert not torch.equal(*moments)        # the two ranks' moments did differ
 
 
@@ -226,17 +232,13 @@ def test_tensorflow_compressed_update_survivors_keep_their_own_optimizer_variabl
     hosts = ["localhost", "127.0.0.1", _third_host()]
     rc, log = _elastic(tmp_path, hosts, 3, TF_WORKER, "update", "topk:density=0.1")
     assert rc == 0 and "UPDATE_DONE 1 2" in log, log[-5000:]
-    load = lambda name: pickle.loads((tmp_path / f"{name}.pkl").read_bytes())  # noqa: E731
-    synced = [load(f"synced_rank{r}") for r in (0, 1)]
-    step = synced[0]["step"]
-    by_rank = [load(f"commit{step}_rank{r}") for r in (0, 1, 2)]
-    commits = {c["host"]: c for c in by_rank}
-    assert {s["host"] for s in synced} == set(hosts) - {by_rank[1]["host"]}
+    pairs = _survivors(lambda name: pickle.loads((tmp_path / f"{name}.pkl").read_bytes()),
+                       hosts)
+    synced = [mine for mine, _ in pairs]
     n = 4                                     # the model's variables come first
     for a, b in zip(synced[0]["vars"][:n], synced[1]["vars"][:n]):
         np.testing.assert_array_equal(a, b)
-    for mine in synced:
-        theirs = commits[mine["host"]]
+    for mine, theirs in pairs:
         assert len(mine["vars"]) == len(theirs["vars"]) > n
         for a, b in zip(mine["vars"], theirs["vars"]):
             np.testing.assert_array_equal(a, b, err_msg=mine["host"])

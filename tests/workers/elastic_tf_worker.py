@@ -29,21 +29,24 @@ def build(spec):
     return model, tf.keras.optimizers.SGD(0.05, momentum=0.9), hvd_compress.from_spec(spec)
 
 
-def one_step(model, opt, comp, step):
+def one_step(model, opt, comp, step, tape_exchanges=True):
+    """One step on this rank's batch; the gradients exchanged by DistributedGradientTape,
+    or (``tape_exchanges=False``) by ``opt`` (hvd_compress.keras.DistributedOptimizer)."""
     gen = np.random.default_rng([step, hvd.rank()])
     x = tf.constant(gen.standard_normal((16, 20)).astype(np.float32))
     y = tf.constant(gen.integers(0, 10, 16))
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
             y, model(x), from_logits=True))
-    tape = hctf.DistributedGradientTape(tape, compression=comp)
+    if tape_exchanges:
+        tape = hctf.DistributedGradientTape(tape, compression=comp)
     grads = tape.gradient(loss, model.trainable_variables)
     opt.apply_gradients(zip(grads, model.trainable_variables))
 
 
 def snapshot(model, opt, comp, step):
     return {"step": step, "vars": [v.numpy() for v in model.variables + list(opt.variables)],
-            "compression": comp.state_dict()}
+            "compression": comp.state_dict(), "host": os.environ.get("HOROVOD_HOSTNAME")}
 
 
 def elastic(spec):
@@ -114,30 +117,22 @@ def update(spec):
     opt = hck.DistributedOptimizer(tf.keras.optimizers.AdamW(1e-2), compression=comp,
                                    compressed_update=True)
     state = hctf.ElasticState(model.variables, compression=comp, optimizer=opt, step=0)
-    started, resets = hvd.size(), []
-    state.register_reset_callbacks([lambda: resets.append(state.step)])
+    started, synced = hvd.size(), [True]      #: synced[0]: written since the last reset
+    state.register_reset_callbacks([lambda: synced.__setitem__(0, False)])
 
     def write(name):
         with open(f"{OUT}/{name}.pkl", "wb") as f:
-            pickle.dump(dict(snapshot(model, opt, comp, state.step),
-                             host=os.environ["HOROVOD_HOSTNAME"]), f)
+            pickle.dump(snapshot(model, opt, comp, state.step), f)
 
     @hctf.elastic.run
     def train(state):
         while state.step < STEPS:
             if state.step == DIE and hvd.rank() == 1 and hvd.size() == started:
                 leave_and_die()
-            if resets and resets[-1] is not None:     # the first step after a reset's sync
+            if not synced[0]:                         # the first step after a reset's sync
                 write(f"synced_rank{hvd.rank()}")
-                resets[-1] = None
-            gen = np.random.default_rng([state.step, hvd.rank()])
-            x = tf.constant(gen.standard_normal((16, 20)).astype(np.float32))
-            y = tf.constant(gen.integers(0, 10, 16))
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
-                    y, model(x), from_logits=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
+                synced[0] = True
+            one_step(model, opt, comp, state.step, tape_exchanges=False)
             state.step += 1
             if state.step % COMMIT_EVERY == 0:
                 write(f"commit{state.step}_rank{hvd.rank()}")

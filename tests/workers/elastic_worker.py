@@ -91,22 +91,22 @@ def elastic(spec):
     assert opt.stats.steps == 0 and not has_state(opt.compression.state_dict())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
 
+    started, synced = hvd.size(), [True]      #: synced[0]: written since the last reset
+
     def on_reset():
         torch.save(snapshot(model, opt, state.step), f"{OUT}/reset_rank{hvd.rank()}.pt")
         print(f"RESET size {hvd.size()} at step {state.step}", flush=True)
+        synced[0] = False
     state.register_reset_callbacks([on_reset])
-
-    started, resets = hvd.size(), []
-    state.register_reset_callbacks([lambda: resets.append(state.step)])
 
     @hvd.elastic.run
     def train(state):
         while state.step < STEPS:
             if state.step == DIE and hvd.rank() == 1 and hvd.size() == started:
                 leave_and_die()
-            if resets and resets[-1] is not None:     # the first step after a reset's sync
+            if not synced[0]:                         # the first step after a reset's sync
                 torch.save(snapshot(model, opt, state.step), f"{OUT}/synced_rank{hvd.rank()}.pt")
-                resets[-1] = None
+                synced[0] = True
             one_step(model, opt, state.step)
             opt.step()
             state.step += 1
