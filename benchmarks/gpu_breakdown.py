@@ -342,16 +342,20 @@ def direct_launches(H, x, blocks, state, row):
     launcher (every argument, constexprs included, in the kernel's order), each into its
     own zeroed counts, compared (``row["direct_equal"]``); the two calls to time."""
     jit, grid = H._kernels().histogram, (blocks.starts.numel(),)
-    meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align}
+    meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align,
+            "PICK": False}
     counts = [torch.zeros(1, 16, dtype=torch.int64, device=x.device) for _ in range(2)]
 
+    def args(out):       # as histogram_select._launch_histogram passes them, without a pick
+        return (x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, blocks.counts,
+                out, out, out)
+
     def through_jit(out=counts[0]):
-        return jit[grid](x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, **meta,
-                         num_warps=H.HISTOGRAM_WARPS)
+        return jit[grid](*args(out), **meta, num_warps=H.HISTOGRAM_WARPS)
     runner = through_jit()[(grid[0], 1, 1)]
 
     def direct(out=counts[1]):
-        runner(x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, *meta.values())
+        runner(*args(out), *meta.values())
     direct()
     row["direct_equal"] = bool(torch.equal(*counts))
     return [("jit_dispatch_us", through_jit), ("compiled_launcher_us", direct)]

@@ -294,9 +294,10 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, de
     the groups on the host: no synchronisation where ``lengths`` are given or a group is
     one code (8 and 16 bits), else one.  ``decoded``: a float32 tensor of ``x``'s size
     (``x`` itself, if it is contiguous float32) that the encode also fills with what
-    :func:`decode_segments` makes of the bytes, bit for bit (the sender's error feedback
-    needs no decode: no table, no launch); with ``minus``, ``x`` minus that, in float32
-    (error feedback's residual, in the same pass).  ``add``: ``x + add`` is written over
+    :func:`decode_segments` makes of the bytes, bit for bit but a NaN's payload, which
+    CUDA's decode makes canonical (the sender's error feedback needs no decode: no table,
+    no launch); with ``minus``, ``x`` minus that, in float32 (error feedback's residual,
+    in the same pass).  ``add``: ``x + add`` is written over
     ``x`` by the exponent pass first, and encoded (error feedback's ``c = g + r``; both
     contiguous 1-D float32)."""
     g, nb = group(1 + e + m)

@@ -147,7 +147,9 @@ def segment_ids(lengths, device=None):
 
 def segment_abs_sum_max_reference(x, lengths, seg=None):
     """float32 ``(sum|x|, max|x|)`` per segment, in torch (``index_add_`` adds in index
-    order on the CPU; ``torch.segment_reduce`` was 4x slower there, 2026-11-22).
+    order on the CPU; ``torch.segment_reduce`` was 4x slower there, 2026-11-22; on CUDA
+    its float atomics add in no fixed order, so two calls' sums may differ in the last
+    bits).
     ``seg``: the segment ids, if the caller has them."""
     a = x.reshape(-1).float().abs()
     n_seg = len(lengths) if not torch.is_tensor(lengths) else lengths.numel()

@@ -245,11 +245,16 @@ def test_approximate_compressor_on_cuda(spec, record):
 
 @pytest.mark.parametrize("spec", EXACT + APPROX)
 def test_nonfinite_gradient_same_as_cpu(spec):
-    """NaN/Inf in one rank's gradient: the sum is non-finite where it is on the CPU."""
+    """NaN/Inf in one rank's gradient: the sum is non-finite where it is on the CPU (NaN
+    where NaN and Inf where Inf, but for dct)."""
     gpu, cpu = run(spec, DEV, steps=1, nonfinite=True), run(spec, "cpu", steps=1, nonfinite=True)
     og, oc = gpu[0]["out"].cpu(), cpu[0]["out"]
-    assert torch.equal(torch.isnan(og), torch.isnan(oc)), spec
-    assert torch.equal(torch.isinf(og), torch.isinf(oc)), spec
+    if name_of(spec) == "dct":      # the inverse transform adds +-Inf products in another
+        # order: Inf on one device may be NaN (Inf - Inf) on the other (H200, 2026-11-29)
+        assert torch.equal(torch.isfinite(og), torch.isfinite(oc)), spec
+    else:
+        assert torch.equal(torch.isnan(og), torch.isnan(oc)), spec
+        assert torch.equal(torch.isinf(og), torch.isinf(oc)), spec
     if spec in EXACT:
         assert_same_bits(og, oc, spec)
     for r in range(RANKS):
@@ -283,7 +288,13 @@ def test_hylo_policy_step_on_cuda():
         kind, og = outs[DEV, name]
         _, oc = outs["cpu", name]
         if kind == "twobit":        # adaptive threshold: mean|g| summed in another order
-            differ = (og.cpu() != oc).float().mean().item()
+            # (rank r sends (r + 1) g: both ranks' codes agree, so the sum's sign is the
+            # code); the scale may differ in its last bits (H200, 2026-11-29: one ulp, so
+            # every nonzero value differed), the codes only near the threshold
+            og = og.cpu()
+            differ = (og.sign() != oc.sign()).float().mean().item()
             assert differ <= 1e-3, f"{name}: {differ:.2%} of the codes differ"
+            same = og.sign() == oc.sign()
+            torch.testing.assert_close(og[same], oc[same], rtol=1e-5, atol=0)
         else:
             assert_same_bits(og, oc, f"{name} ({kind})")

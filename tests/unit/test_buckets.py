@@ -54,7 +54,11 @@ def test_segment_abs_sum_max_adds_first(lengths, backend):
     s, m = S.segment_abs_sum_max(x, lengths, backend=backend, add=r)
     assert torch.equal(x.view(torch.int32), want.view(torch.int32))
     ws, wm = S.segment_abs_sum_max(want, lengths, backend=backend)
-    assert torch.equal(m, wm) and torch.equal(s, ws)
+    assert torch.equal(m, wm)
+    if backend == "torch" and x.is_cuda:   # the reference's index_add_: float atomics there
+        torch.testing.assert_close(s, ws, rtol=1e-5, atol=0)
+    else:
+        assert torch.equal(s, ws)
     with pytest.raises(ValueError, match="add= needs"):
         S.segment_abs_sum_max(x.half(), lengths, backend=backend, add=r)
 
@@ -140,7 +144,7 @@ def test_segment_abs_topk_drops_zeros_in_its_one_readback(monkeypatch, kind):
     if finite:
         kept, _ = torch_ops.segment_abs_topk(x, lengths, ks)
         assert torch.equal(idx.cpu(), kept.cpu()[x.cpu()[kept.cpu().long()] != 0])
-        assert len(idx) < sum(ks) and bool((x.cpu()[idx.long()] != 0).all())
+        assert len(idx) < sum(ks) and bool((x.cpu()[idx.cpu().long()] != 0).all())
 
 
 def test_segment_abs_topk_leaves_few_large_tensors_to_a_topk_each(monkeypatch):

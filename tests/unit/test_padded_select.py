@@ -182,8 +182,9 @@ def test_a_lone_tensor_compressed_padded():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_fused_search_on_its_torch_references_warns_once(monkeypatch, caplog, backend):
-    """fused=1/padded=1 where the kernels do not run (CPU tensors, the torch references):
-    one warning that it is for CUDA, once per process; none where the kernels run."""
+    """fused=1/padded=1 where the kernels do not run (CPU tensors, or CUDA tensors with
+    HVD_COMPRESS_BACKEND=torch: the torch references): one warning that it is for CUDA's
+    kernels, once per process; none where the kernels run."""
     from hvd_compress.ops.torch_ops import segments
     monkeypatch.setattr(segments, "_SAID_REFERENCE", [])
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
@@ -191,9 +192,10 @@ def test_the_fused_search_on_its_torch_references_warns_once(monkeypatch, caplog
     for spec in ("laplace_topk:density=0.01,padded=1", "laplace_topk:density=0.01,fused=1"):
         hvd_compress.from_spec(spec).compress(x, "w")
     said = [r for r in caplog.records if "torch references" in r.getMessage()]
-    if backend == "torch" and DEVICE == "cpu":
+    if backend == "torch":
         assert len(said) == 1 and said[0].levelname == "WARNING", caplog.text
-        assert "leave fused and padded unset on the CPU" in said[0].getMessage()
+        assert f"on {DEVICE} tensors" in said[0].getMessage()
+        assert "leave fused and padded unset where they do not run" in said[0].getMessage()
     else:
         assert said == [], caplog.text
 
@@ -242,7 +244,8 @@ def test_padded_dct_conserves_the_gradient_and_flags_nan(monkeypatch, backend):
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
     lay = layout([f"t{i}" for i in range(len(SIZES))], [(n,) for n in SIZES])
     c = hvd_compress.from_spec("dct:density=0.05,block=32,padded=1")
-    total_in, total_out, sizes = torch.zeros(lay.total), torch.zeros(lay.total), set()
+    total_in, total_out = (torch.zeros(lay.total, device=DEVICE) for _ in range(2))
+    sizes = set()
     for step in range(3):
         g = laplace(lay.total, seed=step)
         total_in += g

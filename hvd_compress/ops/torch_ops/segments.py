@@ -220,7 +220,8 @@ def search_start(abs_sum, abs_max, n, factor):
         logger.warning("hvd_compress: fused=1/padded=1 on %s tensors runs the fused search's "
                        "torch references, many times slower than the default search there "
                        "(55-1,400 ms against 1.9-14 ms at 1M-4M values on 2 CPU cores); it "
-                       "is for CUDA: leave fused and padded unset on the CPU",
+                       "is for CUDA's kernels: leave fused and padded unset where they do "
+                       "not run (CPU tensors, HVD_COMPRESS_BACKEND=torch)",
                        abs_sum.device.type)
     return histogram_select.search_from_fit(abs_sum, abs_max, n, factor)
 
