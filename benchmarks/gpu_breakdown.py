@@ -61,6 +61,7 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -306,7 +307,8 @@ def launch_row(args):
     histogram of 1K values, through its launcher); on CUDA also that kernel through
     Triton's JIT dispatch alone (``kernel[grid](...)``: binding, specialisation key,
     cache lookup) and through the compiled kernel's own launcher (``compiled[grid]``,
-    what a launch cache of our own would call), whose counts must equal the JIT's."""
+    what a launch cache of our own would call), whose counts must equal the JIT's; last,
+    our launcher through that cache (``HVD_COMPRESS_LAUNCH_CACHE=1``)."""
     from hvd_compress.kernels import histogram_select as H
     x = common.laplace(torch, 1000, args.device)
     blocks = H.block_table([1000], x.device)
@@ -322,7 +324,12 @@ def launch_row(args):
             calls += direct_launches(H, x, blocks, state, row)
         except Exception as e:   # noqa: BLE001 - recorded for the next GPU run to read
             row["direct_error"] = f"{type(e).__name__}: {e}"[:300]
+    # our launcher again with the launch cache (HVD_COMPRESS_LAUNCH_CACHE=1): on CUDA, a
+    # hit calls the compiled kernel's launcher (hvd_compress/kernels/_launch.py)
+    calls.append(("cached_launch_us", calls[1][1]))
+    asked = os.environ.get("HVD_COMPRESS_LAUNCH_CACHE")
     for name, fn in calls:
+        os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = "1" if name == "cached_launch_us" else "0"
         fn()
         common.sync(torch, args.device)
         t0 = time.perf_counter()
@@ -330,6 +337,9 @@ def launch_row(args):
             fn()
         row[name] = 1e6 * (time.perf_counter() - t0) / n
         common.sync(torch, args.device)
+    os.environ.pop("HVD_COMPRESS_LAUNCH_CACHE")
+    if asked is not None:
+        os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = asked
     print("launch: " + ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f} us" for k, v in row.items()
                                  if k.endswith("_us")) + (f"; {row['direct_error']}"
                                                           if "direct_error" in row else ""),
@@ -341,7 +351,7 @@ def direct_launches(H, x, blocks, state, row):
     """The histogram kernel issued by Triton's JIT dispatch and by its compiled kernel's
     launcher (every argument, constexprs included, in the kernel's order), each into its
     own zeroed counts, compared (``row["direct_equal"]``); the two calls to time."""
-    jit, grid = H._kernels().histogram, (blocks.starts.numel(),)
+    jit, grid = H._kernels().histogram.jit, (blocks.starts.numel(),)   # not the cache's
     meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align,
             "PICK": False}
     counts = [torch.zeros(1, 16, dtype=torch.int64, device=x.device) for _ in range(2)]

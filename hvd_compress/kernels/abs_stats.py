@@ -11,6 +11,7 @@ import functools
 import torch
 
 from ._backend import chunks, count_launch, pick_backend
+from ._launch import cached
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,7 +28,7 @@ def _kernels():
         tl.store(part_sum_ptr + pid, tl.sum(a, axis=0))
         tl.store(part_max_ptr + pid, tl.max(a, axis=0))
 
-    return triton, _abs_sum_max_kernel
+    return triton, cached(_abs_sum_max_kernel)
 
 
 def abs_sum_max_reference(x):

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 from .histogram_select import FINITE, HI, LO, QUOTA, _entry_segments, _magnitude_bits, _whole
 from .segmented import check_flat32
 
@@ -151,7 +152,7 @@ def _kernels():
         finite = tl.load(state_ptr + 6 * T)
         tl.store(result_ptr + two, tl.where(two == 0, carry, 1 - finite if BAD else finite))
 
-    return types.SimpleNamespace(band=_band_kernel, offsets=_offsets_kernel)
+    return types.SimpleNamespace(band=cached(_band_kernel), offsets=cached(_offsets_kernel))
 
 
 class Slots(NamedTuple):

@@ -17,6 +17,7 @@ import torch
 import numpy as np
 
 from ._backend import chunks, count_launch, pick_backend
+from ._launch import cached
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +60,7 @@ def _kernels():
         tl.store(values_ptr + out + pos, x, mask=sel)
         tl.store(indices_ptr + out + pos, (start + local).to(tl.int32), mask=sel)
 
-    return triton, _block_count_kernel, _compact_kernel
+    return triton, cached(_block_count_kernel), cached(_compact_kernel)
 
 
 NUMPY_CHUNK = 1 << 16   #: values per numpy step on the CPU (256 KiB of float32: in L2)

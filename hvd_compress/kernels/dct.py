@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 
 BLOCKS = (32, 64, 128, 256, 512, 1024)
 #: on the CPU, blocks of at least this many values are transformed through a real FFT
@@ -102,7 +103,7 @@ def _kernels():
             pos = src[:, None] + rn[None, :]
             tl.store(out_ptr + pos, acc, mask=row_ok[:, None] & (pos < stop[:, None]))
 
-    return triton, _matmul_kernel, _segment_matmul_kernel
+    return triton, cached(_matmul_kernel), cached(_segment_matmul_kernel)
 
 
 def check_block(block):

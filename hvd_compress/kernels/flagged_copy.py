@@ -16,6 +16,7 @@ import functools
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 
 BLOCK = 4096
 
@@ -35,7 +36,7 @@ def _kernels():
         keep = (offs < n) & (tl.zeros([BLOCK], dtype=tl.int32) + flag != 0)   # a block mask
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=keep), mask=keep)
 
-    return triton, _copy_if_flagged_kernel
+    return triton, cached(_copy_if_flagged_kernel)
 
 
 def copy_if_flagged_reference(dst, src, flags):

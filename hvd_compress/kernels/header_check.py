@@ -27,6 +27,7 @@ import functools
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 
 HB = 1024   #: headers one loop step of the program takes
 WIDTHS = (torch.int32, torch.int64)   #: header dtypes the kernel reads as they are
@@ -75,7 +76,7 @@ def _kernels():
         got = tl.where(col == 3, lo, tl.where(col == 4, hi, got))
         tl.store(out_ptr + col, got, mask=col < 5)
 
-    return triton, _header_stats_kernel
+    return triton, cached(_header_stats_kernel)
 
 
 def header_stats_reference(emax, counts, g, nb, want=None, bounds=None, sizes=None):

@@ -52,6 +52,7 @@ import types
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 
 
@@ -196,8 +197,8 @@ def _kernels():
                      ROW: tl.constexpr):
         _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, tl.program_id(0), BINS, ROW)
 
-    return types.SimpleNamespace(histogram=_histogram_kernel, pick=_pick_kernel,
-                                 start=_start_kernel)
+    return types.SimpleNamespace(histogram=cached(_histogram_kernel), pick=cached(_pick_kernel),
+                                 start=cached(_start_kernel))
 
 
 def _magnitude_bits(x):

@@ -23,6 +23,7 @@ import functools
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 from .segmented import word_table
 
 PER_BYTE = 8
@@ -75,7 +76,7 @@ def _kernels():
             scale_at += 2 * segments
         tl.store(out_ptr + tl.multiple_of(tl.load(xoff_ptr + s), ALIGN) + local, acc, mask=valid)
 
-    return triton, _pack_kernel, _decode_kernel
+    return triton, cached(_pack_kernel), cached(_decode_kernel)
 
 
 def _bits(codes, n):

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 from .rangefloat import decode_reference, encode_reference, group, max_exponent
 
 
@@ -183,7 +184,7 @@ def _kernels():
         idx = start + grp[:, None] * G + lane[None, :]
         tl.store(out_ptr + idx, acc, mask=(idx < stop) & (idx >= 0) & (idx < n))
 
-    return triton, _exponent_kernel, _encode_kernel, _decode_kernel
+    return triton, cached(_exponent_kernel), cached(_encode_kernel), cached(_decode_kernel)
 
 
 BLOCK = 1024       #: values per program (a multiple of every group size: 1, 2 or 4)

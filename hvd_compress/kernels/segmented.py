@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,8 +129,9 @@ def _kernels():
         tl.store(stops_ptr + b, stops, mask=m)
         tl.store(segs_ptr + b, s, mask=m)
 
-    return (triton, _block_abs_sum_max_kernel, _segment_count_above_kernel, _table_scan_kernel,
-            _table_blocks_kernel, _block_sign_sums_kernel)
+    return (triton, *map(cached, (_block_abs_sum_max_kernel, _segment_count_above_kernel,
+                                  _table_scan_kernel, _table_blocks_kernel,
+                                  _block_sign_sums_kernel)))
 
 
 def _lengths(lengths, device):

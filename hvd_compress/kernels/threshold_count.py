@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 from .compact import abs_above_cpu
 
 
@@ -37,7 +38,7 @@ def _kernels():
         tl.atomic_add(counts_ptr + tl.arange(0, T), tl.sum(above.to(tl.int32), axis=1).to(tl.int64),
                       sem="relaxed")
 
-    return triton, _count_above_kernel
+    return triton, cached(_count_above_kernel)
 
 
 def count_above_reference(x, thresholds):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ._backend import chunks, count_launch, pick_backend
+from ._launch import cached
 
 PER_WORD = 16
 
@@ -50,7 +51,7 @@ def _kernels():
         idx = w[:, None] * 16 + lane[None, :]
         tl.store(out_ptr + idx, sign, mask=(w < n_words)[:, None])
 
-    return triton, _pack_kernel, _unpack_kernel
+    return triton, cached(_pack_kernel), cached(_unpack_kernel)
 
 
 def _shifts(device):

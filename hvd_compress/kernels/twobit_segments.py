@@ -23,6 +23,7 @@ import functools
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 from .twobit import PER_WORD, pack_reference, unpack_reference
 
 
@@ -117,7 +118,8 @@ def _kernels():
         q = tl.where(x >= t, tq, tl.where(x <= -t, -tq, 0.0))
         tl.store(ptrs, (x - q).to(raw.dtype), mask=valid)
 
-    return triton, _pack_segments_kernel, _decode_segments_kernel, _subtract_segments_kernel
+    return (triton, cached(_pack_segments_kernel), cached(_decode_segments_kernel),
+            cached(_subtract_segments_kernel))
 
 
 def _segment_table(lengths, device, block_words):

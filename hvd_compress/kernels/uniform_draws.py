@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._launch import cached
 from .segmented import block_table
 
 BLOCK = 4096
@@ -84,7 +85,7 @@ def _kernels():
                 key = key | (x >> 11).to(tl.int64)
         tl.store(out_ptr + offs, key, mask=m)
 
-    return triton, _uniform_kernel, _keys_kernel
+    return triton, cached(_uniform_kernel), cached(_keys_kernel)
 
 
 _M32 = 0xFFFFFFFF
