@@ -141,7 +141,14 @@ def cuobjdump(cubin, option):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, option, f.name], capture_output=True, text=True).stdout
+        for attempt in range(3):
+            try:
+                return subprocess.run([tool, option, f.name], capture_output=True,
+                                      text=True).stdout
+            except OSError:   # the spawn itself failed: EFAULT once in CI (2026-11-29),
+                if attempt == 2:                   # from the report's worker threads
+                    raise
+                time.sleep(0.5)
 
 
 def resource_usage(cubin):
