@@ -124,8 +124,10 @@ class CachedKernel:
         return positional, named
 
     def launch(self, grid, *args, **kwargs):
+        if not enabled():                   # the default: no scan of the arguments either
+            return self.jit[grid](*args, **kwargs)
         first = next((a for a in args if hasattr(a, "is_cuda")), None)
-        if first is None or not first.is_cuda or not enabled() or not _supported_triton():
+        if first is None or not first.is_cuda or not _supported_triton():
             return self.jit[grid](*args, **kwargs)
         key = (first.device.index, self.key(args, kwargs))
         compiled = self.compiled.get(key)

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import hvd_compress
 import hvd_compress.tensorflow as hctf
-from lost_host import join_step, leave_and_die
+from lost_host import LostWorker, join_step, leave_and_die
 
 STEPS, DIE, COMMIT_EVERY = 24, 11, 4
 OUT = os.environ.get("OUT_DIR", ".")
@@ -117,21 +117,16 @@ def update(spec):
     opt = hck.DistributedOptimizer(tf.keras.optimizers.AdamW(1e-2), compression=comp,
                                    compressed_update=True)
     state = hctf.ElasticState(model.variables, compression=comp, optimizer=opt, step=0)
-    started, synced = hvd.size(), [True]      #: synced[0]: written since the last reset
-    state.register_reset_callbacks([lambda: synced.__setitem__(0, False)])
-
     def write(name):
         with open(f"{OUT}/{name}.pkl", "wb") as f:
             pickle.dump(snapshot(model, opt, comp, state.step), f)
+    lost = LostWorker(DIE, hvd.rank, hvd.size, lambda: write(f"synced_rank{hvd.rank()}"))
+    state.register_reset_callbacks([lost.on_reset])
 
     @hctf.elastic.run
     def train(state):
         while state.step < STEPS:
-            if state.step == DIE and hvd.rank() == 1 and hvd.size() == started:
-                leave_and_die()
-            if not synced[0]:                         # the first step after a reset's sync
-                write(f"synced_rank{hvd.rank()}")
-                synced[0] = True
+            lost.before_step(state.step)
             one_step(model, opt, comp, state.step, tape_exchanges=False)
             state.step += 1
             if state.step % COMMIT_EVERY == 0:

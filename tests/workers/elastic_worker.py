@@ -28,7 +28,7 @@ import torch
 
 import hvd_compress
 import hvd_compress.torch as hct
-from lost_host import join_step, leave_and_die
+from lost_host import LostWorker, join_step
 
 STEPS, DIE, COMMIT_EVERY = 24, 11, 4
 OUT = os.environ.get("OUT_DIR", ".")
@@ -91,22 +91,20 @@ def elastic(spec):
     assert opt.stats.steps == 0 and not has_state(opt.compression.state_dict())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
 
-    started, synced = hvd.size(), [True]      #: synced[0]: written since the last reset
+    def save(name):
+        torch.save(snapshot(model, opt, state.step), f"{OUT}/{name}_rank{hvd.rank()}.pt")
+    lost = LostWorker(DIE, hvd.rank, hvd.size, lambda: save("synced"))
 
     def on_reset():
-        torch.save(snapshot(model, opt, state.step), f"{OUT}/reset_rank{hvd.rank()}.pt")
+        save("reset")
         print(f"RESET size {hvd.size()} at step {state.step}", flush=True)
-        synced[0] = False
+        lost.on_reset()
     state.register_reset_callbacks([on_reset])
 
     @hvd.elastic.run
     def train(state):
         while state.step < STEPS:
-            if state.step == DIE and hvd.rank() == 1 and hvd.size() == started:
-                leave_and_die()
-            if not synced[0]:                         # the first step after a reset's sync
-                torch.save(snapshot(model, opt, state.step), f"{OUT}/synced_rank{hvd.rank()}.pt")
-                synced[0] = True
+            lost.before_step(state.step)
             one_step(model, opt, state.step)
             opt.step()
             state.step += 1

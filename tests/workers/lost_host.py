@@ -17,6 +17,29 @@ def leave_and_die():
     os._exit(7)
 
 
+class LostWorker:
+    """The part of a ``lost`` worker's loop around each step, for either framework:
+    :meth:`before_step` makes rank 1 leave and die at step ``die`` while every worker
+    that started is there, and, at the first step after a reset's sync, calls
+    ``write_synced()`` (the state each rank synced to); :meth:`on_reset` (a reset
+    callback, or called from one) marks the next step as that first step.  ``rank`` and
+    ``size``: the framework's ``hvd.rank`` and ``hvd.size``."""
+
+    def __init__(self, die, rank, size, write_synced):
+        self.die, self.rank, self.size, self.write_synced = die, rank, size, write_synced
+        self.started, self.synced = size(), True
+
+    def on_reset(self):
+        self.synced = False
+
+    def before_step(self, step):
+        if step == self.die and self.rank() == 1 and self.size() == self.started:
+            leave_and_die()
+        if not self.synced:                          # the first step after a reset's sync
+            self.write_synced()
+            self.synced = True
+
+
 JOIN_AT, WAIT_FROM = 5, 8       #: the step a host is added at; alone from this one, wait
 
 
