@@ -35,6 +35,10 @@ What is measured, per model (no Horovod, no network):
   ring moves it among ``--ranks`` ranks: allreduce 2 (P-1)/P of the payload, allgather
   P-1 payloads).  Codec times are the 2-rank ones at any ``--ranks``.
 
+- ``<spec>+graphs``: ``<spec>`` with ``HVD_COMPRESS_CUDA_GRAPHS=1`` (its bucket compress
+  replayed from CUDA graphs, hvd_compress/compressors/replay.py), the steps run twice,
+  the first pass a warm-up; the row's ``replay`` holds the graphs captured, the
+  compresses replayed and run eagerly, the buckets turned off.
 - in-step (``gpu_step_exchange.py``, ``--no-inline`` to skip): a backward with the exchanges
   launched from its hooks against a plain one; ``inline_codec_ms``: what the codec adds.
 
@@ -55,6 +59,7 @@ import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -73,6 +78,7 @@ models_ = common.sibling("gpu_step_models")     # (in sys.modules by that name: 
 build, loss_of = models_.build, models_.loss_of
 exchange_ = common.sibling("gpu_step_exchange")
 
+GRAPHS = "+graphs"        #: a spec's suffix: compress replayed from CUDA graphs (below)
 SPECS = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
          "laplace_topk:density=0.01,values=rangefloat8", "dct:density=0.01", "twobit",
          "powersgd:rank=4"]
@@ -80,7 +86,33 @@ if "fused" in LaplaceTopK.params():          # the fused CUDA path, where this t
     SPECS.insert(4, "laplace_topk:density=0.01,fused=1")
 if "padded" in LaplaceTopK.params():         # ... and its payload of fixed size (no sync)
     SPECS.insert(5, "laplace_topk:density=0.01,padded=1")
+try:                                         # replayed from CUDA graphs, where it can be
+    from hvd_compress.compressors import replay  # noqa: E402
+    SPECS[-1:-1] = [f"{s}{GRAPHS}" for s in ("laplace_topk:density=0.01,padded=1", "twobit")
+                    if s in SPECS]
+except ImportError:
+    replay = None
 TARGET = "laplace_topk:density=0.01"          # issue 26: codec <= 10% of GPT-2's backward
+
+
+def replayed(spec):
+    """``(spec, graphs)``: a spec ending in ``+graphs`` is that spec with
+    ``HVD_COMPRESS_CUDA_GRAPHS=1`` (its bucket compress replayed from CUDA graphs)."""
+    return (spec[:-len(GRAPHS)], True) if spec.endswith(GRAPHS) else (spec, False)
+
+
+@contextlib.contextmanager
+def graphs_env(on):
+    """``HVD_COMPRESS_CUDA_GRAPHS`` set to ``on`` inside the block, restored after."""
+    old = os.environ.get("HVD_COMPRESS_CUDA_GRAPHS")
+    os.environ["HVD_COMPRESS_CUDA_GRAPHS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["HVD_COMPRESS_CUDA_GRAPHS"]
+        else:
+            os.environ["HVD_COMPRESS_CUDA_GRAPHS"] = old
 
 
 # -- timing ---------------------------------------------------------------------------
@@ -246,13 +278,23 @@ def run_model(name, args, info):
     rows = []
     for spec in args.specs:
         t0 = time.perf_counter()
-        per_bucket = exchange_.exchange_buckets(spec, names, grads, clock.sync, args.bucket_mb,
-                                                args.warmup)
-        rows.append(spec_row(spec, per_bucket, ready, fwd, bwd, args))
-        r = rows[-1]
-        if args.inline:                 # the codec inside backward
-            r.update(exchange_.measure(spec, model, make, loss_of, [x[0] for x in per_bucket],
-                                     grads, args, clock, autocast))
+        real, graphs = replayed(spec)
+        # replayed: the steps twice, the first pass a warm-up (a bucket's first compress
+        # runs eagerly, the next two capture the graphs of its two buffers)
+        steps_ = grads * 2 if graphs else grads
+        run_args = argparse.Namespace(**dict(vars(args), warmup=args.warmup + len(grads) * graphs))
+        before = dict(replay.STATS) if replay else {}
+        with graphs_env(graphs):
+            per_bucket = exchange_.exchange_buckets(real, names, steps_, clock.sync,
+                                                    args.bucket_mb, run_args.warmup)
+            rows.append(spec_row(spec, per_bucket, ready, fwd, bwd, args))
+            r = rows[-1]
+            if args.inline:                 # the codec inside backward
+                r.update(exchange_.measure(real, model, make, loss_of,
+                                           [x[0] for x in per_bucket], steps_, run_args,
+                                           clock, autocast))
+        if graphs:
+            r["replay"] = {k: replay.STATS[k] - before[k] for k in before}
         log(f"  {spec:46s} {r['buckets']:4d} buckets  compress {r['compress_ms']:8.2f} ms  "
             f"decompress {r['decompress_ms']:8.2f} ms  ({r['codec_over_backward']:.1%} of backward; "
             + (f"in backward +{r['inline_codec_ms']:.2f} ms; " if "inline_codec_ms" in r else "")

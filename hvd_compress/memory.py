@@ -208,13 +208,29 @@ class ResidualMemory:
         ``parts`` if the store still holds exactly its views and it has ``like``'s dtype;
         else each residual fetched and checked, and the buffer they are views of, or
         their concatenation."""
+        known = self.bucket_buffer(parts, like)
+        if known is not None:
+            return known
+        residuals = [self._residual_n(name, n, like) for name, n in parts]
+        r = self._contiguous(residuals) if self.reuse else None
+        return self.ops.concat(residuals) if r is None else r
+
+    def bucket_buffer(self, parts, like):
+        """The one buffer the residuals of ``parts`` are consecutive views of, as
+        :meth:`_set_parts` last stored them (``reuse`` only; the store still holding
+        exactly those views, of ``like``'s dtype); else None."""
         buckets = getattr(self.store, "buckets", None) if self.reuse else None
         known = buckets.get(parts) if buckets is not None else None
         if known is not None and known[2].dtype == like.dtype and self.store.holds(*known[:2]):
             return known[2]
-        residuals = [self._residual_n(name, n, like) for name, n in parts]
-        r = self._contiguous(residuals) if self.reuse else None
-        return self.ops.concat(residuals) if r is None else r
+        return None
+
+    def take_buffer(self, parts, flat):
+        """Make the residuals of ``parts`` views of ``flat`` end to end (which holds
+        them): what :meth:`update_parts` leaves where ``c``'s buffer becomes the
+        residual; a compress replayed from a CUDA graph (:mod:`hvd_compress.compressors.replay`)
+        wrote them there without running the update's Python."""
+        self._set_parts(parts, flat)
 
     def _restored(self, new, old, finite):
         """``new``, or ``old``'s values where :class:`NonFinite` ``finite`` flags any."""

@@ -75,6 +75,17 @@ class TorchStore:
         else:
             values.pop(key, None)
 
+    def tables(self):
+        """Shallow copies of what the store holds (tensors, spares, bucket scratch), for
+        :meth:`set_tables` to put back (a failed CUDA-graph capture: compressors/replay.py)."""
+        return dict(self._tensors), dict(self._spares), dict(self.buckets)
+
+    def set_tables(self, tables):
+        """Hold what :meth:`tables` returned, again."""
+        for mine, held in zip((self._tensors, self._spares, self.buckets), tables):
+            mine.clear()
+            mine.update(held)
+
     def get(self, key, init):
         """Current value of ``key``; ``init()`` creates it the first time."""
         if key not in self._tensors:

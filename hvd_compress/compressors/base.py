@@ -42,6 +42,7 @@ import numbers
 
 from ..memory import ResidualMemory, check_residuals_of, other_residuals
 from ..ops import ops_for
+from . import replay
 from .payload import Ctx, OwnPayload, _wire, payload_bytes  # noqa: F401 (Ctx etc. live here too)
 
 REGISTRY = {}
@@ -96,6 +97,8 @@ class Compressor:
                                #: spec's (:meth:`decay_residuals`), else, once a glue has
                                #: marked the residuals, :meth:`default_ef_decay`'s
     ef_decay_given = False     #: ``ef_decay`` came from the spec (or decay_residuals)
+    replayable = False         #: :meth:`compress_bucket` may be replayed from a CUDA graph
+                               #: (``HVD_COMPRESS_CUDA_GRAPHS=1``; :mod:`.replay` says which)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -222,7 +225,17 @@ class Compressor:
         the caller's own buffer (it may be overwritten).  Only compressors with
         ``segmented = True`` take buckets of more than one tensor; decompress the
         aggregate with :meth:`decompress_bucket`.
+
+        With ``HVD_COMPRESS_CUDA_GRAPHS=1``, a ``replayable`` compressor's compress of CUDA
+        tensors is replayed from CUDA graphs (:mod:`.replay`); the payload is then the
+        graph's memory, overwritten at the next compress of the same bucket.
         """
+        if replay.wanted(self, flat):
+            return replay.compress_bucket(self, flat, layout)
+        return self.compress_bucket_eager(flat, layout)
+
+    def compress_bucket_eager(self, flat, layout):
+        """:meth:`compress_bucket`, its launches issued now (never replayed)."""
         if len(layout.names) > 1 and not self.segmented:
             raise TypeError(f"compressor {self.spec!r} compresses one tensor at a time; "
                             "it cannot take a bucket of several")

@@ -118,7 +118,7 @@ class LaplaceTopK(DensitySparsifier):
                                  "momentum= (DGC's momentum masking reads the sent indices, "
                                  "padding repeats one) or warmup_steps= (k changes each step)")
             self.fused = True
-        self.fixed_size = bool(self.padded)
+        self.fixed_size = self.replayable = bool(self.padded)   # (replay: compressors/replay.py)
 
     #: select_checked finds NaN/Inf itself where it can: the fused search in its first
     #: pass; CPU tensors below ``small`` among their k largest ``|g|``

@@ -154,6 +154,7 @@ class TwoBit(CodesAndScales):
 
     name = "twobit"
     biased = True
+    replayable = True          #: deterministic, no host synchronisation (compressors/replay.py)
 
     def __init__(self, ef=None, threshold=None, scale=1.0):
         super().__init__(ef=ef)

@@ -167,6 +167,7 @@ class RangeFloat(Compressor):
     segmented = True      #: a bucket: an exponent range per tensor (encode_segments)
     finds_nonfinite = True  #: where the bucket kernels run: E = 128 in a header; else a check
     fixed_size = True     #: every value coded, a header per tensor
+    replayable = True     #: deterministic, no host synchronisation (compressors/replay.py)
 
     def __init__(self, bits=8, ef=None, exp_bits=None):
         super().__init__(ef=ef)

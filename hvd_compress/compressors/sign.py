@@ -33,6 +33,7 @@ class OneBit(CodesAndScales):
 
     name = "onebit"
     biased = True
+    replayable = True          #: deterministic, no host synchronisation (compressors/replay.py)
 
     def sizes(self, n):
         return -(-n // 8), 2
