@@ -36,8 +36,10 @@ input, so a bucket's steps alternate between two graphs.
 - A hit replays the graph, then makes the residuals views of the input
   (:meth:`~hvd_compress.memory.ResidualMemory.take_buffer`), as the eager compress
   would have.
-- A bucket keeps at most :data:`MAX_GRAPHS` graphs; one whose buffers keep moving
-  stops being captured (logged) and runs eagerly.
+- A bucket keeps at most :data:`MAX_GRAPHS` graphs (the least recently replayed goes:
+  a restored checkpoint's residuals are at new addresses); one whose buffers are at new
+  addresses :data:`MAX_GRAPHS` compresses in a row stops being captured (logged) and
+  runs eagerly.
 
 The payload returned is the graph's own memory: the next replay of the same graph
 overwrites it, so it must have been sent (as every exchange does within its step)
@@ -54,8 +56,9 @@ logger = logging.getLogger("hvd_compress")
 
 ENV_VAR = "HVD_COMPRESS_CUDA_GRAPHS"
 
-#: graphs a bucket may keep: the two the swapping buffers need, and two more for an
-#: allocator that hands out another block now and then
+#: graphs a bucket may keep, and captures in a row after which it gives up: the two the
+#: swapping buffers need, and two more for an allocator that hands out another block now
+#: and then
 MAX_GRAPHS = 4
 
 #: eager compresses in a row after which a bucket whose residuals are still not one
@@ -85,8 +88,9 @@ class _Bucket:
     """What a compressor keeps for one bucket: its graphs by the addresses they read."""
 
     def __init__(self):
-        self.graphs = {}      # (input address, residual address) -> (replay, payload, ctx)
-        self.calls = 0
+        self.graphs = {}      # (input address, residual address) -> (replay, payload, ctx),
+        self.calls = 0        # least recently replayed first
+        self.misses = 0       # captures since the last replay of a graph it had
         self.unbuffered = 0   # compresses in a row whose residuals were not one buffer
         self.off = None       # why the bucket runs eagerly for good, or None
 
@@ -118,19 +122,24 @@ def compress_bucket(c, flat, layout, capture=None):
         return c.compress_bucket_eager(flat, layout)
     b.unbuffered = 0
     key = (flat.data_ptr(), 0 if residual is None else residual.data_ptr())
-    hit = b.graphs.get(key)
+    hit = b.graphs.pop(key, None)
     if hit is None:
-        if len(b.graphs) >= MAX_GRAPHS:
-            return _turn_off(c, b, layout, f"its buffers took more than {MAX_GRAPHS} "
-                             "addresses", flat)
-        hit = _capture(c, b, flat, layout, capture or cuda_capture)
+        b.misses += 1
+        if b.misses > MAX_GRAPHS:
+            return _turn_off(c, b, layout, f"its buffers were at new addresses {MAX_GRAPHS} "
+                             "times in a row", flat)
+        hit = _capture(c, b, flat, layout, capture or _on_device(cuda_capture, flat.device))
         if hit is None:
             STATS["eager"] += 1
             return c.compress_bucket_eager(flat, layout)
-        b.graphs[key] = hit
+        if len(b.graphs) >= MAX_GRAPHS:
+            del b.graphs[next(iter(b.graphs))]    # the least recently replayed
         STATS["captured"] += 1
-    elif memory is not None:
-        memory.take_buffer(parts, flat)
+    else:
+        b.misses = 0
+        if memory is not None:
+            memory.take_buffer(parts, flat)
+    b.graphs[key] = hit                            # (last: the most recently replayed)
     replay, payload, ctx = hit
     replay()
     STATS["replayed"] += 1
@@ -198,3 +207,12 @@ def cuda_capture(fn):
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
     return graph.replay, out
+
+
+def _on_device(capture, device):
+    """``capture`` with ``device`` current (a process may hold tensors of several GPUs)."""
+    def run(fn):
+        import torch
+        with torch.cuda.device(device):
+            return capture(fn)
+    return run

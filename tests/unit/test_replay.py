@@ -94,10 +94,12 @@ def run(spec, steps=6, moving=False, capture=None, restore_at=None):
         standin = standin(replayed, buffers)
     out = []
     for step in range(steps):
-        if restore_at == step:
+        if step in (restore_at if isinstance(restore_at, tuple) else (restore_at,)):
             saved = eager.state_dict()
             eager.load_state_dict(saved)
             replayed.load_state_dict(saved)
+            held += buffers                        # the input's buffers move too
+            buffers[:] = [torch.empty(LAY.total), torch.empty(LAY.total)]
         g = grad(step)
         if moving:
             flat = g.clone()
@@ -165,7 +167,7 @@ def test_buffers_that_keep_moving_turn_replay_off(stats, caplog):
     assert standin.captures == replay.MAX_GRAPHS and stats["off"] == 1
     assert [r.getMessage() for r in caplog.records].count(
         next(r.getMessage() for r in caplog.records if "eagerly from now on" in r.getMessage())) == 1
-    assert f"more than {replay.MAX_GRAPHS} addresses" in caplog.text
+    assert f"new addresses {replay.MAX_GRAPHS} times in a row" in caplog.text
 
 
 class Failing(StandIn):
@@ -212,6 +214,17 @@ def test_a_compress_that_keeps_its_residuals_elsewhere_is_not_replayed(stats, ca
     assert "does not keep the residuals in one bucket buffer" in caplog.text
     assert "the compress replaced state it keeps on the host" in replay.host_effects(
         c, before, LAY, flat)
+
+
+def test_restored_checkpoints_replace_the_least_recently_replayed_graphs(stats):
+    """Three restores, each followed by two captures (new residual addresses): the bucket
+    keeps MAX_GRAPHS graphs, the oldest dropped, and is never turned off."""
+    out, eager, replayed, standin = run("twobit", steps=15, restore_at=(4, 8, 12))
+    assert all(same_bits(m, t) for m, t in out)
+    same_state(eager, replayed)
+    assert stats["off"] == 0 and stats["eager"] == 4 and stats["captured"] == 8
+    bucket, = replayed._replay_buckets.values()
+    assert len(bucket.graphs) == replay.MAX_GRAPHS
 
 
 def test_a_restored_checkpoint_runs_eagerly_once_then_replays(stats):
