@@ -190,7 +190,8 @@ def host_effects(c, before, layout, flat):
                      if now.get(k) is not tensors.get(k) and k not in residual_keys)
     if changed or now_spares.keys() != spares.keys() or any(
             now_spares[k] is not spares[k] for k in spares):
-        return f"the compress replaced state it keeps on the host ({', '.join(changed[:4]) or 'spares'})"
+        return ("the compress replaced state it keeps on the host "
+                f"({', '.join(changed[:4]) or 'spares'})")
     if c.ef:
         buffer = c.error_feedback(c._ops).bucket_buffer(_parts(layout), flat)
         if buffer is None or buffer.data_ptr() != flat.data_ptr():

@@ -50,6 +50,22 @@ def assert_same_bits(a, b, what=""):
                              f"{b.reshape(-1)[i].item()!r}")
 
 
+def assert_same_steps(spec, sizes, want, got):
+    """Two runs of a bucket's steps, each step ``(payload tensors, decompressed sum,
+    residual of each tensor of ``sizes`` or None, ...)``, hold the same bits."""
+    for step, (a_step, b_step) in enumerate(zip(want, got)):
+        (pa, ta, ra), (pb, tb, rb) = a_step[:3], b_step[:3]
+        what = f"{spec} step {step}"
+        assert len(pa) == len(pb), what
+        for i, (a, b) in enumerate(zip(pa, pb)):
+            assert_same_bits(a, b, f"{what}: payload[{i}]")
+        assert_same_bits(ta, tb, f"{what}: decompressed")
+        for n, a, b in zip(sizes, ra, rb):
+            assert (a is None) == (b is None), f"{what}: residual of the {n}-value tensor"
+            if a is not None:
+                assert_same_bits(a, b, f"{what}: residual of the {n}-value tensor")
+
+
 def laplace(n, seed=0, device="cpu", dtype=torch.float32):
     """Laplace(0, 1) samples made on the CPU (same values whatever the device)."""
     g = torch.Generator().manual_seed(seed)

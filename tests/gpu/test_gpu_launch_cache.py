@@ -9,7 +9,7 @@ import torch
 import hvd_compress
 from hvd_compress.buckets import layout
 from hvd_compress.kernels import _launch
-from gpu_helpers import DEV, GPU, assert_same_bits, laplace
+from gpu_helpers import DEV, GPU, assert_same_steps, laplace
 
 pytestmark = GPU
 
@@ -46,15 +46,7 @@ def test_the_launch_cache_gives_the_bits_of_tritons_dispatch(spec, monkeypatch):
     plain = steps(spec, False, monkeypatch)
     before = dict(_launch.STATS)
     through = steps(spec, True, monkeypatch)
-    for step, ((pp, tp, rp), (pc, tc, rc)) in enumerate(zip(plain, through)):
-        what = f"{spec} step {step}"
-        assert len(pp) == len(pc), what
-        for i, (a, b) in enumerate(zip(pp, pc)):
-            assert_same_bits(a, b, f"{what}: payload[{i}]")
-        assert_same_bits(tp, tc, f"{what}: decompressed")
-        for name, a, b in zip(SIZES, rp, rc):
-            if a is not None or b is not None:
-                assert_same_bits(a, b, f"{what}: residual of the {name}-value tensor")
+    assert_same_steps(spec, SIZES, plain, through)
     hits = _launch.STATS["hits"] - before["hits"]
     if DEV == "cuda":
         assert hits > 0, f"{spec}: no launch went through the cache ({_launch.STATS})"
