@@ -35,10 +35,12 @@ What is measured, per model (no Horovod, no network):
   ring moves it among ``--ranks`` ranks: allreduce 2 (P-1)/P of the payload, allgather
   P-1 payloads).  Codec times are the 2-rank ones at any ``--ranks``.
 
-- ``<spec>+graphs``: ``<spec>`` with ``HVD_COMPRESS_CUDA_GRAPHS=1`` (its bucket compress
-  replayed from CUDA graphs, hvd_compress/compressors/replay.py), the steps run twice,
-  the first pass a warm-up; the row's ``replay`` holds the graphs captured, the
-  compresses replayed and run eagerly, the buckets turned off.
+- variants, a spec's suffixes (``VARIANTS``, combinable): ``+graphs``,
+  ``HVD_COMPRESS_CUDA_GRAPHS=1`` (its bucket compress replayed from CUDA graphs,
+  hvd_compress/compressors/replay.py; the steps run twice, the first pass a warm-up; the
+  row's ``replay`` holds the graphs captured, the compresses replayed and run eagerly,
+  the buckets turned off); ``+cache``, ``HVD_COMPRESS_LAUNCH_CACHE=1``; ``+aten``,
+  ``HVD_COMPRESS_BACKEND=torch`` (the torch references on CUDA tensors, no kernels).
 - in-step (``gpu_step_exchange.py``, ``--no-inline`` to skip): a backward with the exchanges
   launched from its hooks against a plain one; ``inline_codec_ms``: what the codec adds.
 
@@ -78,7 +80,10 @@ models_ = common.sibling("gpu_step_models")     # (in sys.modules by that name: 
 build, loss_of = models_.build, models_.loss_of
 exchange_ = common.sibling("gpu_step_exchange")
 
-GRAPHS = "+graphs"        #: a spec's suffix: compress replayed from CUDA graphs (below)
+#: a spec's suffixes: the library's settings for that row (combinable, ``twobit+graphs+cache``)
+VARIANTS = {"+graphs": ("HVD_COMPRESS_CUDA_GRAPHS", "1"),    # compress replayed from graphs
+            "+cache": ("HVD_COMPRESS_LAUNCH_CACHE", "1"),    # Triton's dispatch skipped
+            "+aten": ("HVD_COMPRESS_BACKEND", "torch")}      # the torch references on CUDA
 SPECS = ["none", "fp16", "topk:density=0.01", "laplace_topk:density=0.01",
          "laplace_topk:density=0.01,values=rangefloat8", "dct:density=0.01", "twobit",
          "powersgd:rank=4"]
@@ -88,31 +93,38 @@ if "padded" in LaplaceTopK.params():         # ... and its payload of fixed size
     SPECS.insert(5, "laplace_topk:density=0.01,padded=1")
 try:                                         # replayed from CUDA graphs, where it can be
     from hvd_compress.compressors import replay  # noqa: E402
-    SPECS[-1:-1] = [f"{s}{GRAPHS}" for s in ("laplace_topk:density=0.01,padded=1", "twobit")
-                    if s in SPECS]
+    SPECS[-1:-1] = [s + v for s in ("laplace_topk:density=0.01,padded=1", "twobit") if s in SPECS
+                    for v in ("+graphs", "+cache")] + ["twobit+aten"]
 except ImportError:
     replay = None
 TARGET = "laplace_topk:density=0.01"          # issue 26: codec <= 10% of GPT-2's backward
 
 
-def replayed(spec):
-    """``(spec, graphs)``: a spec ending in ``+graphs`` is that spec with
-    ``HVD_COMPRESS_CUDA_GRAPHS=1`` (its bucket compress replayed from CUDA graphs)."""
-    return (spec[:-len(GRAPHS)], True) if spec.endswith(GRAPHS) else (spec, False)
+def variant(spec):
+    """``(spec, settings)``: the spec without its suffixes (:data:`VARIANTS`), and the
+    environment settings they stand for."""
+    settings = {}
+    while True:
+        suffix = next((v for v in VARIANTS if spec.endswith(v)), None)
+        if suffix is None:
+            return spec, settings
+        spec = spec[:-len(suffix)]
+        settings.setdefault(*VARIANTS[suffix])
 
 
 @contextlib.contextmanager
-def graphs_env(on):
-    """``HVD_COMPRESS_CUDA_GRAPHS`` set to ``on`` inside the block, restored after."""
-    old = os.environ.get("HVD_COMPRESS_CUDA_GRAPHS")
-    os.environ["HVD_COMPRESS_CUDA_GRAPHS"] = "1" if on else "0"
+def environment(settings):
+    """``os.environ`` with ``settings`` inside the block; put back after."""
+    old = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["HVD_COMPRESS_CUDA_GRAPHS"]
-        else:
-            os.environ["HVD_COMPRESS_CUDA_GRAPHS"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # -- timing ---------------------------------------------------------------------------
@@ -278,13 +290,15 @@ def run_model(name, args, info):
     rows = []
     for spec in args.specs:
         t0 = time.perf_counter()
-        real, graphs = replayed(spec)
+        real, settings = variant(spec)
+        graphs = "HVD_COMPRESS_CUDA_GRAPHS" in settings
         # replayed: the steps twice, the first pass a warm-up (a bucket's first compress
         # runs eagerly, the next two capture the graphs of its two buffers)
         steps_ = grads * 2 if graphs else grads
-        run_args = argparse.Namespace(**dict(vars(args), warmup=args.warmup + len(grads) * graphs))
+        run_args = argparse.Namespace(**dict(vars(args),
+                                             warmup=args.warmup + len(grads) * graphs))
         before = dict(replay.STATS) if replay else {}
-        with graphs_env(graphs):
+        with environment(settings):
             per_bucket = exchange_.exchange_buckets(real, names, steps_, clock.sync,
                                                     args.bucket_mb, run_args.warmup)
             rows.append(spec_row(spec, per_bucket, ready, fwd, bwd, args))

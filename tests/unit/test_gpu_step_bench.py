@@ -1,7 +1,9 @@
 """benchmarks/gpu_step.py (issue 26) runs on the CPU with its tiny models: both models,
 three compressors, one measured step; its JSON holds positive times, fewer bytes for
 topk than for none, and a modelled step no faster on the slower link."""
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +75,6 @@ def test_in_step_rows_launch_every_bucket_from_a_hook(results, model):
 
 
 def _exchange_module():
-    import importlib.util
     spec = importlib.util.spec_from_file_location("gpu_step_exchange",
                                                   ROOT / "benchmarks" / "gpu_step_exchange.py")
     module = importlib.util.module_from_spec(spec)
@@ -145,3 +146,22 @@ def test_once_world_makes_each_aggregate_once():
     cat = world.concat([pa, pb])
     assert world.concat([pa, pb]) is cat and cat[0].numel() == 6
     assert world.sum([b, a]) is not total                       # other contributions
+
+
+def test_a_specs_suffixes_are_settings_for_its_row(monkeypatch):
+    """``twobit+graphs+cache`` is twobit with graphs and the launch cache on, set for its
+    row only; a setting the process had comes back after."""
+    spec = importlib.util.spec_from_file_location("gpu_step_", ROOT / "benchmarks" / "gpu_step.py")
+    gpu_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_step)
+    assert gpu_step.variant("twobit+graphs+cache") == (
+        "twobit", {"HVD_COMPRESS_CUDA_GRAPHS": "1", "HVD_COMPRESS_LAUNCH_CACHE": "1"})
+    assert gpu_step.variant("laplace_topk:density=0.01,padded=1") == (
+        "laplace_topk:density=0.01,padded=1", {})
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
+    monkeypatch.delenv("HVD_COMPRESS_CUDA_GRAPHS", raising=False)
+    with gpu_step.environment(gpu_step.variant("twobit+aten+graphs")[1]):
+        assert os.environ["HVD_COMPRESS_BACKEND"] == "torch"
+        assert os.environ["HVD_COMPRESS_CUDA_GRAPHS"] == "1"
+    assert os.environ["HVD_COMPRESS_BACKEND"] == "triton"
+    assert "HVD_COMPRESS_CUDA_GRAPHS" not in os.environ
