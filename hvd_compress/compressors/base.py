@@ -224,11 +224,8 @@ class Compressor:
         as with :meth:`compress` (a checkpoint moves between the two).  ``flat`` must be
         the caller's own buffer (it may be overwritten).  Only compressors with
         ``segmented = True`` take buckets of more than one tensor; decompress the
-        aggregate with :meth:`decompress_bucket`.
-
-        With ``HVD_COMPRESS_CUDA_GRAPHS=1``, a ``replayable`` compressor's compress of CUDA
-        tensors is replayed from CUDA graphs (:mod:`.replay`); the payload is then the
-        graph's memory, overwritten at the next compress of the same bucket.
+        aggregate with :meth:`decompress_bucket`.  Replayed from CUDA graphs where
+        :mod:`.replay` says (``HVD_COMPRESS_CUDA_GRAPHS=1``).
         """
         if replay.wanted(self, flat):
             return replay.compress_bucket(self, flat, layout)
@@ -329,7 +326,11 @@ class Compressor:
 
     def decompress_bucket(self, payload, ctx):
         """The flat sum (``ctx.dtype``) over ranks of a bucket: tensor ``i`` of the layout
-        is ``out[offsets[i]:offsets[i] + numels[i]]`` (:meth:`Layout.split`)."""
+        is ``out[offsets[i]:offsets[i] + numels[i]]`` (:meth:`Layout.split`).  Replayed
+        from CUDA graphs where :mod:`.replay` says (``HVD_COMPRESS_CUDA_GRAPHS=1``)."""
+        first = payload[0] if isinstance(payload, (tuple, list)) and payload else payload
+        if replay.wanted(self, first):
+            return replay.decompress_bucket(self, payload, ctx)
         return self.decompress(payload, ctx)
 
     # -- state (error feedback, counters) --------------------------------------------

@@ -1,4 +1,5 @@
-"""CUDA-graph replay of a bucket compress (``HVD_COMPRESS_CUDA_GRAPHS=1``; off by default).
+"""CUDA-graph replay of a bucket's compress and decompress (``HVD_COMPRESS_CUDA_GRAPHS=1``;
+off by default).
 
 Why.  On a GPU a bucket compress is a handful of kernels of tens of microseconds each,
 and the host takes 15-45 us to issue each one (``benchmarks/gpu_breakdown.py``, H200,
@@ -18,32 +19,44 @@ residual in the bucket's own buffer (``c = g + r`` written over the input, then
 ``twobit``, ``onebit``, ``signsgd``, ``rangefloat`` and ``laplace_topk`` with
 ``padded=1``.  Only CUDA tensors, only PyTorch.
 
-How.  A graph reads and writes the addresses it was captured with, so each graph is
-kept under the addresses a compress reads: the input buffer's and the residual
-buffer's.  Error feedback makes the input of one step the residual of the next, and
-PyTorch's caching allocator then hands the freed residual's block to the next
-input, so a bucket's steps alternate between two graphs.
+How.  A graph reads and writes the addresses it was captured with, so a bucket's graphs
+work on two buffers of its own, ``A`` and ``B``: error feedback writes ``c = g + r``
+over the input, which then holds the residual, so the two swap roles every step, and a
+bucket has two graphs, one per role.  (Waiting for the caching allocator to hand the
+caller's next buffer out at the same address would save the copy below, but the
+allocator need not, and small buckets share its pool with every other tensor.)
 
 - A bucket's first compress, and any whose residuals are not one bucket buffer (the
   first step, a checkpoint just restored), run eagerly; after :data:`UNBUFFERED` such
   compresses in a row the bucket runs eagerly for good (logged once).
-- A miss captures a graph (``torch.cuda.graph``, thread-local capture mode) and
-  checks that the capture changed nothing on the host but the bucket's residuals,
-  now views of the input, as the eager compress leaves them (:func:`host_effects`).
-  Capturing runs nothing, so the inputs are intact: where the capture fails or the
-  check does, the store is put back, the bucket runs eagerly from then on, and the
-  reason is logged once.  Else the graph is replayed.
-- A hit replays the graph, then makes the residuals views of the input
+- Then the residual is moved into ``A`` where it is in neither buffer (a copy, once),
+  the input is copied into the other buffer (one copy a step, ``g`` read and written
+  once), and that role's graph is replayed.
+- A role without a graph captures one (``torch.cuda.graph``, thread-local capture
+  mode) and checks that the capture changed nothing on the host but the bucket's
+  residuals, now views of the input, as the eager compress leaves them
+  (:func:`host_effects`).  Capturing runs nothing, so the buffers are intact: where the
+  capture fails or the check does, the store is put back, the compress runs eagerly,
+  and so does the bucket from then on (logged once).  Else the graph is replayed.
+- After a replay the residuals are made views of the input buffer
   (:meth:`~hvd_compress.memory.ResidualMemory.take_buffer`), as the eager compress
-  would have.
-- A bucket keeps at most :data:`MAX_GRAPHS` graphs (the least recently replayed goes:
-  a restored checkpoint's residuals are at new addresses); one whose buffers are at new
-  addresses :data:`MAX_GRAPHS` compresses in a row stops being captured (logged) and
-  runs eagerly.
+  would have made them.
 
 The payload returned is the graph's own memory: the next replay of the same graph
 overwrites it, so it must have been sent (as every exchange does within its step)
 before the bucket is compressed again.
+
+Decompress (:func:`decompress_bucket`), of the same compressors, only inside the
+exchange's deferred checks (``ops.deferred_checks``: a check read at once would read
+back): the aggregate's tensors are new each step, so a bucket keeps a graph per shape
+of the aggregate (per number of ranks) with its own input buffers, which the
+aggregate is copied into before each replay.  The first aggregate of a shape is
+decompressed eagerly (its kernels compiled), the second captured.  The checks the
+capture deferred are handed to the exchange's list at every replay (their values are
+the graph's memory, rewritten by each replay, read at the step's settle).  A capture
+that fails on a malformed aggregate is followed by the eager decompress, whose
+ValueError the caller gets; the bucket stays on.  The sum returned is the graph's
+memory, as the payload is.
 
 Imports: the standard library, ``hvd_compress.memory``; torch lazily (CUDA tensors only).
 """
@@ -56,9 +69,8 @@ logger = logging.getLogger("hvd_compress")
 
 ENV_VAR = "HVD_COMPRESS_CUDA_GRAPHS"
 
-#: graphs a bucket may keep, and captures in a row after which it gives up: the two the
-#: swapping buffers need, and two more for an allocator that hands out another block now
-#: and then
+#: graphs a bucket's decompress keeps (one per shape of the aggregate: per number of
+#: ranks), the least recently replayed dropped first
 MAX_GRAPHS = 4
 
 #: eager compresses in a row after which a bucket whose residuals are still not one
@@ -85,12 +97,13 @@ def wanted(compressor, flat):
 
 
 class _Bucket:
-    """What a compressor keeps for one bucket: its graphs by the addresses they read."""
+    """What a compressor keeps for one bucket: its graphs, and its compress's buffers."""
 
     def __init__(self):
-        self.graphs = {}      # (input address, residual address) -> (replay, payload, ctx),
-        self.calls = 0        # least recently replayed first
-        self.misses = 0       # captures since the last replay of a graph it had
+        self.graphs = {}      # compress: role (0: input in A, 1: in B) -> (replay, payload,
+        self.calls = 0        # ctx); decompress: shapes -> (replay, inputs, sum, checks)
+        self.buffers = None   # compress: A and B
+        self.seen = set()     # decompress: the aggregates' shapes seen once (eagerly)
         self.unbuffered = 0   # compresses in a row whose residuals were not one buffer
         self.off = None       # why the bucket runs eagerly for good, or None
 
@@ -101,78 +114,168 @@ def _parts(layout):
 
 def compress_bucket(c, flat, layout, capture=None):
     """``c.compress_bucket(flat, layout)``, replayed from a CUDA graph where it can be
-    (see the module docstring).  ``capture(fn) -> (replay, result)``: records ``fn``'s
-    launches, returning what ``fn`` returned (default :func:`cuda_capture`)."""
-    buckets = c.__dict__.setdefault("_replay_buckets", {})
-    b = buckets.setdefault((layout.key, layout.total, flat.dtype, flat.device, c.ef,
-                            c.ef_decay), _Bucket())
-    b.calls += 1
+    (see the module docstring).  ``capture(fn, written) -> (replay, fn())``: records
+    ``fn``'s launches (``written``: the tensors from before that ``fn`` writes in place;
+    default :func:`cuda_capture`)."""
+    b = _bucket(c, ("compress", layout.key, layout.total, flat.dtype, flat.device, c.ef,
+                    c.ef_decay))
+    eager = lambda: c.compress_bucket_eager(flat, layout)      # noqa: E731
     if b.off is not None or b.calls == 1:
-        STATS["eager"] += 1
-        return c.compress_bucket_eager(flat, layout)
+        return _eager(eager)
     parts = _parts(layout)
     memory = c.error_feedback(c._ops) if c.ef else None
     residual = memory.bucket_buffer(parts, flat) if memory is not None else None
     if memory is not None and residual is None:   # the residuals are not one buffer (yet)
         b.unbuffered += 1
         if b.unbuffered > UNBUFFERED:
-            return _turn_off(c, b, layout, "its error feedback does not keep the residuals "
-                             "in one bucket buffer", flat)
-        STATS["eager"] += 1
-        return c.compress_bucket_eager(flat, layout)
+            return _off(c, b, layout.key, "its error feedback does not keep the residuals "
+                        "in one bucket buffer", eager)
+        return _eager(eager)
     b.unbuffered = 0
-    key = (flat.data_ptr(), 0 if residual is None else residual.data_ptr())
-    hit = b.graphs.pop(key, None)
+    if b.buffers is None:
+        import torch
+        b.buffers = (torch.empty_like(flat), torch.empty_like(flat))
+    first, second = b.buffers
+    role = 0
+    if residual is not None:
+        if residual.data_ptr() == first.data_ptr():
+            role = 1                                    # the input goes to B
+        elif residual.data_ptr() != second.data_ptr():  # in neither: moved into A, once
+            first.copy_(residual)
+            memory.take_buffer(parts, first)
+            residual, role = first, 1
+    into = b.buffers[role]
+    into.copy_(flat)
+    hit = b.graphs.get(role)
     if hit is None:
-        b.misses += 1
-        if b.misses > MAX_GRAPHS:
-            return _turn_off(c, b, layout, f"its buffers were at new addresses {MAX_GRAPHS} "
-                             "times in a row", flat)
-        hit = _capture(c, b, flat, layout, capture or _on_device(cuda_capture, flat.device))
+        store = c._store
+        saved = store.tables() if store is not None else None
+        capture = capture or _on_device(cuda_capture, flat.device)
+        written = (into,) if residual is None else (into, residual)
+        hit, why = _capture(capture, lambda: c.compress_bucket_eager(into, layout), written,
+                            lambda: host_effects(c, saved, layout, into))
         if hit is None:
-            STATS["eager"] += 1
-            return c.compress_bucket_eager(flat, layout)
-        if len(b.graphs) >= MAX_GRAPHS:
-            del b.graphs[next(iter(b.graphs))]    # the least recently replayed
-        STATS["captured"] += 1
-    else:
-        b.misses = 0
-        if memory is not None:
-            memory.take_buffer(parts, flat)
-    b.graphs[key] = hit                            # (last: the most recently replayed)
+            if store is not None:
+                store.set_tables(saved)
+            return _off(c, b, layout.key, why, eager)
+        replay, (payload, ctx) = hit
+        # (a plain tuple: an OwnPayload holds the input)
+        b.graphs[role] = hit = (replay, (tuple(payload) if isinstance(payload, (tuple, list))
+                                         else payload), ctx)
+    elif memory is not None:
+        memory.take_buffer(parts, into)
     replay, payload, ctx = hit
     replay()
     STATS["replayed"] += 1
     return payload, ctx
 
 
-def _turn_off(c, b, layout, why, flat=None):
+def decompress_bucket(c, payload, ctx, capture=None):
+    """``c.decompress_bucket(payload, ctx)`` (``payload``: the aggregate of every rank's),
+    replayed from a CUDA graph where it can be: inside the exchange's deferred checks
+    (a check read at once would read back), from the second aggregate of one shape on
+    (the first compiles the kernels).  The aggregate is copied into the graph's own input
+    buffers, the graph replayed, and the checks it makes join the exchange's
+    (``deferred_checks``); the sum is the graph's memory."""
+    from ..ops.torch_ops import checks
+    sink = checks.deferral_sink()
+    tensors = tuple(payload) if isinstance(payload, (tuple, list)) else (payload,)
+    eager = lambda: c.decompress(payload, ctx)                  # noqa: E731
+    b = _bucket(c, ("decompress", ctx.name, ctx.numel, ctx.dtype, tensors[0].device))
+    if b.off is not None or sink is None:
+        return _eager(eager)
+    c.check_aggregate(payload, ctx)                # what the eager decompress checks first
+    key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+    hit = b.graphs.pop(key, None)
+    if hit is None:
+        if key not in b.seen:
+            b.seen.add(key)
+            return _eager(eager)
+        import torch
+        inputs = tuple(torch.empty_like(t) for t in tensors)
+        made = []                                  # the checks the decompress defers
+        arg = inputs if isinstance(payload, (tuple, list)) else inputs[0]
+
+        def fn():
+            with checks.deferred_checks(made):
+                return c.decompress(arg, ctx)
+        store = c._store
+        saved = store.tables() if store is not None else None
+        capture = capture or _on_device(cuda_capture, tensors[0].device)
+        hit, why = _capture(capture, fn, (), lambda: _changed(store, saved))
+        if hit is None:
+            if store is not None:
+                store.set_tables(saved)
+            return _off(c, b, ctx.name, why, eager, "decompressed")
+        hit = hit[0], inputs, hit[1], tuple(made)
+    _keep(b, key, hit)
+    replay, inputs, out, deferred = hit
+    for mine, t in zip(inputs, tensors):
+        mine.copy_(t)
+    replay()
+    sink.extend(deferred)
+    STATS["replayed"] += 1
+    return out
+
+
+def _bucket(c, key):
+    """``c``'s :class:`_Bucket` of ``key``, its calls counted."""
+    b = c.__dict__.setdefault("_replay_buckets", {}).setdefault(key, _Bucket())
+    b.calls += 1
+    return b
+
+
+def _keep(b, key, hit):
+    """``hit`` kept as the most recently replayed graph of ``b`` (at most MAX_GRAPHS)."""
+    while len(b.graphs) >= MAX_GRAPHS:
+        del b.graphs[next(iter(b.graphs))]          # the least recently replayed
+    b.graphs[key] = hit
+
+
+def _eager(eager):
+    STATS["eager"] += 1
+    return eager()
+
+
+def _capture(capture, fn, written, check):
+    """``((replay, fn's result), None)``, or ``(None, why)`` when the capture failed or
+    ``check()`` (after it) says why it cannot be replayed."""
+    try:
+        hit = capture(fn, written)
+        why = check()
+    except Exception as e:    # noqa: BLE001 - any failure to capture: eager from now on
+        hit, why = None, f"the capture failed: {type(e).__name__}: {e}"[:400]
+    if why is not None:
+        return None, why
+    STATS["captured"] += 1
+    return hit, None
+
+
+def _off(c, b, name, why, eager, what="compressed"):
+    """``eager()``; unless it raises (then the input, not the capture, was at fault: a
+    malformed aggregate), the bucket then runs eagerly for good, logged once."""
+    out = _eager(eager)
     b.off = why
     STATS["off"] += 1
-    logger.warning("hvd_compress: %s: bucket %s is compressed eagerly from now on "
-                   "(%s=1 replays it from CUDA graphs): %s", c.spec, layout.key, ENV_VAR, why)
-    if flat is not None:
-        STATS["eager"] += 1
-        return c.compress_bucket_eager(flat, layout)
+    logger.warning("hvd_compress: %s: bucket %s is %s eagerly from now on (%s=1 replays "
+                   "it from CUDA graphs): %s", c.spec, name, what, ENV_VAR, why)
+    return out
+
+
+def _changed(store, before, allowed=frozenset()):
+    """What the store holds other than ``before`` (its ``tables()``) in keys other than
+    ``allowed``, in words; None if nothing."""
+    if store is None:
+        return None if before is None else "the store was dropped"
+    tensors, spares, _ = before if before is not None else ({}, {}, {})
+    now, now_spares, _ = store.tables()
+    changed = sorted(k for k in set(now) | set(tensors)
+                     if now.get(k) is not tensors.get(k) and k not in allowed)
+    if changed or now_spares.keys() != spares.keys() or any(
+            now_spares[k] is not spares[k] for k in spares):
+        return ("it replaced state the compressor keeps on the host "
+                f"({', '.join(changed[:4]) or 'spares'})")
     return None
-
-
-def _capture(c, b, flat, layout, capture):
-    """``(replay, payload, ctx)`` of a graph of ``c``'s compress of ``flat``, or None (the
-    bucket turned off, the store as it was)."""
-    store = c._store
-    saved = store.tables() if store is not None else None
-    try:
-        replay, (payload, ctx) = capture(lambda: c.compress_bucket_eager(flat, layout))
-        why = host_effects(c, saved, layout, flat)
-    except Exception as e:    # noqa: BLE001 - any failure to capture: eager from now on
-        why = f"the capture failed: {type(e).__name__}: {e}"[:400]
-    if why is not None:
-        if store is not None:
-            store.set_tables(saved)
-        return _turn_off(c, b, layout, why)
-    payload = tuple(payload) if isinstance(payload, (tuple, list)) else payload
-    return replay, payload, ctx           # (a plain tuple: an OwnPayload holds the input)
 
 
 def host_effects(c, before, layout, flat):
@@ -180,29 +283,19 @@ def host_effects(c, before, layout, flat):
     host that a replay would not redo: a compressor's store as it was (``before``: its
     ``tables()``, None without a store), but for the bucket's residuals, which must be
     views of ``flat`` end to end; else what changed, in words."""
-    store = c._store
-    if store is None:
-        return None if before is None else "the store was dropped"
-    tensors, spares, _ = before if before is not None else ({}, {}, {})
-    residual_keys = {ResidualMemory.PREFIX + name for name in layout.names} if c.ef else set()
-    now, now_spares, _ = store.tables()
-    changed = sorted(k for k in set(now) | set(tensors)
-                     if now.get(k) is not tensors.get(k) and k not in residual_keys)
-    if changed or now_spares.keys() != spares.keys() or any(
-            now_spares[k] is not spares[k] for k in spares):
-        return ("the compress replaced state it keeps on the host "
-                f"({', '.join(changed[:4]) or 'spares'})")
-    if c.ef:
+    residual_keys = {ResidualMemory.PREFIX + name for name in layout.names} if c.ef else ()
+    why = _changed(c._store, before, frozenset(residual_keys))
+    if why is None and c.ef:
         buffer = c.error_feedback(c._ops).bucket_buffer(_parts(layout), flat)
         if buffer is None or buffer.data_ptr() != flat.data_ptr():
             return "its error feedback does not keep the residuals in the bucket's buffer"
-    return None
+    return why
 
 
-def cuda_capture(fn):
+def cuda_capture(fn, written=()):
     """``(graph.replay, fn())`` with ``fn``'s launches captured in a new CUDA graph
-    (nothing runs); thread-local capture mode, so that other threads (Horovod's
-    background thread) may go on using CUDA meanwhile."""
+    (nothing runs, so ``written`` is left as it was); thread-local capture mode, so that
+    other threads (Horovod's background thread) may go on using CUDA meanwhile."""
     import torch
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -212,8 +305,8 @@ def cuda_capture(fn):
 
 def _on_device(capture, device):
     """``capture`` with ``device`` current (a process may hold tensors of several GPUs)."""
-    def run(fn):
+    def run(fn, written):
         import torch
         with torch.cuda.device(device):
-            return capture(fn)
+            return capture(fn, written)
     return run

@@ -1,10 +1,13 @@
-"""CUDA-graph replay of a bucket compress (``HVD_COMPRESS_CUDA_GRAPHS=1``,
-``hvd_compress/compressors/replay.py``) on CUDA: every replayable compressor, six steps
-(one with a NaN), its input made each step as the glue makes it (``torch.cat`` of the
-gradients, so the caching allocator picks the addresses), gives the eager compress's
-payload bits, decompressed sum and residuals; the later steps are replayed (no kernel
-launched through a launcher) and no bucket is turned off.  Needs CUDA itself (graphs
-cannot be captured elsewhere): tests/unit/test_replay.py checks the logic on the CPU."""
+"""CUDA-graph replay of a bucket's compress and decompress
+(``HVD_COMPRESS_CUDA_GRAPHS=1``, ``hvd_compress/compressors/replay.py``) on CUDA.
+
+Every replayable compressor, six steps (one with a NaN), its input made each step as
+the glue makes it (``torch.cat`` of the gradients, so the caching allocator picks the
+addresses) and two ranks' aggregate a new tensor each step: the eager payload bits,
+decompressed sum and residuals; the later steps replayed (no kernel launched through
+a launcher); no bucket turned off.  A malformed index in a replayed decompress still
+raises at the settle.  Needs CUDA itself (graphs cannot be captured elsewhere):
+tests/unit/test_replay.py checks the logic on the CPU."""
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ import hvd_compress
 from hvd_compress.buckets import layout
 from hvd_compress.compressors import replay
 from hvd_compress.kernels import counting_launches
+from hvd_compress.ops import torch_ops
 from gpu_helpers import CUDA_ONLY, GPU, assert_same_steps, laplace
 
 pytestmark = GPU + [CUDA_ONLY]
@@ -43,12 +47,23 @@ def steps(spec, graphs, monkeypatch):
         # copies: a replayed payload is the graph's memory, residuals are live buffers
         copied = tuple(t.clone() for t in (payload if isinstance(payload, tuple) else (payload,)))
         residuals = [c.residual(n) for n in lay.names]
-        out.append((copied, c.decompress_bucket(payload, ctx).clone(),
-                    [None if r is None else r.clone() for r in residuals],
-                    sum(launched.values())))
+        sink = []
+        with counting_launches() as decoded, torch_ops.deferred_checks(sink):
+            total = c.decompress_bucket(aggregate(copied, c.collective), ctx).clone()
+        torch_ops.settle_checks(sink)
+        out.append((copied, total, [None if r is None else r.clone() for r in residuals],
+                    sum(launched.values()), sum(decoded.values())))
         del flat, payload, residuals
     torch.cuda.synchronize()
     return out
+
+
+def aggregate(payload, collective):
+    """Two ranks' aggregate of ``payload`` (this rank's, sent twice), as the collective
+    makes it: a new tensor each step."""
+    if collective == "allreduce":
+        return payload[0] * 2
+    return tuple(torch.cat([t, t]) for t in payload)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -59,8 +74,31 @@ def test_a_replayed_compress_gives_the_eager_bits(spec, monkeypatch):
     got = {k: replay.STATS[k] - before[k] for k in before}
     assert_same_steps(spec, SIZES, eager, replayed)
     assert got["off"] == 0, f"{spec}: replay turned off ({got}); see the log"
-    assert got["replayed"] >= STEPS - 2, f"{spec}: too few compresses replayed ({got})"
-    assert got["captured"] <= replay.MAX_GRAPHS, got
-    replayed_launches = [r[3] for r in replayed[2:]]
-    assert min(replayed_launches) == 0, (
-        f"{spec}: every later step launched kernels ({replayed_launches}): not replayed")
+    # compress: the first step eager, a graph per role of the bucket's two buffers (one
+    # without error feedback); decompress: the first aggregate eager, one graph
+    assert got == {"eager": 2, "replayed": 2 * (STEPS - 1), "off": 0,
+                   "captured": 2 if "ef=0" in spec else 3}, (spec, got)
+    for what, at in (("compress", 3), ("decompress", 4)):
+        launches = [r[at] for r in replayed[2:]]
+        assert min(launches) == 0, (
+            f"{spec}: every later {what} launched kernels ({launches}): not replayed")
+
+
+def test_a_replayed_decompress_finds_a_malformed_index(monkeypatch):
+    """An index past the bucket's end in an aggregate of the shape the graph was
+    captured for: the check the graph makes again raises at the settle."""
+    monkeypatch.setenv(replay.ENV_VAR, "1")
+    lay = layout([f"t{i}" for i in range(len(SIZES))], [(n,) for n in SIZES])
+    c = hvd_compress.from_spec("laplace_topk:density=0.01,padded=1")
+    for step in range(4):
+        payload, ctx = c.compress_bucket(laplace(lay.total, seed=step, device="cuda"), lay)
+        agg = aggregate(payload, c.collective)
+        if step == 3:
+            agg[-1][5] = lay.total + 7
+        sink = []
+        with torch_ops.deferred_checks(sink):
+            c.decompress_bucket(agg, ctx)
+        if step < 3:
+            torch_ops.settle_checks(sink)
+    with pytest.raises(ValueError, match="out of range"):
+        torch_ops.settle_checks(sink)

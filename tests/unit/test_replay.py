@@ -1,23 +1,25 @@
-"""CUDA-graph replay of a bucket compress (``hvd_compress/compressors/replay.py``): when
-it captures, replays or runs eagerly, what it keeps on the host, and what it puts back.
+"""CUDA-graph replay of a bucket's compress and decompress
+(``hvd_compress/compressors/replay.py``): when it captures, replays or runs eagerly,
+what it keeps on the host, and what it puts back.
 
-CUDA graphs cannot be captured here (no GPU), so these tests give ``replay.compress_bucket``
-a stand-in for ``torch.cuda.graph`` (:class:`StandIn`) with a graph's semantics on
-the CPU: capturing changes only the host's state (the compress runs, then every buffer
-it could write is put back), and a replay computes what the capture recorded (the
-compress run again on the state as the capture saw it, its payload written into the
-captured payload's tensors) without changing the host's state.  The buffers the
-bucket's input alternates between are the test's own (``A`` and ``B``), as PyTorch's
-caching allocator hands them out on a GPU.  ``tests/gpu/test_gpu_replay.py`` captures
-real graphs on CUDA, bit for bit against the eager compress."""
+CUDA graphs cannot be captured here (no GPU), so these tests give ``replay`` a stand-in
+for ``torch.cuda.graph`` (:class:`StandIn`) with a graph's semantics on the CPU:
+capturing changes only the host's state (the compress runs, then every tensor it wrote
+in place is put back), and a replay computes what the capture recorded into the
+capture's own tensors (:class:`GraphMemory`) without changing the host's state.
+``tests/gpu/test_gpu_replay.py`` captures real graphs on CUDA, bit for bit against the
+eager compress and decompress."""
 import logging
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hvd_compress.buckets import layout
 from hvd_compress.compressors import replay
+from hvd_compress.ops import torch_ops
 from hvd_compress.spec import from_spec
 
 import counting  # tests/counting.py
@@ -40,31 +42,65 @@ def parts(t):
     return tuple(t) if isinstance(t, (tuple, list)) else (t,)
 
 
+class GraphMemory(TorchDispatchMode):
+    """A CUDA graph's memory on the CPU: recording, every new tensor a framework op makes
+    is kept in order; replaying, the same ops' results are written into those tensors,
+    which are returned in their place (views and in-place results pass), so that what a
+    capture returned, and what it handed out, holds each replay's values, as a graph's
+    private memory does."""
+
+    def __init__(self, kept=None):
+        super().__init__()
+        self.replaying, self.kept, self.at = kept is not None, kept if kept else [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out                               # a view, or an in-place op's input
+        flat, spec = tree_flatten(out)
+        if not self.replaying:
+            self.kept.append(flat)
+            return out
+        mine = self.kept[self.at]
+        self.at += 1
+        got = []
+        for m, o in zip(mine, flat):
+            # (an empty tensor passes: Triton's interpreter resizes its own ones later)
+            if isinstance(o, torch.Tensor) and o.numel():
+                assert m.shape == o.shape and m.dtype == o.dtype, (func, m.shape, o.shape)
+                m.copy_(o)
+                o = m
+            got.append(o)
+        return tree_unflatten(got, spec)
+
+
 class StandIn:
-    """``capture(fn) -> (replay, fn's result)`` with a CUDA graph's semantics on the CPU
-    (see the module docstring); ``buffers``: every tensor a compress may write in place
-    (the bucket's input buffers, which hold the residuals in turn)."""
+    """``capture(fn, written) -> (replay, fn())`` with a CUDA graph's semantics on the CPU
+    (see the module docstring): the capture runs ``fn`` for its host effects and then
+    puts back ``written`` (the tensors from before that ``fn`` writes in place); a
+    replay runs it again on the store as the capture saw it, into the capture's memory
+    (:class:`GraphMemory`), and puts the store back as it was."""
 
-    def __init__(self, c, buffers):
-        self.c, self.buffers, self.captures = c, buffers, 0
+    def __init__(self, c):
+        self.c, self.captures = c, 0
 
-    def __call__(self, fn):
+    def __call__(self, fn, written):
         self.captures += 1
         store = self.c._store
         before = store.tables() if store is not None else None
-        data = [b.clone() for b in self.buffers]
-        out = fn()
-        for b, d in zip(self.buffers, data):       # a capture computes nothing
-            b.copy_(d)
-        payload = out[0]
+        data = [t.clone() for t in written]
+        memory = GraphMemory()
+        with memory:
+            out = fn()
+        for t, d in zip(written, data):            # a capture computes nothing
+            t.copy_(d)
 
         def replay_():
             now = store.tables() if store is not None else None
             if store is not None:
                 store.set_tables(before)            # the state the capture saw
-            again = fn()[0]
-            for mine, new in zip(parts(payload), parts(again)):
-                mine.copy_(new)
+            with GraphMemory(memory.kept):
+                fn()
             if store is not None:
                 store.set_tables(now)               # a replay changes nothing on the host
         return replay_, out
@@ -83,33 +119,19 @@ def stats(monkeypatch):
     return replay.STATS
 
 
-def run(spec, steps=6, moving=False, capture=None, restore_at=None):
-    """Payloads of ``steps`` compresses with replay (the input alternating between two
-    buffers, or a new buffer each step if ``moving``) and eagerly, and both compressors."""
+def run(spec, steps=6, capture=StandIn, restore_at=()):
+    """Payloads of ``steps`` compresses with replay and eagerly (each step's input a new
+    tensor), and both compressors; a checkpoint restored into both at ``restore_at``."""
     eager, replayed = from_spec(spec), from_spec(spec)
-    buffers = [torch.empty(LAY.total), torch.empty(LAY.total)]
-    held = []
-    standin = capture or StandIn(replayed, buffers)
-    if isinstance(standin, type):
-        standin = standin(replayed, buffers)
+    standin = capture(replayed)
     out = []
     for step in range(steps):
-        if step in (restore_at if isinstance(restore_at, tuple) else (restore_at,)):
+        if step in restore_at:
             saved = eager.state_dict()
             eager.load_state_dict(saved)
             replayed.load_state_dict(saved)
-            held += buffers                        # the input's buffers move too
-            buffers[:] = [torch.empty(LAY.total), torch.empty(LAY.total)]
-        g = grad(step)
-        if moving:
-            flat = g.clone()
-            held.append(flat)                      # every step's input at a new address
-            standin.buffers = [flat] + held[-2:-1]
-        else:
-            flat = buffers[step % 2]
-            flat.copy_(g)
-        mine, _ = replay.compress_bucket(replayed, flat, LAY, capture=standin)
-        theirs, _ = eager.compress_bucket(g.clone(), LAY)
+        mine, _ = replay.compress_bucket(replayed, grad(step), LAY, capture=standin)
+        theirs, _ = eager.compress_bucket(grad(step), LAY)
         out.append(([t.clone() for t in parts(mine)], [t.clone() for t in parts(theirs)]))
     return out, eager, replayed, standin
 
@@ -134,52 +156,43 @@ def same_state(c1, c2):
 
 @pytest.mark.parametrize("spec", REPLAYABLE)
 def test_replayed_compress_gives_the_eager_bits_and_state(spec, stats):
-    """Six steps (one with a NaN): the same payload bits as the eager compress at every
-    step, the same residuals after; the first step eager, one graph per buffer pair,
-    replayed at every later step."""
+    """Six steps (one with a NaN), each input a new tensor: the same payload bits as the
+    eager compress at every step, the same residuals after; the first step eager, one
+    graph per role of the bucket's two buffers, replayed at every later step."""
     out, eager, replayed, standin = run(spec)
     for step, (mine, theirs) in enumerate(out):
         assert same_bits(mine, theirs), (spec, step)
     same_state(eager, replayed)
-    assert (stats["eager"], stats["captured"], stats["replayed"], stats["off"]) == (1, 2, 5, 0)
-    assert standin.captures == 2
+    assert (stats["eager"], stats["captured"], stats["replayed"], stats["off"]) == (
+        (1, 1, 5, 0) if spec.endswith("ef=0") else (1, 2, 5, 0))
+    assert standin.captures == stats["captured"]
 
 
 @pytest.mark.parametrize("spec", ["twobit", "laplace_topk:density=0.05,padded=1"])
-def test_the_residuals_after_a_replay_are_views_of_its_input(spec, stats):
+def test_the_residuals_after_a_replay_are_views_of_the_buckets_buffer(spec, stats):
     """After a replayed compress the store holds what the eager compress leaves: the
-    bucket's residuals, views of the input buffer end to end (``take_buffer``)."""
-    _, _, replayed, _ = run(spec, steps=4)
-    memory = replayed.error_feedback(replayed._ops)
-    lay_parts = tuple(zip(LAY.names, LAY.numels))
-    buffer = memory.bucket_buffer(lay_parts, torch.empty(1))
-    assert buffer is not None and stats["replayed"] == 3
-    assert all(memory.residual(n).data_ptr() == buffer.data_ptr() + 4 * o
-               for n, o in zip(LAY.names, LAY.offsets))
-
-
-def test_buffers_that_keep_moving_turn_replay_off(stats, caplog):
-    """An input at a new address every step: MAX_GRAPHS captures, then eager for good,
-    logged once, and still the eager bits."""
-    caplog.set_level(logging.WARNING, logger="hvd_compress")
-    out, eager, replayed, standin = run("twobit", steps=replay.MAX_GRAPHS + 4, moving=True)
-    assert all(same_bits(m, t) for m, t in out)
-    same_state(eager, replayed)
-    assert standin.captures == replay.MAX_GRAPHS and stats["off"] == 1
-    assert sum("eagerly from now on" in r.getMessage() for r in caplog.records) == 1
-    assert f"new addresses {replay.MAX_GRAPHS} times in a row" in caplog.text
+    bucket's residuals, views of its input buffer end to end (``take_buffer``), here
+    one of the bucket's own two, in turn."""
+    for steps in (4, 5):
+        _, _, replayed, _ = run(spec, steps=steps)
+        memory = replayed.error_feedback(replayed._ops)
+        buffer = memory.bucket_buffer(tuple(zip(LAY.names, LAY.numels)), torch.empty(1))
+        bucket, = replayed._replay_buckets.values()
+        assert buffer.data_ptr() == bucket.buffers[(steps - 1) % 2].data_ptr()
+        assert all(memory.residual(n).data_ptr() == buffer.data_ptr() + 4 * o
+                   for n, o in zip(LAY.names, LAY.offsets))
 
 
 class Failing(StandIn):
     """A capture that fails after the compress's Python ran (its host effects done;
     nothing computed)."""
 
-    def __call__(self, fn):
+    def __call__(self, fn, written):
         self.captures += 1
-        data = [b.clone() for b in self.buffers]
+        data = [t.clone() for t in written]
         fn()
-        for b, d in zip(self.buffers, data):
-            b.copy_(d)
+        for t, d in zip(written, data):
+            t.copy_(d)
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
@@ -190,6 +203,7 @@ def test_a_failed_capture_puts_the_store_back_and_runs_eagerly(stats, caplog):
     same_state(eager, replayed)
     assert standin.captures == 1 and stats["off"] == 1 and stats["replayed"] == 0
     assert "the capture failed: RuntimeError: operation not permitted" in caplog.text
+    assert sum("eagerly from now on" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_compress_that_keeps_its_residuals_elsewhere_is_not_replayed(stats, caplog):
@@ -201,40 +215,27 @@ def test_a_compress_that_keeps_its_residuals_elsewhere_is_not_replayed(stats, ca
     assert not from_spec(spec).replayable
     eager, c = from_spec(spec), from_spec(spec)
     c.replayable = True
-    buffers = [torch.empty(LAY.total), torch.empty(LAY.total)]
     for step in range(5):
-        flat = buffers[step % 2]
-        flat.copy_(grad(step))
+        flat = grad(step)
         before = c._store.tables() if c._store is not None else None
-        mine, _ = replay.compress_bucket(c, flat, LAY, capture=StandIn(c, buffers))
+        mine, _ = replay.compress_bucket(c, flat, LAY, capture=StandIn(c))
         theirs, _ = eager.compress_bucket(grad(step), LAY)
         assert same_bits(parts(mine), parts(theirs)), step
     same_state(eager, c)
     assert stats["off"] == 1 and stats["replayed"] == 0 and stats["eager"] == 5
     assert "does not keep the residuals in one bucket buffer" in caplog.text
-    assert "the compress replaced state it keeps on the host" in replay.host_effects(
+    assert "it replaced state the compressor keeps on the host" in replay.host_effects(
         c, before, LAY, flat)
 
 
-def test_restored_checkpoints_replace_the_least_recently_replayed_graphs(stats):
-    """Three restores, each followed by two captures (new residual addresses): the bucket
-    keeps MAX_GRAPHS graphs, the oldest dropped, and is never turned off."""
-    out, eager, replayed, standin = run("twobit", steps=15, restore_at=(4, 8, 12))
-    assert all(same_bits(m, t) for m, t in out)
-    same_state(eager, replayed)
-    assert stats["off"] == 0 and stats["eager"] == 4 and stats["captured"] == 8
-    bucket, = replayed._replay_buckets.values()
-    assert len(bucket.graphs) == replay.MAX_GRAPHS
-
-
-def test_a_restored_checkpoint_runs_eagerly_once_then_replays(stats):
+def test_restored_checkpoints_run_eagerly_once_then_replay_the_same_graphs(stats):
     """After ``load_state_dict`` the residuals are separate tensors, not one buffer: one
-    eager compress makes them one again, then the graphs replay (new ones captured:
-    the restored residual's address is new)."""
-    out, eager, replayed, _ = run("twobit", steps=7, restore_at=3)
+    eager compress makes them one again, which the next compress moves into the
+    bucket's first buffer; the two graphs go on replaying, none captured again."""
+    out, eager, replayed, _ = run("twobit", steps=15, restore_at=(3, 8, 12))
     assert all(same_bits(m, t) for m, t in out)
     same_state(eager, replayed)
-    assert stats["eager"] == 2 and stats["off"] == 0 and stats["replayed"] == 5
+    assert (stats["eager"], stats["captured"], stats["replayed"], stats["off"]) == (4, 2, 11, 0)
 
 
 @pytest.mark.parametrize("spec", list(counting.BUCKET_SYNCS))
@@ -271,3 +272,84 @@ def test_cpu_tensors_are_not_replayed_and_the_setting_is_checked(stats, monkeypa
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     with pytest.raises(ValueError, match="HVD_COMPRESS_CUDA_GRAPHS must be 0 or 1"):
         replay.wanted(c, grad(0))
+
+
+# -- decompress ----------------------------------------------------------------------------
+
+def aggregate(payloads):
+    """The allgather of every rank's payload: each tensor concatenated in rank order."""
+    return tuple(torch.cat(ts) for ts in zip(*map(parts, payloads)))
+
+
+def exchanges(spec, steps=5, ranks=2, corrupt=None):
+    """Each step's aggregate of ``ranks`` ranks' payloads, its eager decompress and its
+    decompress through ``replay`` inside the deferred checks (settled after), or the
+    ValueError the settle raised."""
+    senders = [from_spec(spec) for _ in range(ranks)]
+    eager, replayed = from_spec(spec), from_spec(spec)
+    standin = StandIn(replayed)
+    out = []
+    for step in range(steps):
+        sent = [c.compress_bucket_eager(grad(10 * step + r), LAY) for r, c in enumerate(senders)]
+        ctx = sent[0][1]
+        agg = aggregate([p for p, _ in sent])
+        if corrupt is not None and step == corrupt:
+            agg[-1][1] = LAY.total + 5               # an index past the bucket's end
+        want = eager.decompress_bucket(agg, ctx) if step != corrupt else None
+        sink = []
+        try:
+            with torch_ops.deferred_checks(sink):
+                got = replay.decompress_bucket(replayed, agg, ctx, capture=standin)
+            torch_ops.settle_checks(sink)
+        except ValueError as e:
+            got = e
+        out.append((want, got if isinstance(got, ValueError) else got.clone()))
+    return out, standin
+
+
+@pytest.mark.parametrize("spec", REPLAYABLE)
+def test_replayed_decompress_gives_the_eager_sum(spec, stats):
+    """Five steps of two ranks' aggregates, each at a new address: the eager sum at every
+    step; the first eager, one capture, replayed from then on."""
+    out, standin = exchanges(spec)
+    for step, (want, got) in enumerate(out):
+        assert same_bits((want,), (got,)), (spec, step)
+    assert (stats["eager"], stats["captured"], stats["replayed"], stats["off"]) == (1, 1, 4, 0)
+
+
+def test_a_replayed_decompress_still_finds_a_malformed_index():
+    """A payload index past the bucket's end at a replayed step: the deferred check the
+    graph makes again raises at the settle, as the eager decompress's does."""
+    out, _ = exchanges("laplace_topk:density=0.05,padded=1", steps=4, corrupt=3)
+    assert not isinstance(out[2][1], ValueError)
+    assert isinstance(out[3][1], ValueError) and "out of range" in str(out[3][1])
+
+
+def test_a_decompress_outside_the_deferred_checks_or_of_a_new_shape_runs_eagerly(stats):
+    c = from_spec("twobit")
+    sent = [from_spec("twobit").compress_bucket_eager(grad(r), LAY) for r in range(3)]
+    ctx = sent[0][1]
+    for _ in range(3):                              # no sink: never replayed
+        replay.decompress_bucket(c, aggregate([p for p, _ in sent[:2]]), ctx,
+                                 capture=StandIn(c))
+    assert stats["eager"] == 3 and stats["captured"] == 0
+    for ranks in (2, 2, 3, 3, 2):                   # 2 ranks: eager, then captured;
+        with torch_ops.deferred_checks([]):         # 3 ranks: the same, then 2 replayed
+            got = replay.decompress_bucket(c, aggregate([p for p, _ in sent[:ranks]]), ctx,
+                                           capture=StandIn(c))
+        want = from_spec("twobit").decompress_bucket(aggregate([p for p, _ in sent[:ranks]]),
+                                                     ctx)
+        assert same_bits((want,), (got,)), ranks
+    assert (stats["eager"], stats["captured"], stats["replayed"]) == (5, 2, 3)
+
+
+def test_a_malformed_aggregate_raises_and_leaves_replay_on(stats):
+    """An aggregate of a length no rank sends: the capture fails on it, the eager
+    decompress raises the ValueError, and the bucket is not turned off."""
+    c = from_spec("twobit")
+    (codes, scales), ctx = from_spec("twobit").compress_bucket_eager(grad(0), LAY)
+    with torch_ops.deferred_checks([]):
+        for bad in (codes[:-1], codes[:-1]):       # the second: seen once, so captured
+            with pytest.raises(ValueError, match="malformed"):
+                replay.decompress_bucket(c, (bad, scales), ctx, capture=StandIn(c))
+    assert stats["off"] == 0 and stats["replayed"] == 0

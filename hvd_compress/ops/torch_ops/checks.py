@@ -75,6 +75,11 @@ class _Deferred(_threading.local):
 _DEFERRED = _Deferred()
 
 
+def deferral_sink():
+    """The list checks go to now (inside :func:`deferred_checks`), or None."""
+    return _DEFERRED.sink
+
+
 @_contextlib.contextmanager
 def deferred_checks(sink):
     """Index checks finished inside go to the list ``sink`` (None: checked at once), for
