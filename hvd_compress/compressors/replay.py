@@ -177,8 +177,8 @@ def decompress_bucket(c, payload, ctx, capture=None):
     (the first compiles the kernels).  The aggregate is copied into the graph's own input
     buffers, the graph replayed, and the checks it makes join the exchange's
     (``deferred_checks``); the sum is the graph's memory."""
-    from ..ops.torch_ops import checks
-    sink = checks.deferral_sink()
+    from ..ops import torch_ops
+    sink = torch_ops.deferral_sink()
     tensors = tuple(payload) if isinstance(payload, (tuple, list)) else (payload,)
     eager = lambda: c.decompress(payload, ctx)                  # noqa: E731
     b = _bucket(c, ("decompress", ctx.name, ctx.numel, ctx.dtype, tensors[0].device))
@@ -197,7 +197,7 @@ def decompress_bucket(c, payload, ctx, capture=None):
         arg = inputs if isinstance(payload, (tuple, list)) else inputs[0]
 
         def fn():
-            with checks.deferred_checks(made):
+            with torch_ops.deferred_checks(made):
                 return c.decompress(arg, ctx)
         store = c._store
         saved = store.tables() if store is not None else None

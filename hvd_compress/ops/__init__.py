@@ -30,6 +30,7 @@ The primitives (both modules define all of them, with the same meaning):
                                   header checks) wait in the list ``sink`` (PyTorch;
                                   the indices clamped meanwhile)
 ``settle_checks(sink)``           read them back at once, raise the first failure
+``deferral_sink()``               the list checks go to now, or None (TensorFlow: None)
 ``cast(t, dtype)``; ``float32``, ``float16``, ``bfloat16``, ``int16``, ``int32``
 ``bitcast(t, dtype)``   reinterpret bits (same element size)
 ``cond(pred, f, g)``    ``f()`` if ``pred`` else ``g()`` (graph-safe in TF)

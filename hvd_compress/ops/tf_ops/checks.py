@@ -38,6 +38,11 @@ def index_check(idx, n, what):
     return IndexCheck(idx, n, what)
 
 
+def deferral_sink():
+    """None: nothing is deferred here (:func:`deferred_checks`)."""
+    return None
+
+
 def deferred_checks(sink):
     """Nothing is deferred here (eager checks read at once, graph checks are asserts)."""
     return _contextlib.nullcontext()
