@@ -97,8 +97,7 @@ class Compressor:
                                #: spec's (:meth:`decay_residuals`), else, once a glue has
                                #: marked the residuals, :meth:`default_ef_decay`'s
     ef_decay_given = False     #: ``ef_decay`` came from the spec (or decay_residuals)
-    replayable = False         #: :meth:`compress_bucket` may be replayed from a CUDA graph
-                               #: (``HVD_COMPRESS_CUDA_GRAPHS=1``; :mod:`.replay` says which)
+    replayable = False         #: bucket exchanges replayed from CUDA graphs (:mod:`.replay`)
 
     def __init__(self, ef=None):
         self.ef = self.biased if ef is None else bool(ef)
@@ -230,6 +229,11 @@ class Compressor:
         if replay.wanted(self, flat):
             return replay.compress_bucket(self, flat, layout)
         return self.compress_bucket_eager(flat, layout)
+
+    def bucket_input(self, layout, like):
+        """Where to write the next ``flat`` of ``layout`` (of ``like``'s dtype), or None: a
+        replayed bucket's own buffer (:func:`.replay.input_buffer`)."""
+        return replay.input_buffer(self, layout, like) if replay.wanted(self, like) else None
 
     def compress_bucket_eager(self, flat, layout):
         """:meth:`compress_bucket`, its launches issued now (never replayed)."""

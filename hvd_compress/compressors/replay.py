@@ -38,6 +38,8 @@ allocator need not, and small buckets share its pool with every other tensor.)
   (:func:`host_effects`).  Capturing runs nothing, so the buffers are intact: where the
   capture fails or the check does, the store is put back, the compress runs eagerly,
   and so does the bucket from then on (logged once).  Else the graph is replayed.
+- A caller that asks (:func:`input_buffer`; the PyTorch glue does) writes the input
+  into that buffer itself: no copy, and no bucket-sized buffer of its own each step.
 - After a replay the residuals are made views of the input buffer
   (:meth:`~hvd_compress.memory.ResidualMemory.take_buffer`), as the eager compress
   would have made them.
@@ -78,8 +80,8 @@ MAX_GRAPHS = 4
 UNBUFFERED = 2
 
 #: counts since the process started (tests and benchmarks read them): graphs
-#: ``captured``, compresses ``replayed``, compresses run ``eager`` (first or unbuffered
-#: steps, and buckets turned ``off``), buckets turned ``off``
+#: ``captured``, compresses and decompresses ``replayed`` and run ``eager`` (first or
+#: unbuffered steps, and buckets turned ``off``), buckets turned ``off``
 STATS = {"captured": 0, "replayed": 0, "eager": 0, "off": 0}
 
 
@@ -117,8 +119,7 @@ def compress_bucket(c, flat, layout, capture=None):
     (see the module docstring).  ``capture(fn, written) -> (replay, fn())``: records
     ``fn``'s launches (``written``: the tensors from before that ``fn`` writes in place;
     default :func:`cuda_capture`)."""
-    b = _bucket(c, ("compress", layout.key, layout.total, flat.dtype, flat.device, c.ef,
-                    c.ef_decay))
+    b = _bucket(c, _compress_key(c, layout, flat))
     eager = lambda: c.compress_bucket_eager(flat, layout)      # noqa: E731
     if b.off is not None or b.calls == 1:
         return _eager(eager)
@@ -145,7 +146,8 @@ def compress_bucket(c, flat, layout, capture=None):
             memory.take_buffer(parts, first)
             residual, role = first, 1
     into = b.buffers[role]
-    into.copy_(flat)
+    if flat.data_ptr() != into.data_ptr():          # (the caller wrote it there: input_buffer)
+        into.copy_(flat)
     hit = b.graphs.get(role)
     if hit is None:
         store = c._store
@@ -168,6 +170,23 @@ def compress_bucket(c, flat, layout, capture=None):
     replay()
     STATS["replayed"] += 1
     return payload, ctx
+
+
+def input_buffer(c, layout, like):
+    """The buffer :func:`compress_bucket` will copy the next input of ``layout`` (tensors
+    like ``like``) into, for the caller to write that input there itself (the glue's
+    ``torch.cat(..., out=)``: no copy, and no buffer of the caller's besides); None
+    where there is none yet (the bucket's first steps) or the bucket runs eagerly."""
+    b = c.__dict__.get("_replay_buckets", {}).get(_compress_key(c, layout, like))
+    if b is None or b.off is not None or b.buffers is None:
+        return None
+    first, second = b.buffers
+    if not c.ef:
+        return first
+    residual = c.error_feedback(c._ops).bucket_buffer(_parts(layout), like)
+    if residual is None:
+        return None                                # an eager step comes first
+    return first if residual.data_ptr() == second.data_ptr() else second
 
 
 def decompress_bucket(c, payload, ctx, capture=None):
@@ -216,6 +235,10 @@ def decompress_bucket(c, payload, ctx, capture=None):
     sink.extend(deferred)
     STATS["replayed"] += 1
     return out
+
+
+def _compress_key(c, layout, like):
+    return "compress", layout.key, layout.total, like.dtype, like.device, c.ef, c.ef_decay
 
 
 def _bucket(c, key):

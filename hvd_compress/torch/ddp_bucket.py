@@ -164,7 +164,8 @@ class _Bucket:
             name, grad = entries[0][0], entries[0][1]
             return driver.launch(compressor, single_layout(name, grad.shape), tensor=grad)
         lay = buckets.layout([e[0] for e in entries], [e[1].shape for e in entries])
-        flat = torch.cat([g.reshape(-1) for _, g, _, _ in entries])
+        into = compressor.bucket_input(lay, entries[0][1]) if len(entries) > 1 else None
+        flat = torch.cat([g.reshape(-1) for _, g, _, _ in entries], out=into)
         if len(entries) == 1:
             return driver.launch(compressor, lay, tensor=flat.view(entries[0][1].shape),
                                  key=auto_key)

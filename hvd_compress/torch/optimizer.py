@@ -181,7 +181,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             compressor = self.compression.for_tensor(self._names[params[0]], params[0])
         if len(params) == 1:                 # a bucket of one: the tensor's own path
             return driver.launch(compressor, layout, inplace=True, tensor=params[0].grad)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = torch.cat([p.grad.reshape(-1) for p in params],     # (out: replay's buffer)
+                         out=compressor.bucket_input(layout, params[0].grad))
         return driver.launch(compressor, layout, flat=flat)
 
     def _driver_now(self):

@@ -183,6 +183,34 @@ def test_the_residuals_after_a_replay_are_views_of_the_buckets_buffer(spec, stat
                    for n, o in zip(LAY.names, LAY.offsets))
 
 
+@pytest.mark.parametrize("spec", ["twobit", "twobit:ef=0", "laplace_topk:density=0.05,padded=1"])
+def test_a_caller_that_writes_into_the_input_buffer_gets_the_eager_bits(spec, stats):
+    """The glue's way: ``input_buffer`` (None for the first two steps, and at the step
+    after a restore) is where the caller writes the step's input, which the compress
+    then takes as it is; the residual ends in it; the eager bits throughout."""
+    eager, c = from_spec(spec), from_spec(spec)
+    standin, given = StandIn(c), []
+    for step in range(9):
+        if step == 5:
+            saved = eager.state_dict()
+            eager.load_state_dict(saved)
+            c.load_state_dict(saved)
+        into = replay.input_buffer(c, LAY, torch.empty(0))
+        given.append(into is not None)
+        flat = into if into is not None else torch.empty(LAY.total)
+        flat.copy_(grad(step))
+        mine, _ = replay.compress_bucket(c, flat, LAY, capture=standin)
+        theirs, _ = eager.compress_bucket(grad(step), LAY)
+        assert same_bits(parts(mine), parts(theirs)), step
+        if into is not None and c.ef:
+            r = c.error_feedback(c._ops).bucket_buffer(tuple(zip(LAY.names, LAY.numels)), flat)
+            assert r.data_ptr() == into.data_ptr(), step
+    same_state(eager, c)
+    restored = 5 if c.ef else None              # (no residual to restore without ef)
+    assert given == [False, False] + [step != restored for step in range(2, 9)]
+    assert stats["off"] == 0
+
+
 class Failing(StandIn):
     """A capture that fails after the compress's Python ran (its host effects done;
     nothing computed)."""
