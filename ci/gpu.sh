@@ -68,7 +68,7 @@ DEVICE=${GPU_TEST_DEVICE:-cuda}
 case $DEVICE in
   cuda)
     RESULTS=${RESULTS_DIR:-$ROOT/benchmarks/results/gpu_$STAMP}
-    BUDGET=${GPU_TEST_BUDGET:-450} TESTS_LIMIT=240 DRY= SLOWER=1
+    BUDGET=${GPU_TEST_BUDGET:-450} TESTS_LIMIT=300 DRY= SLOWER=1
     BIG=25M SMALL=1M,4M HUGE=100M PROF=1M,25M REPEAT=5 STEP=(--repeat 2 --warmup 1)
     MODELS=(--repeat 10) ;;
   cpu)                                # tests/gpu on CPU tensors, kernels interpreted
@@ -203,7 +203,7 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     --out "$RESULTS/codecs.json" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
   run_step models 75 "${BENCH[@]}" models --device "$DEVICE" "${MODELS[@]}" \
     --out "$RESULTS/models.json"
-  run_step "gpu step" 90 "$PY" benchmarks/gpu_step.py --device "$DEVICE" --models gpt2,resnet50 \
+  run_step "gpu step" 120 "$PY" benchmarks/gpu_step.py --device "$DEVICE" --models gpt2,resnet50 \
     "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
   run_step breakdown 60 "$PY" benchmarks/gpu_breakdown.py --device "$DEVICE" \
     ${DRY:+--tiny --repeat 1} --out "$RESULTS"  # device time by kernel; host overhead
