@@ -116,9 +116,8 @@ def _parts(layout):
 
 def compress_bucket(c, flat, layout, capture=None):
     """``c.compress_bucket(flat, layout)``, replayed from a CUDA graph where it can be
-    (see the module docstring).  ``capture(fn, written) -> (replay, fn())``: records
-    ``fn``'s launches (``written``: the tensors from before that ``fn`` writes in place;
-    default :func:`cuda_capture`)."""
+    (see the module docstring).  ``capture(fn, written, store) -> (replay, fn())``:
+    records ``fn``'s launches (default :func:`cuda_capture`)."""
     b = _bucket(c, _compress_key(c, layout, flat))
     eager = lambda: c.compress_bucket_eager(flat, layout)      # noqa: E731
     if b.off is not None or b.calls == 1:
@@ -155,7 +154,7 @@ def compress_bucket(c, flat, layout, capture=None):
         capture = capture or _on_device(cuda_capture, flat.device)
         written = (into,) if residual is None else (into, residual)
         hit, why = _capture(capture, lambda: c.compress_bucket_eager(into, layout), written,
-                            lambda: host_effects(c, saved, layout, into))
+                            store, lambda: host_effects(c, saved, layout, into))
         if hit is None:
             if store is not None:
                 store.set_tables(saved)
@@ -221,7 +220,7 @@ def decompress_bucket(c, payload, ctx, capture=None):
         store = c._store
         saved = store.tables() if store is not None else None
         capture = capture or _on_device(cuda_capture, tensors[0].device)
-        hit, why = _capture(capture, fn, (), lambda: _changed(store, saved))
+        hit, why = _capture(capture, fn, (), store, lambda: _changed(store, saved))
         if hit is None:
             if store is not None:
                 store.set_tables(saved)
@@ -260,11 +259,11 @@ def _eager(eager):
     return eager()
 
 
-def _capture(capture, fn, written, check):
+def _capture(capture, fn, written, store, check):
     """``((replay, fn's result), None)``, or ``(None, why)`` when the capture failed or
     ``check()`` (after it) says why it cannot be replayed."""
     try:
-        hit = capture(fn, written)
+        hit = capture(fn, written, store)
         why = check()
     except Exception as e:    # noqa: BLE001 - any failure to capture: eager from now on
         hit, why = None, f"the capture failed: {type(e).__name__}: {e}"[:400]
@@ -315,10 +314,12 @@ def host_effects(c, before, layout, flat):
     return why
 
 
-def cuda_capture(fn, written=()):
-    """``(graph.replay, fn())`` with ``fn``'s launches captured in a new CUDA graph
-    (nothing runs, so ``written`` is left as it was); thread-local capture mode, so that
-    other threads (Horovod's background thread) may go on using CUDA meanwhile."""
+def cuda_capture(fn, written=(), store=None):
+    """``(graph.replay, fn())`` with ``fn``'s launches captured in a new CUDA graph.
+    Nothing runs, so ``written`` (the tensors from before that ``fn`` writes in place)
+    is left as it was, and ``store`` (the compressor's, which ``fn``'s Python updates) is
+    what a replay leaves.  Thread-local capture mode, so that other threads (Horovod's
+    background thread) may go on using CUDA meanwhile."""
     import torch
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -328,8 +329,8 @@ def cuda_capture(fn, written=()):
 
 def _on_device(capture, device):
     """``capture`` with ``device`` current (a process may hold tensors of several GPUs)."""
-    def run(fn, written):
+    def run(fn, written, store):
         import torch
         with torch.cuda.device(device):
-            return capture(fn, written)
+            return capture(fn, written, store)
     return run

@@ -6,8 +6,10 @@ the glue makes it (``torch.cat`` of the gradients, so the caching allocator pick
 addresses) and two ranks' aggregate a new tensor each step: the eager payload bits,
 decompressed sum and residuals; the later steps replayed (no kernel launched through
 a launcher); no bucket turned off.  A malformed index in a replayed decompress still
-raises at the settle.  Needs CUDA itself (graphs cannot be captured elsewhere):
-tests/unit/test_replay.py checks the logic on the CPU."""
+raises at the settle.  On CPU tensors (HVD_COMPRESS_GPU_TESTS_ON_CPU=1) the same
+steps run through tests/replay_standin.py's stand-in for ``torch.cuda.graph`` (no
+launch counts: the stand-in relaunches), with two specs; tests/unit/test_replay.py
+checks the replay logic itself on the CPU."""
 import pytest
 import torch
 
@@ -16,9 +18,9 @@ from hvd_compress.buckets import layout
 from hvd_compress.compressors import replay
 from hvd_compress.kernels import counting_launches
 from hvd_compress.ops import torch_ops
-from gpu_helpers import CUDA_ONLY, GPU, assert_same_steps, laplace
+from gpu_helpers import DEV, GPU, assert_same_steps, laplace
 
-pytestmark = GPU + [CUDA_ONLY]
+pytestmark = GPU
 
 SIZES = [1000, 4096, 50_000, 3, 130_000, 768 * 64]
 SPECS = ["twobit", "twobit:ef=0", "twobit:threshold=0.5", "onebit", "signsgd",
@@ -28,6 +30,18 @@ SPECS = ["twobit", "twobit:ef=0", "twobit:threshold=0.5", "onebit", "signsgd",
          "laplace_topk:density=0.01,padded=1,exact=1",
          "laplace_topk:density=0.01,padded=1,ef_decay=0.9"]
 STEPS = 6
+if DEV == "cpu":        # the interpreter: the test's own logic, on two kernel families
+    SPECS = ["twobit", "laplace_topk:density=0.01,padded=1"]
+
+
+@pytest.fixture(autouse=True)
+def graphs_on_cpu(monkeypatch):
+    """On CPU tensors: replay taken for them, through the stand-in for CUDA graphs."""
+    if DEV == "cpu":
+        from replay_standin import StandIn          # tests/replay_standin.py
+        monkeypatch.setattr(replay, "wanted", lambda c, t: c.replayable and replay.enabled())
+        monkeypatch.setattr(replay, "cuda_capture", StandIn())
+        monkeypatch.setattr(replay, "_on_device", lambda capture, device: capture)
 
 
 def steps(spec, graphs, monkeypatch):
@@ -37,7 +51,7 @@ def steps(spec, graphs, monkeypatch):
     c = hvd_compress.from_spec(spec)
     out = []
     for step in range(STEPS):
-        grads = [laplace(n, seed=10 * step + i, device="cuda") for i, n in enumerate(SIZES)]
+        grads = [laplace(n, seed=10 * step + i, device=DEV) for i, n in enumerate(SIZES)]
         if step == 3:
             grads[2][17] = float("nan")
         flat = torch.cat([g.reshape(-1) for g in grads])       # as the glue makes it
@@ -54,7 +68,8 @@ def steps(spec, graphs, monkeypatch):
         out.append((copied, total, [None if r is None else r.clone() for r in residuals],
                     sum(launched.values()), sum(decoded.values())))
         del flat, payload, residuals
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     return out
 
 
@@ -78,7 +93,7 @@ def test_a_replayed_compress_gives_the_eager_bits(spec, monkeypatch):
     # without error feedback); decompress: the first aggregate eager, one graph
     assert got == {"eager": 2, "replayed": 2 * (STEPS - 1), "off": 0,
                    "captured": 2 if "ef=0" in spec else 3}, (spec, got)
-    for what, at in (("compress", 3), ("decompress", 4)):
+    for what, at in (("compress", 3), ("decompress", 4)) if DEV == "cuda" else ():
         launches = [r[at] for r in replayed[2:]]
         assert min(launches) == 0, (
             f"{spec}: every later {what} launched kernels ({launches}): not replayed")
@@ -91,7 +106,7 @@ def test_a_replayed_decompress_finds_a_malformed_index(monkeypatch):
     lay = layout([f"t{i}" for i in range(len(SIZES))], [(n,) for n in SIZES])
     c = hvd_compress.from_spec("laplace_topk:density=0.01,padded=1")
     for step in range(4):
-        payload, ctx = c.compress_bucket(laplace(lay.total, seed=step, device="cuda"), lay)
+        payload, ctx = c.compress_bucket(laplace(lay.total, seed=step, device=DEV), lay)
         agg = aggregate(payload, c.collective)
         if step == 3:
             agg[-1][5] = lay.total + 7

@@ -3,10 +3,9 @@
 what it keeps on the host, and what it puts back.
 
 CUDA graphs cannot be captured here (no GPU), so these tests give ``replay`` a stand-in
-for ``torch.cuda.graph`` (:class:`StandIn`) with a graph's semantics on the CPU:
-capturing changes only the host's state (the compress runs, then every tensor it wrote
-in place is put back), and a replay computes what the capture recorded into the
-capture's own tensors (:class:`GraphMemory`) without changing the host's state.
+for ``torch.cuda.graph`` with a graph's semantics on the CPU (tests/replay_standin.py):
+capturing changes only the host's state, and a replay computes what the capture
+recorded into the capture's own tensors without changing the host's state.
 ``tests/gpu/test_gpu_replay.py`` captures real graphs on CUDA, bit for bit against the
 eager compress and decompress."""
 import logging
@@ -14,8 +13,6 @@ import logging
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hvd_compress.buckets import layout
 from hvd_compress.compressors import replay
@@ -23,6 +20,7 @@ from hvd_compress.ops import torch_ops
 from hvd_compress.spec import from_spec
 
 import counting  # tests/counting.py
+from replay_standin import StandIn  # tests/replay_standin.py
 
 LAY = layout(list("abcde"), [(48,), (16, 12), (64,), (3, 16), (80,)])
 REPLAYABLE = ["twobit", "twobit:ef=0", "onebit", "signsgd", "rangefloat:bits=8",
@@ -42,70 +40,6 @@ def parts(t):
     return tuple(t) if isinstance(t, (tuple, list)) else (t,)
 
 
-class GraphMemory(TorchDispatchMode):
-    """A CUDA graph's memory on the CPU: recording, every new tensor a framework op makes
-    is kept in order; replaying, the same ops' results are written into those tensors,
-    which are returned in their place (views and in-place results pass), so that what a
-    capture returned, and what it handed out, holds each replay's values, as a graph's
-    private memory does."""
-
-    def __init__(self, kept=None):
-        super().__init__()
-        self.replaying, self.kept, self.at = kept is not None, kept if kept else [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if any(r.alias_info is not None for r in func._schema.returns):
-            return out                               # a view, or an in-place op's input
-        flat, spec = tree_flatten(out)
-        if not self.replaying:
-            self.kept.append(flat)
-            return out
-        mine = self.kept[self.at]
-        self.at += 1
-        got = []
-        for m, o in zip(mine, flat):
-            # (an empty tensor passes: Triton's interpreter resizes its own ones later)
-            if isinstance(o, torch.Tensor) and o.numel():
-                assert m.shape == o.shape and m.dtype == o.dtype, (func, m.shape, o.shape)
-                m.copy_(o)
-                o = m
-            got.append(o)
-        return tree_unflatten(got, spec)
-
-
-class StandIn:
-    """``capture(fn, written) -> (replay, fn())`` with a CUDA graph's semantics on the CPU
-    (see the module docstring): the capture runs ``fn`` for its host effects and then
-    puts back ``written`` (the tensors from before that ``fn`` writes in place); a
-    replay runs it again on the store as the capture saw it, into the capture's memory
-    (:class:`GraphMemory`), and puts the store back as it was."""
-
-    def __init__(self, c):
-        self.c, self.captures = c, 0
-
-    def __call__(self, fn, written):
-        self.captures += 1
-        store = self.c._store
-        before = store.tables() if store is not None else None
-        data = [t.clone() for t in written]
-        memory = GraphMemory()
-        with memory:
-            out = fn()
-        for t, d in zip(written, data):            # a capture computes nothing
-            t.copy_(d)
-
-        def replay_():
-            now = store.tables() if store is not None else None
-            if store is not None:
-                store.set_tables(before)            # the state the capture saw
-            with GraphMemory(memory.kept):
-                fn()
-            if store is not None:
-                store.set_tables(now)               # a replay changes nothing on the host
-        return replay_, out
-
-
 @pytest.fixture(autouse=True)
 def cuda_code_path(monkeypatch):
     """The CUDA code path (kernels in Triton's interpreter), the one a GPU captures: the
@@ -123,7 +57,7 @@ def run(spec, steps=6, capture=StandIn, restore_at=()):
     """Payloads of ``steps`` compresses with replay and eagerly (each step's input a new
     tensor), and both compressors; a checkpoint restored into both at ``restore_at``."""
     eager, replayed = from_spec(spec), from_spec(spec)
-    standin = capture(replayed)
+    standin = capture()
     out = []
     for step in range(steps):
         if step in restore_at:
@@ -189,7 +123,7 @@ def test_a_caller_that_writes_into_the_input_buffer_gets_the_eager_bits(spec, st
     after a restore) is where the caller writes the step's input, which the compress
     then takes as it is; the residual ends in it; the eager bits throughout."""
     eager, c = from_spec(spec), from_spec(spec)
-    standin, given = StandIn(c), []
+    standin, given = StandIn(), []
     for step in range(9):
         if step == 5:
             saved = eager.state_dict()
@@ -215,7 +149,7 @@ class Failing(StandIn):
     """A capture that fails after the compress's Python ran (its host effects done;
     nothing computed)."""
 
-    def __call__(self, fn, written):
+    def __call__(self, fn, written, store):
         self.captures += 1
         data = [t.clone() for t in written]
         fn()
@@ -246,7 +180,7 @@ def test_a_compress_that_keeps_its_residuals_elsewhere_is_not_replayed(stats, ca
     for step in range(5):
         flat = grad(step)
         before = c._store.tables() if c._store is not None else None
-        mine, _ = replay.compress_bucket(c, flat, LAY, capture=StandIn(c))
+        mine, _ = replay.compress_bucket(c, flat, LAY, capture=StandIn())
         theirs, _ = eager.compress_bucket(grad(step), LAY)
         assert same_bits(parts(mine), parts(theirs)), step
     same_state(eager, c)
@@ -315,7 +249,7 @@ def exchanges(spec, steps=5, ranks=2, corrupt=None):
     ValueError the settle raised."""
     senders = [from_spec(spec) for _ in range(ranks)]
     eager, replayed = from_spec(spec), from_spec(spec)
-    standin = StandIn(replayed)
+    standin = StandIn()
     out = []
     for step in range(steps):
         sent = [c.compress_bucket_eager(grad(10 * step + r), LAY) for r, c in enumerate(senders)]
@@ -359,12 +293,12 @@ def test_a_decompress_outside_the_deferred_checks_or_of_a_new_shape_runs_eagerly
     ctx = sent[0][1]
     for _ in range(3):                              # no sink: never replayed
         replay.decompress_bucket(c, aggregate([p for p, _ in sent[:2]]), ctx,
-                                 capture=StandIn(c))
+                                 capture=StandIn())
     assert stats["eager"] == 3 and stats["captured"] == 0
     for ranks in (2, 2, 3, 3, 2):                   # 2 ranks: eager, then captured;
         with torch_ops.deferred_checks([]):         # 3 ranks: the same, then 2 replayed
             got = replay.decompress_bucket(c, aggregate([p for p, _ in sent[:ranks]]), ctx,
-                                           capture=StandIn(c))
+                                           capture=StandIn())
         want = from_spec("twobit").decompress_bucket(aggregate([p for p, _ in sent[:ranks]]),
                                                      ctx)
         assert same_bits((want,), (got,)), ranks
@@ -379,5 +313,5 @@ def test_a_malformed_aggregate_raises_and_leaves_replay_on(stats):
     with torch_ops.deferred_checks([]):
         for bad in (codes[:-1], codes[:-1]):       # the second: seen once, so captured
             with pytest.raises(ValueError, match="malformed"):
-                replay.decompress_bucket(c, (bad, scales), ctx, capture=StandIn(c))
+                replay.decompress_bucket(c, (bad, scales), ctx, capture=StandIn())
     assert stats["off"] == 0 and stats["replayed"] == 0
