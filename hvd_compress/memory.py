@@ -183,24 +183,27 @@ class ResidualMemory:
         old = self._residuals(parts, compensated)
         self._set_parts(parts, ops.select(finite, new, old))
 
-    def _set_parts(self, parts, new):
-        """Store ``new``'s consecutive views as the residuals of ``parts``; PyTorch: and
-        remember them, for :meth:`_residuals` (a new bucket drops those it replaces,
-        whose buffers would stay alive here)."""
+    def _set_parts(self, parts, new, views=None):
+        """Store ``new``'s consecutive views (``views``, if made before) as the residuals
+        of ``parts``, and return them; PyTorch: and remember them, for
+        :meth:`_residuals` (a new bucket drops those it replaces, whose buffers would
+        stay alive here)."""
         buckets = getattr(self.store, "buckets", None)
         known = buckets.get(parts) if buckets is not None else None
         keys = known[0] if known else tuple(self.PREFIX + name for name, _ in parts)
-        views = tuple(self.ops.split(new, [n for _, n in parts]))
+        if views is None:
+            views = tuple(self.ops.split(new, [n for _, n in parts]))
         if buckets is None:
             for key, view in zip(keys, views):
                 self.store.set(key, view)
-            return
+            return views
         self.store.set_many(keys, views)
         if known is None:
             mine = set(keys)
             for other in [p for p, k in buckets.items() if not mine.isdisjoint(k[0])]:
                 del buckets[other]
         buckets[parts] = (keys, views, new)
+        return views
 
     def _residuals(self, parts, like):
         """The residuals of ``parts``, end to end in one tensor.  Where residuals are
@@ -225,12 +228,13 @@ class ResidualMemory:
             return known[2]
         return None
 
-    def take_buffer(self, parts, flat):
+    def take_buffer(self, parts, flat, views=None):
         """Make the residuals of ``parts`` views of ``flat`` end to end (which holds
-        them): what :meth:`update_parts` leaves where ``c``'s buffer becomes the
-        residual; a compress replayed from a CUDA graph (:mod:`hvd_compress.compressors.replay`)
-        wrote them there without running the update's Python."""
-        self._set_parts(parts, flat)
+        them; ``views``: those views, as this returned them before for ``flat``): what
+        :meth:`update_parts` leaves where ``c``'s buffer becomes the residual; a
+        compress replayed from a CUDA graph (:mod:`hvd_compress.compressors.replay`)
+        wrote them there without running the update's Python.  Returns the views."""
+        return self._set_parts(parts, flat, views)
 
     def _restored(self, new, old, finite):
         """``new``, or ``old``'s values where :class:`NonFinite` ``finite`` flags any."""

@@ -105,6 +105,7 @@ class _Bucket:
         self.graphs = {}      # compress: role (0: input in A, 1: in B) -> (replay, payload,
         self.calls = 0        # ctx); decompress: shapes -> (replay, inputs, sum, checks)
         self.buffers = None   # compress: A and B
+        self.views = [None, None]   # ... the residuals' views of each, made once
         self.seen = set()     # decompress: the aggregates' shapes seen once (eagerly)
         self.unbuffered = 0   # compresses in a row whose residuals were not one buffer
         self.off = None       # why the bucket runs eagerly for good, or None
@@ -142,7 +143,7 @@ def compress_bucket(c, flat, layout, capture=None):
             role = 1                                    # the input goes to B
         elif residual.data_ptr() != second.data_ptr():  # in neither: moved into A, once
             first.copy_(residual)
-            memory.take_buffer(parts, first)
+            b.views[0] = memory.take_buffer(parts, first, b.views[0])
             residual, role = first, 1
     into = b.buffers[role]
     if flat.data_ptr() != into.data_ptr():          # (the caller wrote it there: input_buffer)
@@ -163,8 +164,8 @@ def compress_bucket(c, flat, layout, capture=None):
         # (a plain tuple: an OwnPayload holds the input)
         b.graphs[role] = hit = (replay, (tuple(payload) if isinstance(payload, (tuple, list))
                                          else payload), ctx)
-    elif memory is not None:
-        memory.take_buffer(parts, into)
+    elif memory is not None:                         # (the views made once a buffer)
+        b.views[role] = memory.take_buffer(parts, into, b.views[role])
     replay, payload, ctx = hit
     replay()
     STATS["replayed"] += 1
