@@ -46,7 +46,8 @@ allocator need not, and small buckets share its pool with every other tensor.)
 
 The payload returned is the graph's own memory: the next replay of the same graph
 overwrites it, so it must have been sent (as every exchange does within its step)
-before the bucket is compressed again.
+before the bucket is compressed again.  A graph holds the cached device tables its
+capture read (:mod:`hvd_compress.kernels._held`), which their caches may drop.
 
 Decompress (:func:`decompress_bucket`), of the same compressors, only inside the
 exchange's deferred checks (``ops.deferred_checks``: a check read at once would read
@@ -103,7 +104,8 @@ class _Bucket:
 
     def __init__(self):
         self.graphs = {}      # compress: role (0: input in A, 1: in B) -> (replay, payload,
-        self.calls = 0        # ctx); decompress: shapes -> (replay, inputs, sum, checks)
+        self.calls = 0        # ctx, held); decompress: shapes -> (replay, inputs, sum,
+                              # checks, held); held: the cached tables the graph reads
         self.buffers = None   # compress: A and B
         self.views = [None, None]   # ... the residuals' views of each, made once
         self.seen = set()     # decompress: the aggregates' shapes seen once (eagerly)
@@ -160,13 +162,13 @@ def compress_bucket(c, flat, layout, capture=None):
             if store is not None:
                 store.set_tables(saved)
             return _off(c, b, layout.key, why, eager)
-        replay, (payload, ctx) = hit
+        replay, (payload, ctx), held = hit
         # (a plain tuple: an OwnPayload holds the input)
         b.graphs[role] = hit = (replay, (tuple(payload) if isinstance(payload, (tuple, list))
-                                         else payload), ctx)
+                                         else payload), ctx, held)
     elif memory is not None:                         # (the views made once a buffer)
         b.views[role] = memory.take_buffer(parts, into, b.views[role])
-    replay, payload, ctx = hit
+    replay, payload, ctx, _ = hit
     replay()
     STATS["replayed"] += 1
     return payload, ctx
@@ -226,9 +228,9 @@ def decompress_bucket(c, payload, ctx, capture=None):
             if store is not None:
                 store.set_tables(saved)
             return _off(c, b, ctx.name, why, eager, "decompressed")
-        hit = hit[0], inputs, hit[1], tuple(made)
+        hit = hit[0], inputs, hit[1], tuple(made), hit[2]
     _keep(b, key, hit)
-    replay, inputs, out, deferred = hit
+    replay, inputs, out, deferred, _ = hit
     for mine, t in zip(inputs, tensors):
         mine.copy_(t)
     replay()
@@ -261,10 +263,15 @@ def _eager(eager):
 
 
 def _capture(capture, fn, written, store, check):
-    """``((replay, fn's result), None)``, or ``(None, why)`` when the capture failed or
-    ``check()`` (after it) says why it cannot be replayed."""
+    """``((replay, fn's result, held), None)``, or ``(None, why)`` when the capture failed
+    or ``check()`` (after it) says why it cannot be replayed.  ``held``: the cached
+    device tables the capture read, which the graph keeps alive (a cache may drop them:
+    :mod:`hvd_compress.kernels._held`)."""
+    from ..kernels import _held
     try:
-        hit = capture(fn, written, store)
+        with _held.recording() as held:
+            hit = capture(fn, written, store)
+        hit = (*hit, held)
         why = check()
     except Exception as e:    # noqa: BLE001 - any failure to capture: eager from now on
         hit, why = None, f"the capture failed: {type(e).__name__}: {e}"[:400]

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._held import used
 from ._launch import cached
 from .rangefloat import decode_reference, encode_reference, group, max_exponent
 
@@ -227,7 +228,7 @@ def host_table(lengths, g, device, block=BLOCK):
                       as_t(np.cumsum(lengths) - lengths), as_t(np.cumsum(groups) - groups))
         got = _HOST_TABLES[key] = HostTable(table, int(groups.sum()), int(lengths.sum()),
                                             as_t(lengths, torch.int32))
-    return got
+    return used(got)                    # (a CUDA graph that reads it keeps it: _held)
 
 
 def device_table(counts, n, g, block=BLOCK):

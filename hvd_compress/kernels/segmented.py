@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ._backend import count_launch, pick_backend
+from ._held import used
 from ._launch import cached
 
 
@@ -215,7 +216,7 @@ def block_table(lengths, device, block=4096):
         table = Blocks(*(torch.tensor(v, dtype=torch.int64, device=device) for v in lists),
                        block=key[1], align=alignment(key[0], key[1]))
         _DEVICE_BLOCKS[key] = table
-    return table
+    return used(table)                  # (a CUDA graph that reads it keeps it: _held)
 
 
 _WORD_TABLES = {}
@@ -241,7 +242,7 @@ def word_table(lengths, per_word, device, block_words):
         table = _WORD_TABLES[key] = (block_table(words, device, block_words), as_t(xoff),
                                      as_t(woff), as_t(lengths), sum(words),
                                      alignment(lengths, per_word))
-    return table
+    return used(table)
 
 
 def check_flat32(what, n, *tensors):

@@ -315,3 +315,21 @@ def test_a_malformed_aggregate_raises_and_leaves_replay_on(stats):
             with pytest.raises(ValueError, match="malformed"):
                 replay.decompress_bucket(c, (bad, scales), ctx, capture=StandIn())
     assert stats["off"] == 0 and stats["replayed"] == 0
+
+
+@pytest.mark.parametrize("spec", ["twobit", "rangefloat:bits=8",
+                                  "laplace_topk:density=0.05,padded=1"])
+def test_a_graph_holds_the_cached_tables_it_reads(spec):
+    """The launchers' caches drop every table when full; a graph reads its tables at the
+    addresses they had at its capture, so it holds each one its compress read: the
+    same objects that an eager compress of the bucket is handed (kernels._held)."""
+    from hvd_compress.kernels import _held
+    c = from_spec(spec)
+    for step in range(3):
+        replay.compress_bucket(c, grad(step), LAY, capture=StandIn())
+    with _held.recording() as eager:
+        from_spec(spec).compress_bucket_eager(grad(9), LAY)
+    bucket, = c._replay_buckets.values()
+    assert eager and len(bucket.graphs) == 2
+    for hit in bucket.graphs.values():
+        assert {id(t) for t in hit[-1]} == {id(t) for t in eager}

@@ -113,7 +113,8 @@ def _cached(what, values, device, make):
         if len(_CACHE) > 1024:
             _CACHE.clear()
         got = _CACHE[key] = make()
-    return got
+    from ...kernels._held import used
+    return used(got)                    # (a CUDA graph that reads it keeps it: _held)
 
 
 def _host_list(values, device, dtype=_torch.int64):
