@@ -291,7 +291,7 @@ def run_model(name, args, info):
     for spec in args.specs:
         t0 = time.perf_counter()
         real, settings = variant(spec)
-        graphs = "HVD_COMPRESS_CUDA_GRAPHS" in settings
+        graphs = VARIANTS["+graphs"][0] in settings
         # replayed: the steps twice, the first pass a warm-up (a bucket's first compress
         # runs eagerly, the next two capture the graphs of its two buffers)
         steps_ = grads * 2 if graphs else grads

@@ -95,7 +95,9 @@ def enabled():
 
 
 def wanted(compressor, flat):
-    """Whether ``compressor.compress_bucket(flat, ...)`` goes through :func:`compress_bucket`."""
+    """Whether ``compressor``'s bucket exchange of tensors like ``flat`` (its input, or an
+    aggregate's first tensor) goes through this module: :func:`compress_bucket`,
+    :func:`decompress_bucket`, :func:`input_buffer`."""
     return compressor.replayable and getattr(flat, "is_cuda", False) and enabled()
 
 
@@ -139,14 +141,12 @@ def compress_bucket(c, flat, layout, capture=None):
         import torch
         b.buffers = (torch.empty_like(flat), torch.empty_like(flat))
     first, second = b.buffers
-    role = 0
-    if residual is not None:
-        if residual.data_ptr() == first.data_ptr():
-            role = 1                                    # the input goes to B
-        elif residual.data_ptr() != second.data_ptr():  # in neither: moved into A, once
-            first.copy_(residual)
-            b.views[0] = memory.take_buffer(parts, first, b.views[0])
-            residual, role = first, 1
+    role = _input_role(b, residual)
+    if residual is not None and residual.data_ptr() not in (first.data_ptr(),
+                                                            second.data_ptr()):
+        first.copy_(residual)                           # in neither: moved into A, once
+        b.views[0] = memory.take_buffer(parts, first, b.views[0])
+        residual = first
     into = b.buffers[role]
     if flat.data_ptr() != into.data_ptr():          # (the caller wrote it there: input_buffer)
         into.copy_(flat)
@@ -182,13 +182,17 @@ def input_buffer(c, layout, like):
     b = c.__dict__.get("_replay_buckets", {}).get(_compress_key(c, layout, like))
     if b is None or b.off is not None or b.buffers is None:
         return None
-    first, second = b.buffers
-    if not c.ef:
-        return first
-    residual = c.error_feedback(c._ops).bucket_buffer(_parts(layout), like)
-    if residual is None:
+    residual = c.error_feedback(c._ops).bucket_buffer(_parts(layout), like) if c.ef else None
+    if c.ef and residual is None:
         return None                                # an eager step comes first
-    return first if residual.data_ptr() == second.data_ptr() else second
+    return b.buffers[_input_role(b, residual)]
+
+
+def _input_role(b, residual):
+    """Which of the bucket's buffers the next input goes into: A (0) without error
+    feedback or where B holds the residual, else B (1; the residual in A, or in neither
+    and about to be moved into A)."""
+    return 0 if residual is None or residual.data_ptr() == b.buffers[1].data_ptr() else 1
 
 
 def decompress_bucket(c, payload, ctx, capture=None):
