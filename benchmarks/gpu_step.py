@@ -47,7 +47,10 @@ What is measured, per model (no Horovod, no network):
 ``--ddp-check``: two processes on ``--device`` (one CUDA device, or the CPU for a dry
 run), torch.distributed Gloo with tensors there, the tiny first model through
 ``hvd_compress.ddp.register``; after 3 SGD steps both ranks must hold equal parameters
-(skipped, with the reason, when Gloo refuses CUDA tensors).  Writes
+(skipped, with the reason, when Gloo refuses CUDA tensors).  Then the replay check
+(``--ddp-graphs-spec``): 4 steps eagerly and 4 replayed from CUDA graphs from the same
+start, with DDP's buckets and with a bucket per tensor (each sent as a bucket of one
+where replayed), must end on the same parameters bit for bit.  Writes
 ``--out``/gpu_step_<model>_<date>.json (per-bucket figures included) and .png
 (``<model>_tiny`` with ``--tiny``; and gpu_step_ddp_check_<date>.json) and prints a table.
 """
@@ -361,6 +364,9 @@ def main():
                    help="no backward with the codec in its hooks (gpu_step_exchange.py)")
     p.add_argument("--ddp-check", action="store_true")
     p.add_argument("--ddp-spec", default="laplace_topk:density=0.01")
+    p.add_argument("--ddp-graphs-spec", default="laplace_topk:density=0.01,padded=1",
+                   help="--ddp-check's replay check (HVD_COMPRESS_CUDA_GRAPHS) with this "
+                        "spec; '' skips it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--no-progress", action="store_true", help="no line per compressor")
@@ -394,9 +400,17 @@ def main():
         print(f"DDP check ({args.ddp_spec}, 2 processes, Gloo, {args.device}): {res['status']}"
               + (f" ({res.get('reason')})" if res.get("reason") else
                  f", max parameter difference {res.get('max_param_diff')}"), flush=True)
+        out = dict(info, ddp_check=res)
+        if args.ddp_graphs_spec:
+            out["ddp_graphs_check"] = g = models_.ddp_check(models[0], args.ddp_graphs_spec,
+                                                            args.device, steps=4, graphs=True)
+            print(f"DDP replay check ({args.ddp_graphs_spec}, HVD_COMPRESS_CUDA_GRAPHS=1 "
+                  f"against 0): {g['status']}" + (f" ({g.get('reason')})" if g.get("reason")
+                                                  else f": {g.get('runs')}"), flush=True)
         path = Path(args.out) / f"gpu_step_ddp_check_{info['date']}.json"
-        path.write_text(json.dumps(dict(info, ddp_check=res), indent=1, default=str))
-        return 1 if res["status"] == "failed" else 0
+        path.write_text(json.dumps(out, indent=1, default=str))
+        return 1 if "failed" in (res["status"], out.get("ddp_graphs_check", {}).get(
+            "status")) else 0
     return 0
 
 

@@ -130,13 +130,15 @@ def exchange_buckets(spec, names, grads, sync, bucket_mb, warmup):
             exs = []
             for r, g in enumerate(ranks):         # the bucket's compressor, as the glue
                 c = Synced(comps[r].for_tensor(lay.names[0], g[lay.names[0]]), sync)
-                if len(lay.names) == 1:           # a bucket of one: the tensor's own path
-                    t = g[lay.names[0]].clone()
+                first = g[lay.names[0]]
+                if len(lay.names) == 1 and c.sends_alone(first):   # the tensor's own path
+                    t = first.clone()
                     sync()
                     exs.append(Exchange(c, world.transport(r), lay.names[0], tensor=t,
                                         inplace=True, average=True, checks=checks[r]))
                 else:                             # the glue's flat buffer
-                    flat = torch.cat([g[n].reshape(-1) for n in lay.names])
+                    flat = torch.cat([g[n].reshape(-1) for n in lay.names],
+                                     out=c.bucket_input(lay, first))
                     sync()
                     exs.append(Exchange(c, world.transport(r), lay.key, flat=flat,
                                         layout=lay, average=True, checks=checks[r]))
@@ -212,11 +214,12 @@ def rank1_replays(comp, lays, grads):
     for lay in lays:
         first = grads[lay.names[0]]
         c = comp.for_tensor(lay.names[0], first)
-        if len(lay.names) == 1:
+        if len(lay.names) == 1 and c.sends_alone(first):
             payload, ctx = c.compress(first.clone(), lay.names[0])
             out.append(Replay(c, payload, ctx, torch.zeros_like(first)))
         else:
-            flat = torch.cat([grads[n].reshape(-1) for n in lay.names])
+            flat = torch.cat([grads[n].reshape(-1) for n in lay.names],
+                             out=c.bucket_input(lay, first))
             payload, ctx = c.compress_bucket(flat, lay)
             out.append(Replay(c, payload, ctx, torch.zeros_like(flat)))
     return out
@@ -256,13 +259,15 @@ class InlineStep:
         self.waiting[b] = -1                        # launched
         c = self.comp.for_tensor(lay.names[0], self.params[lay.names[0]])
         t0, t1 = self.world.transport(0), self.world.transport(1)
-        if len(lay.names) == 1:                     # a bucket of one: the tensor's own path
+        first = self._grad(lay.names[0])
+        if len(lay.names) == 1 and c.sends_alone(first):   # the tensor's own path
             name = lay.names[0]
-            ours = Exchange(c, t0, name, tensor=self._grad(name), inplace=True, average=True,
+            ours = Exchange(c, t0, name, tensor=first, inplace=True, average=True,
                             checks=self.checks)
             theirs = Exchange(replay, t1, name, tensor=replay.out, inplace=True)
         else:                                       # the glue's flat buffer
-            flat = torch.cat([self._grad(n).reshape(-1) for n in lay.names])
+            flat = torch.cat([self._grad(n).reshape(-1) for n in lay.names],
+                             out=c.bucket_input(lay, first))
             ours = Exchange(c, t0, lay.key, flat=flat, layout=lay, average=True,
                             checks=self.checks)
             theirs = Exchange(replay, t1, lay.key, flat=replay.out, layout=lay)

@@ -116,12 +116,63 @@ def loss_of(model, x, y):
 
 # -- two processes through the DDP hook -------------------------------------------------
 
-def _ddp_worker(rank, port, model_name, spec, out, device, steps):
-    import datetime
-    import torch.distributed as dist
+def _ddp_train(model_name, spec, device, steps, rank, cap_mb=None):
+    """The tiny ``model_name`` from seed 0, ``steps`` SGD steps of this rank's batches
+    through DDP and ``hvd_compress.ddp.register``; ``(parameters before, after, the
+    hook's stats)``, flat.  ``cap_mb``: DDP's ``bucket_cap_mb`` (default: DDP's)."""
     from torch.nn.parallel import DistributedDataParallel
 
     import hvd_compress.ddp
+    torch.manual_seed(0)
+    model, make = build(model_name, True, None, None, None, device)
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ddp = DistributedDataParallel(model, device_ids=[0] if device.startswith("cuda") else None,
+                                  **({} if cap_mb is None else {"bucket_cap_mb": cap_mb}))
+    state = hvd_compress.ddp.register(ddp, compression=spec)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1 + rank)          # each rank its own batches
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(ddp, *make(gen)).backward()
+        opt.step()
+    return before, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), state.stats
+
+
+def _graphs_runs(model_name, spec, device, steps, rank, result):
+    """The check with CUDA-graph replay (``HVD_COMPRESS_CUDA_GRAPHS``): for DDP's own
+    buckets and for a bucket per tensor (each tensor alone: sent as a bucket of one
+    where replayed), a run eagerly and one replayed from the same start; each replayed
+    run must end on the eager run's parameters bit for bit, on both ranks, with
+    compresses replayed (on CUDA)."""
+    import os
+
+    import torch.distributed as dist
+    from hvd_compress.compressors import replay
+    runs, ok = [], True
+    for what, cap in (("DDP's buckets", None), ("a bucket per tensor", 1e-6)):
+        ends = []
+        for graphs in ("0", "1"):
+            os.environ[replay.ENV_VAR] = graphs
+            before = dict(replay.STATS)
+            _, flat, _ = _ddp_train(model_name, spec, device, steps, rank, cap)
+            ends.append((flat, {k: replay.STATS[k] - before[k] for k in before}))
+        os.environ[replay.ENV_VAR] = "0"
+        both = [torch.empty_like(ends[1][0]) for _ in range(2)]
+        dist.all_gather(both, ends[1][0])
+        run = {"buckets": what, "max_diff_replayed_vs_eager": float(
+            (ends[0][0] - ends[1][0]).abs().max()), "max_param_diff_ranks": float(
+            (both[0] - both[1]).abs().max()), "replay": ends[1][1]}
+        ok &= run["max_diff_replayed_vs_eager"] == 0 and run["max_param_diff_ranks"] == 0 and (
+            run["replay"]["replayed"] > 0 or not device.startswith("cuda"))
+        runs.append(run)
+    result.update(status="passed" if ok else "failed", runs=runs,
+                  note=None if device.startswith("cuda") else "CPU tensors: never replayed")
+
+
+def _ddp_worker(rank, port, model_name, spec, out, device, steps, graphs=False):
+    import datetime
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=120))
     result = {"spec": spec, "model": f"{model_name} (tiny)", "device": device, "steps": steps}
@@ -134,23 +185,15 @@ def _ddp_worker(rank, port, model_name, spec, out, device, steps):
             result.update(status="skipped", reason=f"Gloo refuses {device} tensors: "
                                                    f"{type(e).__name__}: {e}")
             return
-        torch.manual_seed(0)
-        model, make = build(model_name, True, None, None, None, device)
-        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        ddp = DistributedDataParallel(model, device_ids=[0] if device.startswith("cuda") else None)
-        state = hvd_compress.ddp.register(ddp, compression=spec)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(1 + rank)          # each rank its own batches
-        for _ in range(steps):
-            opt.zero_grad()
-            loss_of(ddp, *make(gen)).backward()
-            opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if graphs:
+            _graphs_runs(model_name, spec, device, steps, rank, result)
+            return
+        before, flat, stats = _ddp_train(model_name, spec, device, steps, rank)
         both = [torch.empty_like(flat) for _ in range(2)]
         dist.all_gather(both, flat)
         diff, moved = float((both[0] - both[1]).abs().max()), float((flat - before).abs().max())
         result.update(status="passed" if diff == 0 and moved > 0 else "failed",
-                      max_param_diff=diff, max_param_change=moved, stats=state.stats.as_dict())
+                      max_param_diff=diff, max_param_change=moved, stats=stats.as_dict())
     finally:
         if rank == 0:
             with open(out, "w") as f:
@@ -165,12 +208,13 @@ def _ddp_worker(rank, port, model_name, spec, out, device, steps):
     exit_skipping_teardown()
 
 
-def ddp_check(model_name, spec, device, steps=3):
+def ddp_check(model_name, spec, device, steps=3, graphs=False):
     """Two processes on ``device`` (both on CUDA device 0 for "cuda"), torch.distributed
     Gloo, the tiny ``model_name`` wrapped in DistributedDataParallel with
     ``hvd_compress.ddp.register(ddp, compression=spec)``, each rank training on its own
     batches for ``steps`` SGD steps: passed when both ranks end with equal parameters
-    that moved.  Returns a dict: status passed / failed / skipped, and the reason."""
+    that moved.  ``graphs``: the replay check instead (:func:`_graphs_runs`).  Returns a
+    dict: status passed / failed / skipped, and the reason."""
     import os
     import socket
     import tempfile
@@ -185,7 +229,8 @@ def ddp_check(model_name, spec, device, steps=3):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ddp.json")
         try:
-            mp.spawn(_ddp_worker, args=(port, model_name, spec, out, device, steps), nprocs=2)
+            mp.spawn(_ddp_worker, args=(port, model_name, spec, out, device, steps, graphs),
+                     nprocs=2)
         except Exception as e:  # noqa: BLE001 - reported in the results
             return {"status": "failed", "reason": f"{type(e).__name__}: {str(e)[-1500:]}"}
         with open(out) as f:

@@ -144,8 +144,9 @@ class ResidualMemory:
 
         PyTorch (``reuse``): after the first step the residuals are views of one bucket
         buffer, so nothing is concatenated; ``own=True`` says ``flat`` is the caller's
-        scratch buffer, and ``c`` is written into it."""
-        if len(parts) == 1:
+        scratch buffer, and ``c`` is written into it (a bucket of one tensor too; else a
+        tensor alone is :meth:`compensate`'s)."""
+        if len(parts) == 1 and not (self.reuse and own):
             return self.compensate(parts[0][0], flat)
         ops = self.ops
         r = self._residuals(parts, flat)
@@ -158,14 +159,15 @@ class ResidualMemory:
         ``own``), float32 and end to end, for an encode that adds them to ``flat`` in its
         own first pass (``c = g + r`` written over ``flat``, as :meth:`compensate_parts`
         would; then ``flat`` is ``c`` for :meth:`update_parts`); None where it cannot."""
-        if not (self.reuse and own and len(parts) > 1 and flat.dtype == self.ops.float32):
+        if not (self.reuse and own and flat.dtype == self.ops.float32):
             return None
         r = self._residuals(parts, flat)
         return r if r.dtype == flat.dtype and r.data_ptr() != flat.data_ptr() else None
 
-    def update_parts(self, parts, compensated, subtract_sent, finite):
-        """``r = c - sent`` per tensor of ``parts``; unchanged where ``finite`` is false."""
-        if len(parts) == 1:
+    def update_parts(self, parts, compensated, subtract_sent, finite, own=False):
+        """``r = c - sent`` per tensor of ``parts``; unchanged where ``finite`` is false.
+        ``own``: as :meth:`compensate_parts` was given it."""
+        if len(parts) == 1 and not (self.reuse and own):
             return self.update(parts[0][0], compensated, subtract_sent, finite)
         ops = self.ops
         if isinstance(finite, NonFinite):

@@ -43,7 +43,8 @@ import numbers
 from ..memory import ResidualMemory, check_residuals_of, other_residuals
 from ..ops import ops_for
 from . import replay
-from .payload import Ctx, OwnPayload, _wire, payload_bytes  # noqa: F401 (Ctx etc. live here too)
+from .payload import (Ctx, OwnPayload, _wire, check_wire, first_tensor,  # noqa: F401
+                      payload_bytes)                   # (Ctx etc. live here too)
 
 REGISTRY = {}
 
@@ -230,6 +231,12 @@ class Compressor:
             return replay.compress_bucket(self, flat, layout)
         return self.compress_bucket_eager(flat, layout)
 
+    def sends_alone(self, like):
+        """Whether a bucket of one tensor like ``like`` goes on the tensor's own path
+        (:meth:`compress`), as the glue sends it; not where bucket exchanges are replayed
+        (:func:`.replay.wanted`): a bucket of one then, whose payload is the same."""
+        return not replay.wanted(self, like)
+
     def bucket_input(self, layout, like):
         """Where to write the next ``flat`` of ``layout`` (of ``like``'s dtype), or None: a
         replayed bucket's own buffer (:func:`.replay.input_buffer`)."""
@@ -278,7 +285,7 @@ class Compressor:
 
         def subtract(c, inplace):
             return c if written else self.subtract_sent(c, payload, ctx, ops, inplace)
-        memory.update_parts(parts, compensated, subtract, finite)
+        memory.update_parts(parts, compensated, subtract, finite, own)
         return payload
 
     def adds_residual(self, flat, ctx, ops):
@@ -299,33 +306,12 @@ class Compressor:
 
     def check_aggregate(self, payload, ctx):
         """The framework's ops, after checking that ``payload`` has the structure of this
-        rank's own (``ctx.wire``): as many tensors, the same dtypes, and for an allreduce
-        the same length.  ValueError (TypeError for a dtype) naming the compressor."""
+        rank's own (``ctx.wire``; :func:`.payload.check_wire`): as many tensors, the same
+        dtypes, and for an allreduce the same length.  ValueError (TypeError for a dtype)
+        naming the compressor."""
         what = f"{self.name} ({ctx.name or 'tensor'})"
-        several = isinstance(payload, (tuple, list))
-        if several and not payload:
-            raise ValueError(f"{what}: an empty payload; the payload is malformed")
-        first = payload[0] if several else payload
-        ops = ops_for(first)
-        if ctx.wire is None:
-            return ops
-        if self.collective == "allreduce":
-            dtype, n = ctx.wire
-            if several:
-                raise ValueError(f"{what}: an allreduce payload is one tensor, got {len(payload)}")
-            if payload.dtype != dtype:
-                raise TypeError(f"{what}: payload of dtype {payload.dtype}, expected {dtype}")
-            if ops.numel(payload) != n:
-                raise ValueError(f"{what}: payload of {ops.numel(payload)} values, expected {n}; "
-                                 "the payload is malformed")
-            return ops
-        if not several or len(payload) != len(ctx.wire):
-            got = len(payload) if several else 1
-            raise ValueError(f"{what}: a payload is {len(ctx.wire)} tensors, got {got}; "
-                             "the payload is malformed")
-        for i, (t, dtype) in enumerate(zip(payload, ctx.wire)):
-            if t.dtype != dtype:
-                raise TypeError(f"{what}: payload tensor {i} has dtype {t.dtype}, expected {dtype}")
+        ops = ops_for(first_tensor(what, payload))
+        check_wire(what, self.collective, payload, ctx.wire, ops)
         return ops
 
     def decompress_bucket(self, payload, ctx):

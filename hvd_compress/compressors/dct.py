@@ -245,7 +245,7 @@ class DCTSparse(DensitySparsifier):
             values, idx = self.own_values(payload, ops)
             return project_tails(ops.subtract_at(c, idx, values, inplace), ctx.layout,
                                  self.block, ops, inplace)
-        memory.update_parts(cparts, compensated, subtract, finite)
+        memory.update_parts(cparts, compensated, subtract, finite, own=True)
         return payload
 
     def residual_names(self, lay):

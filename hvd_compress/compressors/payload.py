@@ -1,7 +1,8 @@
 """What a compressor passes around with its payload: :class:`Ctx` (what ``decompress``
 needs besides the payload; never sent), :class:`OwnPayload` (a payload with what its
 encode already computed of the sender's error feedback) and :func:`payload_bytes` (the
-bytes a payload puts on the wire).  The contract itself: :mod:`.base`.
+bytes a payload puts on the wire); the check of an aggregate's structure against this
+rank's payload (:func:`check_wire`).  The contract itself: :mod:`.base`.
 
 Imports: the standard library and ``hvd_compress.buckets``.
 """
@@ -61,6 +62,42 @@ def _wire(payload, ops):
     if isinstance(payload, (tuple, list)):
         return tuple(t.dtype for t in payload)
     return payload.dtype, ops.numel(payload)
+
+
+def first_tensor(what, payload):
+    """``payload``'s first tensor (itself where it is one); ValueError naming ``what``
+    for an empty tuple."""
+    several = isinstance(payload, (tuple, list))
+    if several and not payload:
+        raise ValueError(f"{what}: an empty payload; the payload is malformed")
+    return payload[0] if several else payload
+
+
+def check_wire(what, collective, payload, wire, ops):
+    """That the aggregate ``payload`` of a ``collective`` has the structure ``wire`` (of
+    this rank's payload, :func:`_wire`; None: unknown, not checked) gives: as many
+    tensors, the same dtypes, and for an allreduce the same length.  ValueError
+    (TypeError for a dtype) naming ``what``."""
+    several = isinstance(payload, (tuple, list))
+    if wire is None:
+        return
+    if collective == "allreduce":
+        dtype, n = wire
+        if several:
+            raise ValueError(f"{what}: an allreduce payload is one tensor, got {len(payload)}")
+        if payload.dtype != dtype:
+            raise TypeError(f"{what}: payload of dtype {payload.dtype}, expected {dtype}")
+        if ops.numel(payload) != n:
+            raise ValueError(f"{what}: payload of {ops.numel(payload)} values, expected {n}; "
+                             "the payload is malformed")
+        return
+    if not several or len(payload) != len(wire):
+        got = len(payload) if several else 1
+        raise ValueError(f"{what}: a payload is {len(wire)} tensors, got {got}; "
+                         "the payload is malformed")
+    for i, (t, dtype) in enumerate(zip(payload, wire)):
+        if t.dtype != dtype:
+            raise TypeError(f"{what}: payload tensor {i} has dtype {t.dtype}, expected {dtype}")
 
 
 def payload_bytes(payload, ops):

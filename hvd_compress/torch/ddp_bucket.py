@@ -158,15 +158,17 @@ class _Bucket:
         """One compress call for ``entries``: a bucket of several tensors, or an auto
         bucket, on a copy of their gradients end to end (error feedback keeps the buffer
         it is given as the residuals' storage, and DDP reuses its bucket buffer every
-        step); a tensor alone on its own path."""
+        step); a tensor alone on its own path, unless its compressor's bucket exchanges
+        are replayed (``sends_alone``: then a bucket of one, in replay's buffer)."""
         driver, compressor = self.state.step_driver(), entries[0][3]
-        if len(entries) == 1 and auto_key is None:
+        alone = len(entries) == 1 and compressor.sends_alone(entries[0][1])
+        if alone and auto_key is None:
             name, grad = entries[0][0], entries[0][1]
             return driver.launch(compressor, single_layout(name, grad.shape), tensor=grad)
         lay = buckets.layout([e[0] for e in entries], [e[1].shape for e in entries])
-        into = compressor.bucket_input(lay, entries[0][1]) if len(entries) > 1 else None
-        flat = torch.cat([g.reshape(-1) for _, g, _, _ in entries], out=into)
-        if len(entries) == 1:
+        flat = torch.cat([g.reshape(-1) for _, g, _, _ in entries],
+                         out=compressor.bucket_input(lay, entries[0][1]))
+        if alone:
             return driver.launch(compressor, lay, tensor=flat.view(entries[0][1].shape),
                                  key=auto_key)
         return driver.launch(compressor, lay, flat=flat, key=auto_key)

@@ -179,7 +179,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._momentum.to_momentum(p, p.grad)
         if compressor is None:
             compressor = self.compression.for_tensor(self._names[params[0]], params[0])
-        if len(params) == 1:                 # a bucket of one: the tensor's own path
+        if len(params) == 1 and compressor.sends_alone(params[0].grad):   # its own path
             return driver.launch(compressor, layout, inplace=True, tensor=params[0].grad)
         flat = torch.cat([p.grad.reshape(-1) for p in params],     # (out: replay's buffer)
                          out=compressor.bucket_input(layout, params[0].grad))

@@ -9,7 +9,9 @@ a launcher); no bucket turned off.  A malformed index in a replayed decompress s
 raises at the settle.  On CPU tensors (HVD_COMPRESS_GPU_TESTS_ON_CPU=1) the same
 steps run through tests/replay_standin.py's stand-in for ``torch.cuda.graph`` (no
 launch counts: the stand-in relaunches), with two specs; tests/unit/test_replay.py
-checks the replay logic itself on the CPU."""
+checks the replay logic itself on the CPU.  A tensor alone, which the glue sends as a
+bucket of one where its exchanges are replayed (its own path otherwise), gives its own
+path's bits replayed."""
 import pytest
 import torch
 
@@ -44,26 +46,36 @@ def graphs_on_cpu(monkeypatch):
         monkeypatch.setattr(replay, "_on_device", lambda capture, device: capture)
 
 
-def steps(spec, graphs, monkeypatch):
-    """Each step's (payload, decompressed sum, residuals, launches), copied out."""
+#: a bucket of one tensor, which the glue sends as a bucket where replayed (its own path
+#: otherwise: the eager steps here), and the specs it is checked with
+ALONE = [300_000]
+ALONE_SPECS = ["twobit", "rangefloat:bits=8", "laplace_topk:density=0.01,padded=1"]
+
+
+def steps(spec, graphs, monkeypatch, sizes=SIZES):
+    """Each step's (payload, decompressed sum, residuals, launches), copied out; a bucket
+    of one tensor sent as the glue sends it (``sends_alone``)."""
     monkeypatch.setenv(replay.ENV_VAR, "1" if graphs else "0")
-    lay = layout([f"t{i}" for i in range(len(SIZES))], [(n,) for n in SIZES])
+    lay = layout([f"t{i}" for i in range(len(sizes))], [(n,) for n in sizes])
     c = hvd_compress.from_spec(spec)
     out = []
     for step in range(STEPS):
-        grads = [laplace(n, seed=10 * step + i, device=DEV) for i, n in enumerate(SIZES)]
+        grads = [laplace(n, seed=10 * step + i, device=DEV) for i, n in enumerate(sizes)]
         if step == 3:
-            grads[2][17] = float("nan")
-        flat = torch.cat([g.reshape(-1) for g in grads])       # as the glue makes it
+            grads[-1][17] = float("nan")
+        alone = len(sizes) == 1 and c.sends_alone(grads[0])
+        flat = grads[0] if alone else torch.cat([g.reshape(-1) for g in grads],
+                                                out=c.bucket_input(lay, grads[0]))
         del grads
         with counting_launches() as launched:
-            payload, ctx = c.compress_bucket(flat, lay)
+            payload, ctx = c.compress(flat, lay.key) if alone else c.compress_bucket(flat, lay)
         # copies: a replayed payload is the graph's memory, residuals are live buffers
         copied = tuple(t.clone() for t in (payload if isinstance(payload, tuple) else (payload,)))
         residuals = [c.residual(n) for n in lay.names]
         sink = []
         with counting_launches() as decoded, torch_ops.deferred_checks(sink):
-            total = c.decompress_bucket(aggregate(copied, c.collective), ctx).clone()
+            agg = aggregate(copied, c.collective)
+            total = (c.decompress(agg, ctx) if alone else c.decompress_bucket(agg, ctx)).clone()
         torch_ops.settle_checks(sink)
         out.append((copied, total, [None if r is None else r.clone() for r in residuals],
                     sum(launched.values()), sum(decoded.values())))
@@ -81,13 +93,16 @@ def aggregate(payload, collective):
     return tuple(torch.cat([t, t]) for t in payload)
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_a_replayed_compress_gives_the_eager_bits(spec, monkeypatch):
-    eager = steps(spec, False, monkeypatch)
+@pytest.mark.parametrize("spec,sizes", [(s, SIZES) for s in SPECS] + [
+    (s, ALONE) for s in ALONE_SPECS if s in SPECS])
+def test_a_replayed_compress_gives_the_eager_bits(spec, sizes, monkeypatch):
+    """Every replayable spec on a bucket of six tensors; three on a tensor alone, whose
+    eager steps take its own path (``compress``) and replayed ones a bucket of one."""
+    eager = steps(spec, False, monkeypatch, sizes)
     before = dict(replay.STATS)
-    replayed = steps(spec, True, monkeypatch)
+    replayed = steps(spec, True, monkeypatch, sizes)
     got = {k: replay.STATS[k] - before[k] for k in before}
-    assert_same_steps(spec, SIZES, eager, replayed)
+    assert_same_steps(spec, sizes, eager, replayed)
     assert got["off"] == 0, f"{spec}: replay turned off ({got}); see the log"
     # compress: the first step eager, a graph per role of the bucket's two buffers (one
     # without error feedback); decompress: the first aggregate eager, one graph

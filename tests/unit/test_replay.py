@@ -53,7 +53,7 @@ def stats(monkeypatch):
     return replay.STATS
 
 
-def run(spec, steps=6, capture=StandIn, restore_at=()):
+def run(spec, steps=6, capture=StandIn, restore_at=(), lay=LAY):
     """Payloads of ``steps`` compresses with replay and eagerly (each step's input a new
     tensor), and both compressors; a checkpoint restored into both at ``restore_at``."""
     eager, replayed = from_spec(spec), from_spec(spec)
@@ -64,8 +64,8 @@ def run(spec, steps=6, capture=StandIn, restore_at=()):
             saved = eager.state_dict()
             eager.load_state_dict(saved)
             replayed.load_state_dict(saved)
-        mine, _ = replay.compress_bucket(replayed, grad(step), LAY, capture=standin)
-        theirs, _ = eager.compress_bucket(grad(step), LAY)
+        mine, _ = replay.compress_bucket(replayed, grad(step, lay.total), lay, capture=standin)
+        theirs, _ = eager.compress_bucket(grad(step, lay.total), lay)
         out.append(([t.clone() for t in parts(mine)], [t.clone() for t in parts(theirs)]))
     return out, eager, replayed, standin
 
@@ -88,12 +88,17 @@ def same_state(c1, c2):
         assert torch.equal(as_bytes(s1[k]), as_bytes(s2[k])), k
 
 
+ALONE = layout(["w"], [(24, 20)])      # a bucket of one tensor (the glue's when replayed)
+
+
+@pytest.mark.parametrize("lay", [LAY, ALONE], ids=["bucket", "alone"])
 @pytest.mark.parametrize("spec", REPLAYABLE)
-def test_replayed_compress_gives_the_eager_bits_and_state(spec, stats):
+def test_replayed_compress_gives_the_eager_bits_and_state(spec, lay, stats):
     """Six steps (one with a NaN), each input a new tensor: the same payload bits as the
     eager compress at every step, the same residuals after; the first step eager, one
-    graph per role of the bucket's two buffers, replayed at every later step."""
-    out, eager, replayed, standin = run(spec)
+    graph per role of the bucket's two buffers, replayed at every later step.  The same
+    for a bucket of one tensor."""
+    out, eager, replayed, standin = run(spec, lay=lay)
     for step, (mine, theirs) in enumerate(out):
         assert same_bits(mine, theirs), (spec, step)
     same_state(eager, replayed)
@@ -234,6 +239,42 @@ def test_cpu_tensors_are_not_replayed_and_the_setting_is_checked(stats, monkeypa
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     with pytest.raises(ValueError, match="HVD_COMPRESS_CUDA_GRAPHS must be 0 or 1"):
         replay.wanted(c, grad(0))
+
+
+@pytest.mark.parametrize("spec", REPLAYABLE)
+def test_a_lone_tensor_sends_on_its_own_path_what_a_bucket_of_one_sends(spec):
+    """Where bucket exchanges are replayed, the glue sends a lone tensor as a bucket of
+    one (``sends_alone``): the payload bits, the wire, the residuals and the sum of two
+    ranks' aggregate are those of the tensor's own path, at every step (one with a
+    NaN), so ranks and checkpoints of either path agree."""
+    alone, bucket = from_spec(spec), from_spec(spec)
+    peers = [from_spec(spec), from_spec(spec)]
+    for step in range(5):
+        g = grad(step, ALONE.total).reshape(ALONE.shapes[0])
+        mine, ctx = alone.compress(g.clone(), "w")
+        theirs, bctx = bucket.compress_bucket(g.clone().reshape(-1), ALONE)
+        assert same_bits(parts(mine), parts(theirs)) and ctx.wire == bctx.wire, step
+        if alone.ef:
+            assert torch.equal(as_bytes(alone.residual("w")), as_bytes(bucket.residual("w")))
+        other = grad(50 + step, ALONE.total).reshape(ALONE.shapes[0])
+        sent = [parts(mine), parts(peers[0].compress(other, "w")[0])]
+        agg = sent[0][0] + sent[1][0] if alone.collective == "allreduce" else aggregate(sent)
+        total = alone.decompress(agg, ctx)
+        assert total.shape == g.shape
+        assert same_bits((total.reshape(-1),), (bucket.decompress_bucket(agg, bctx),)), step
+
+
+def test_a_lone_tensor_goes_as_a_bucket_of_one_only_where_replayed(monkeypatch):
+    monkeypatch.setenv(replay.ENV_VAR, "1")
+    g = grad(0)
+    assert from_spec("twobit").sends_alone(g)                  # CPU tensors: never replayed
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert not from_spec("twobit").sends_alone(g)
+    assert not from_spec("laplace_topk:density=0.05,padded=1").sends_alone(g)
+    assert from_spec("topk:density=0.05").sends_alone(g)       # not replayable
+    assert from_spec("laplace_topk:density=0.05").sends_alone(g)
+    monkeypatch.setenv(replay.ENV_VAR, "0")
+    assert from_spec("twobit").sends_alone(g)
 
 
 # -- decompress ----------------------------------------------------------------------------
