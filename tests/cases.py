@@ -30,6 +30,8 @@ TORCH_BUCKET_TOL_SPECS = ["laplace_topk:density=0.05,fused=1",
                           "laplace_topk:density=0.05,padded=1,values=rangefloat8"]
 BUCKET_SHAPES = {"conv": (6, 4, 3, 3), "big": (40, 30), "w": (12, 10), "b": (7,), "s": (),
                  "late": (5, 3)}
+#: CUDA-graph replay through the optimizer (torch_worker's ``replay``; replayable specs)
+REPLAY_SPECS = ["twobit", "laplace_topk:density=0.05,padded=1"]
 #: bucket sizes compared: tensor by tensor (0), small (several buckets; "big" alone), default
 BUCKET_MBS = [0, 0.002, 25]
 

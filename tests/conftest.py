@@ -45,7 +45,7 @@ def torch_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_job")
     rc, log = horovodrun([ROOT / "tests/workers/torch_worker.py", "aggregate", "functional",
                           "empty_rank", "nonfinite", "checkpoint", "stock", "policy", "buckets", "agg",
-                          "auto"], out)
+                          "auto", "replay"], out)
     assert rc == 0, log[-6000:]
     return out
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from cases import TORCH_BUCKET_SPECS, TORCH_BUCKET_TOL_SPECS
+from cases import BUCKET_MBS, REPLAY_SPECS, TORCH_BUCKET_SPECS, TORCH_BUCKET_TOL_SPECS
 from launch import load_ranks
 from horovod_checks import (mismatch_job, AGG_SHAPES, AGG_SPECS, AGG_STEPS, AGG_ZERO_STEP, check_agg,
                             check_agg_average_and_process_set, BUCKET_SPECS, BUCKET_TOL_SPECS, SPECS, check_aggregate,
@@ -95,6 +95,27 @@ def test_bucketed_laplace_topk_counts_within_tolerance(torch_job, spec):
 
 def test_buckets_policy_and_checkpoint_between_paths(torch_job):
     check_bucket_policy_and_checkpoint(load_ranks(torch_job, "torch_buckets"))
+
+
+@pytest.mark.parametrize("mb", BUCKET_MBS)
+@pytest.mark.parametrize("spec", REPLAY_SPECS)
+def test_replayed_buckets_give_the_eager_steps(torch_job, spec, mb):
+    """``HVD_COMPRESS_CUDA_GRAPHS=1`` through the optimizer under horovodrun, the graphs
+    taken by the stand-in (no GPU; workers/torch_worker.py's ``replay``): every step's
+    aggregate and the residuals bit for bit those of the eager run on both ranks, with
+    every bucket size (tensor by tensor: each tensor a bucket of one), compresses
+    replayed and none turned off."""
+    for rank in load_ranks(torch_job, "torch_replay"):
+        eager, replayed = (f"{spec}|{mb}|{graphs}|" for graphs in "01")
+        keys = [k[len(eager):] for k in rank if k.startswith(eager)]
+        assert "state|residual/big" in keys
+        for k in keys:
+            if k in ("replayed", "off"):
+                continue
+            a, b = rank[eager + k], rank[replayed + k]
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), k
+        assert rank[eager + "replayed"] == 0 and rank[replayed + "replayed"] > 0
+        assert rank[replayed + "off"] == 0
 
 
 def test_ranks_with_different_bucket_sizes_fail_clearly(mismatch):

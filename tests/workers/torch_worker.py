@@ -17,7 +17,7 @@ import agg_scenario  # noqa: E402
 import auto_scenario  # noqa: E402
 from agg_scenario import agg_grads  # noqa: E402
 from cases import (AGG_SHAPES, AUTO_MB, BUCKET_MBS, BUCKET_SHAPES, BUCKET_SPECS,  # noqa: E402
-                   BUCKET_TOL_SPECS, POLICY, SHAPES, SPECS, TORCH_BUCKET_SPECS,
+                   BUCKET_TOL_SPECS, POLICY, REPLAY_SPECS, SHAPES, SPECS, TORCH_BUCKET_SPECS,
                    TORCH_BUCKET_TOL_SPECS)
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
 
@@ -284,6 +284,39 @@ def buckets(out):
     del straight, first, comp2
 
 
+def replay(out):
+    """CUDA-graph replay through the optimizer (``HVD_COMPRESS_CUDA_GRAPHS``), eager and
+    replayed, every bucket size (tensor by tensor: each tensor a bucket of one, sent as
+    such where replayed), for the test to compare bit for bit.  No GPU here: replay is
+    taken for CPU tensors, on the CUDA code path (kernels in Triton's interpreter),
+    through tests/replay_standin.py's stand-in for the graphs (Horovod, PyTorch and the
+    collectives are the real ones)."""
+    from hvd_compress.compressors import replay as rp
+    from replay_standin import StandIn
+    saved = rp.wanted, rp.cuda_capture, rp._on_device, dict(os.environ)
+    rp.wanted = lambda c, t: c.replayable and rp.enabled()
+    rp.cuda_capture, rp._on_device = StandIn(), (lambda capture, device: capture)
+    os.environ["HVD_COMPRESS_BACKEND"] = "triton"
+    try:
+        for spec in REPLAY_SPECS:
+            for mb in BUCKET_MBS:
+                for graphs in ("0", "1"):
+                    os.environ[rp.ENV_VAR] = graphs
+                    before = dict(rp.STATS)
+                    grads, comp, _ = _bucket_run(spec, mb, steps=5)
+                    for step, g in enumerate(grads):
+                        for n, v in g.items():
+                            out[f"{spec}|{mb}|{graphs}|{step}|{n}"] = v
+                    for k in ("replayed", "off"):
+                        out[f"{spec}|{mb}|{graphs}|{k}"] = np.array(rp.STATS[k] - before[k])
+                    for k, v in comp.state_dict()["state"].items():
+                        out[f"{spec}|{mb}|{graphs}|state|{k}"] = v.numpy().copy()
+    finally:
+        rp.wanted, rp.cuda_capture, rp._on_device = saved[:3]
+        os.environ.clear()
+        os.environ.update(saved[3])
+
+
 def bucket_mismatch(out):
     mb = 25 if hvd.rank() == 0 else 0.002
     try:
@@ -354,7 +387,7 @@ FAILED = []      #: configuration errors caught (the mismatch scenarios): exit 3
 
 SCENARIOS = {f.__name__: f for f in (aggregate, functional, empty_rank, nonfinite,
                                      checkpoint, stock, policy, mismatch, buckets,
-                                     bucket_mismatch, agg, auto, auto_mismatch)}
+                                     bucket_mismatch, agg, auto, auto_mismatch, replay)}
 
 if __name__ == "__main__":
     hvd.init()
