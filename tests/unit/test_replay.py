@@ -205,6 +205,32 @@ def test_restored_checkpoints_run_eagerly_once_then_replay_the_same_graphs(stats
     assert (stats["eager"], stats["captured"], stats["replayed"], stats["off"]) == (4, 2, 11, 0)
 
 
+@pytest.mark.parametrize("spec", ["twobit", "laplace_topk:density=0.05,padded=1"])
+def test_a_step_undone_by_the_journal_is_undone_in_replay_too(spec, stats):
+    """A glue that drops a step (an overflow under a loss scale) rolls the compressor's
+    journal back: the residuals are the step's before, views of the other buffer.  The
+    next compress finds them there, no longer the bucket's last buffer: eager once, then
+    replayed again; the eager run's bits and state throughout."""
+    from hvd_compress.stores import Journal
+    eager, c = from_spec(spec), from_spec(spec)
+    journals = [Journal(), Journal()]
+    eager.attach_journal(journals[0])
+    c.attach_journal(journals[1])
+    standin = StandIn()
+    for step in range(10):
+        for j in journals:
+            j.clear()
+        mine, _ = replay.compress_bucket(c, grad(step), LAY, capture=standin)
+        theirs, _ = eager.compress_bucket(grad(step), LAY)
+        assert same_bits(parts(mine), parts(theirs)), step
+        if step in (3, 6):
+            for j in journals:
+                j.rollback()
+    same_state(eager, c)
+    # eager: the first step, and the step after each rollback; no capture after those
+    assert (stats["eager"], stats["captured"], stats["replayed"], stats["off"]) == (3, 2, 7, 0)
+
+
 @pytest.mark.parametrize("spec", list(counting.BUCKET_SYNCS))
 def test_a_replayable_compressor_reads_nothing_back_and_draws_nothing(spec):
     """Every compressor marked ``replayable`` makes no host synchronisation in its bucket
