@@ -78,9 +78,9 @@ def check_wire(what, collective, payload, wire, ops):
     this rank's payload, :func:`_wire`; None: unknown, not checked) gives: as many
     tensors, the same dtypes, and for an allreduce the same length.  ValueError
     (TypeError for a dtype) naming ``what``."""
-    several = isinstance(payload, (tuple, list))
     if wire is None:
         return
+    several = isinstance(payload, (tuple, list))
     if collective == "allreduce":
         dtype, n = wire
         if several:
