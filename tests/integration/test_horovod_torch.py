@@ -104,18 +104,22 @@ def test_replayed_buckets_give_the_eager_steps(torch_job, spec, mb):
     taken by the stand-in (no GPU; workers/torch_worker.py's ``replay``): every step's
     aggregate and the residuals bit for bit those of the eager run on both ranks, with
     every bucket size (tensor by tensor: each tensor a bucket of one), compresses
-    replayed and none turned off."""
-    for rank in load_ranks(torch_job, "torch_replay"):
-        eager, replayed = (f"{spec}|{mb}|{graphs}|" for graphs in "01")
+    replayed and none turned off; the same with rank 0 replaying and rank 1 not (the
+    setting may differ between ranks)."""
+    for r, rank in enumerate(load_ranks(torch_job, "torch_replay")):
+        eager, replayed, mixed = (f"{spec}|{mb}|{graphs}|" for graphs in ("0", "1", "mixed"))
         keys = [k[len(eager):] for k in rank if k.startswith(eager)]
         assert "state|residual/big" in keys
-        for k in keys:
-            if k in ("replayed", "off"):
-                continue
-            a, b = rank[eager + k], rank[replayed + k]
-            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), k
+        for other in (replayed, mixed):
+            for k in keys:
+                if k in ("replayed", "off"):
+                    continue
+                a, b = rank[eager + k], rank[other + k]
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (
+                    other, k)
+            assert rank[other + "off"] == 0
         assert rank[eager + "replayed"] == 0 and rank[replayed + "replayed"] > 0
-        assert rank[replayed + "off"] == 0
+        assert (rank[mixed + "replayed"] > 0) == (r == 0)
 
 
 def test_ranks_with_different_bucket_sizes_fail_clearly(mismatch):
