@@ -79,7 +79,7 @@ def main():
     p.add_argument("--min-size", type=int, default=1000,
                    help="tensors of fewer values are left out (laplace_topk sends them "
                         "whole with min_size=)")
-    p.add_argument("--search-every", type=int, default=10)
+    p.add_argument("--search-every", type=int, default=25)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -123,13 +123,14 @@ def main():
         rows.append({"steps": label, "pairs": len(picked), **{
             f"within_{w:g}": sum(m <= math.log2(1 + w) for m in picked) / max(len(picked), 1)
             for w in WINDOWS}})
-    fits_sorted = sorted(f for f in fits if f == f)
-    q = {f"t_over_fit_p{p_}": fits_sorted[min(len(fits_sorted) - 1, int(p_ / 100 * len(fits_sorted)))]
-         for p_ in (1, 50, 99)}
+    ranked = sorted(f for f in fits if f == f)
+    q = {f"t_over_fit_p{c}": ranked[min(len(ranked) - 1, int(c / 100 * len(ranked)))]
+         for c in (1, 50, 99)}
     print(f"GPT-2 {args.layers}x{args.width}, AdamW lr {args.lr}, {args.steps} steps, density "
           f"{args.density}, {len(params)} tensors of >= {args.min_size} values")
     print("threshold within a factor 1 + w of the previous step's (share of tensor-steps):")
-    print(f"  {'steps':15s} {'pairs':>6s} " + " ".join(f"{'w=' + format(w, 'g'):>7s}" for w in WINDOWS))
+    print(f"  {'steps':15s} {'pairs':>6s} "
+          + " ".join(f"{'w=' + format(w, 'g'):>7s}" for w in WINDOWS))
     for r in rows:
         print(f"  {r['steps']:15s} {r['pairs']:6d} " + " ".join(
             f"{r[f'within_{w:g}']:7.1%}" for w in WINDOWS))

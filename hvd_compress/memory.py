@@ -144,8 +144,8 @@ class ResidualMemory:
 
         PyTorch (``reuse``): after the first step the residuals are views of one bucket
         buffer, so nothing is concatenated; ``own=True`` says ``flat`` is the caller's
-        scratch buffer, and ``c`` is written into it (a bucket of one tensor too; else a
-        tensor alone is :meth:`compensate`'s)."""
+        scratch buffer, and ``c`` is written into it (for one tensor too, whose residual
+        is then kept in ``flat``, as a bucket's; without ``own``, :meth:`compensate`'s)."""
         if len(parts) == 1 and not (self.reuse and own):
             return self.compensate(parts[0][0], flat)
         ops = self.ops
@@ -159,7 +159,7 @@ class ResidualMemory:
         ``own``), float32 and end to end, for an encode that adds them to ``flat`` in its
         own first pass (``c = g + r`` written over ``flat``, as :meth:`compensate_parts`
         would; then ``flat`` is ``c`` for :meth:`update_parts`); None where it cannot."""
-        if not (self.reuse and own and flat.dtype == self.ops.float32):
+        if not (self.reuse and own and len(parts) > 1 and flat.dtype == self.ops.float32):
             return None
         r = self._residuals(parts, flat)
         return r if r.dtype == flat.dtype and r.data_ptr() != flat.data_ptr() else None

@@ -124,7 +124,7 @@ def propose(sp, flat, ctx, ops, step, parts, own, rank, size):
     compensated = flat
     if sp.ef:
         memory = sp.error_feedback(ops)
-        compensated = memory.compensate_parts(parts, flat, own=own)
+        compensated = memory.compensate_parts(parts, flat, own=own and len(parts) > 1)
     finite = ops.all_finite(compensated)
     domain, dctx = sp.to_domain(compensated, ctx, ops)
     score = domain

@@ -242,15 +242,20 @@ class Compressor:
         replayed bucket's own buffer (:func:`.replay.input_buffer`)."""
         return replay.input_buffer(self, layout, like) if replay.wanted(self, like) else None
 
-    def compress_bucket_eager(self, flat, layout):
-        """:meth:`compress_bucket`, its launches issued now (never replayed)."""
+    def compress_bucket_eager(self, flat, layout, in_buffer=False):
+        """:meth:`compress_bucket`, its launches issued now (never replayed).  Error
+        feedback keeps a bucket's residuals in ``flat``; a bucket of one keeps its own in
+        a buffer of its own, as a tensor alone does (``flat`` may be a view of more: a
+        shard of hier:'s sum, which a view would keep alive), unless ``in_buffer``
+        (:mod:`.replay`'s graphs need it in ``flat``)."""
         if len(layout.names) > 1 and not self.segmented:
             raise TypeError(f"compressor {self.spec!r} compresses one tensor at a time; "
                             "it cannot take a bucket of several")
         ops = ops_for(flat)
         ctx = Ctx((layout.total,), flat.dtype, layout.total, layout.key, segments=layout)
+        own = len(layout.names) > 1 or in_buffer
         payload = self._compress_flat(flat, ctx, ops, self._steps(ops, layout.names),
-                                      tuple(zip(layout.names, layout.numels)), own=True)
+                                      tuple(zip(layout.names, layout.numels)), own=own)
         return payload, ctx._replace(wire=_wire(payload, ops))
 
     def _steps(self, ops, names):

@@ -133,7 +133,7 @@ class PowerSGD(Compressor):
         memory, compensated = None, flat
         if self.ef:
             memory = self.error_feedback(ops)
-            compensated = memory.compensate_parts(parts, flat, own=own)
+            compensated = memory.compensate_parts(parts, flat, own=own and len(parts) > 1)
         finite = ops.all_finite(compensated)
         x = ops.to_float32(compensated)
         mats, ps, at = [], [], 0

@@ -124,7 +124,7 @@ def compress_bucket(c, flat, layout, capture=None):
     (see the module docstring).  ``capture(fn, written, store) -> (replay, fn())``:
     records ``fn``'s launches (default :func:`cuda_capture`)."""
     b = _bucket(c, _compress_key(c, layout, flat))
-    eager = lambda: c.compress_bucket_eager(flat, layout)      # noqa: E731
+    eager = lambda: c.compress_bucket_eager(flat, layout, True)   # noqa: E731
     if b.off is not None or b.calls == 1:
         return _eager(eager)
     parts = _parts(layout)
@@ -156,7 +156,7 @@ def compress_bucket(c, flat, layout, capture=None):
         saved = store.tables() if store is not None else None
         capture = capture or _on_device(cuda_capture, flat.device)
         written = (into,) if residual is None else (into, residual)
-        hit, why = _capture(capture, lambda: c.compress_bucket_eager(into, layout), written,
+        hit, why = _capture(capture, lambda: c.compress_bucket_eager(into, layout, True), written,
                             store, lambda: host_effects(c, saved, layout, into))
         if hit is None:
             if store is not None:

@@ -32,8 +32,9 @@ Per bucket:
    of their gradients end to end, which keeps per-tensor k, thresholds and residuals;
    a copy, because error feedback keeps the buffer it is given as the residuals'
    storage, and DDP refills its bucket buffer every step); any other tensor on its own
-   (``compress``), as the Horovod glue does tensor by tensor.  Empty tensors need
-   nothing.
+   (``compress``), as the Horovod glue does tensor by tensor, or as a bucket of one
+   where its exchanges are replayed from CUDA graphs (``Compressor.sends_alone``).
+   Empty tensors need nothing.
 2. **Exchange** (:mod:`hvd_compress.exchange`, the protocol every glue shares): each
    compress call is an ``Exchange`` started by the state's ``Driver`` over
    :class:`TorchDistributed`: ``dist.all_reduce`` (Sum), or an allgather of payloads

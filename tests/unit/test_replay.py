@@ -290,6 +290,21 @@ def test_a_lone_tensor_sends_on_its_own_path_what_a_bucket_of_one_sends(spec):
         assert same_bits((total.reshape(-1),), (bucket.decompress_bucket(agg, bctx),)), step
 
 
+def test_a_bucket_of_one_keeps_its_residual_in_its_buffer_only_where_replayed():
+    """Not replayed, a bucket of one keeps its residual apart from its input, as a tensor
+    alone does (the input may be a view of more: a shard of hier:'s sum, which a view
+    would keep alive); replayed, in the input, as its graphs need."""
+    whole = grad(0, 2 * ALONE.total)
+    shard = whole[ALONE.total:]
+    c = from_spec("twobit")
+    c.compress_bucket_eager(shard.clone(), ALONE)            # (the residual made)
+    c.compress_bucket_eager(shard, ALONE)
+    r = c.residual("w")
+    assert r.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+    c.compress_bucket_eager(shard, ALONE, in_buffer=True)      # as replay calls it
+    assert c.residual("w").data_ptr() == shard.data_ptr()
+
+
 def test_a_lone_tensor_goes_as_a_bucket_of_one_only_where_replayed(monkeypatch):
     monkeypatch.setenv(replay.ENV_VAR, "1")
     g = grad(0)
