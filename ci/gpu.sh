@@ -203,7 +203,7 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     --out "$RESULTS/codecs.json" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
   run_step models 75 "${BENCH[@]}" models --device "$DEVICE" "${MODELS[@]}" \
     --out "$RESULTS/models.json"
-  run_step "gpu step" 120 "$PY" benchmarks/gpu_step.py --device "$DEVICE" --models gpt2,resnet50 \
+  run_step "gpu step" 150 "$PY" benchmarks/gpu_step.py --device "$DEVICE" --models gpt2,resnet50 \
     "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
   run_step breakdown 60 "$PY" benchmarks/gpu_breakdown.py --device "$DEVICE" \
     ${DRY:+--tiny --repeat 1} --out "$RESULTS"  # device time by kernel; host overhead

@@ -1,0 +1,27 @@
+"""benchmarks/threshold_drift.py runs on a tiny GPT-2 for a few steps: its JSON holds a
+share in [0, 1] per window, growing with the window, and the fused search's reading
+passes (between 1 and its number of passes) at every step sampled."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_threshold_drift_writes_its_table(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "threshold_drift.py"),
+                        "--steps", "4", "--width", "32", "--layers", "1", "--seq", "16",
+                        "--batch", "2", "--min-size", "100", "--search-every", "2",
+                        "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    data = json.loads(next(tmp_path.glob("threshold_drift_*.json")).read_text())
+    first = data["windows"][0]
+    shares = [v for k, v in first.items() if k.startswith("within_")]
+    assert first["pairs"] > 0 and len(shares) == 5
+    assert all(0 <= s <= 1 for s in shares) and shares == sorted(shares)
+    assert [s["step"] for s in data["searches"]] == [0, 2]
+    assert all(1 <= s["reading_passes"] <= 4 for s in data["searches"])
+    assert 0 < data["t_over_fit_p1"] <= data["t_over_fit_p50"] <= data["t_over_fit_p99"]
+    assert (tmp_path / next(tmp_path.glob("*.json")).with_suffix(".png").name).exists()
