@@ -293,7 +293,8 @@ def replay(out):
     collectives are the real ones)."""
     from hvd_compress.compressors import replay as rp
     from replay_standin import StandIn
-    saved = rp.wanted, rp.cuda_capture, rp._on_device, dict(os.environ)
+    saved = rp.wanted, rp.cuda_capture, rp._on_device
+    env = {k: os.environ.get(k) for k in ("HVD_COMPRESS_BACKEND", rp.ENV_VAR)}
     rp.wanted = lambda c, t: c.replayable and rp.enabled()
     rp.cuda_capture, rp._on_device = StandIn(), (lambda capture, device: capture)
     os.environ["HVD_COMPRESS_BACKEND"] = "triton"
@@ -313,9 +314,12 @@ def replay(out):
                     for k, v in comp.state_dict()["state"].items():
                         out[f"{spec}|{mb}|{graphs}|state|{k}"] = v.numpy().copy()
     finally:
-        rp.wanted, rp.cuda_capture, rp._on_device = saved[:3]
-        os.environ.clear()
-        os.environ.update(saved[3])
+        rp.wanted, rp.cuda_capture, rp._on_device = saved
+        for k, v in env.items():                    # the settings as they were
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def bucket_mismatch(out):
