@@ -42,12 +42,18 @@ tensor.  ``--tiny`` divides every size by 1000.
    step made in the histogram's launch (``histogram_select.FOLD_PICK``, off by default:
    4 launches fewer, more registers), histogram warps 4 or 8; ``fold_equal``: the same
    indices as the default.
-7. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+7. **passes**: the fused selection's kernels one by one in launch order, each with its
+   device time (the coarse pass, the fine ones, the band count, offsets and write), with
+   every program reading its block whole (as before 2026-11-30) and in the chunks of
+   ``histogram_select.HISTOGRAM_CHUNK`` and ``band_compact.BAND_CHUNK`` (the defaults,
+   chosen from register counts, not timed), layouts ``gpt2`` and ``one``; the indices
+   must be equal.
+8. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
    kernel's own launcher (what our launchers would save by calling it directly).
 
-They run in the order launch, compress, graph, search, top-k, aligned, warps (the JSON is
+They run in the order launch, compress, graph, search, passes, top-k, aligned, warps (the JSON is
 written after each), so that a time limit stops the least decisive.  Writes
 ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
 times on a CPU dry run are no GPU figures.
@@ -417,6 +423,7 @@ def main():
     # graphs), then the breakdown: what ran is kept if make gpu-test's limit stops the rest
     steps = [("launch", lambda: launch_row(args)), ("compress", lambda: compress_rows(args, cuda)),
              ("graph", lambda: graph_rows(args, cuda)), ("search", lambda: search_rows(args)),
+             ("passes", lambda: variants.passes_rows(args, make_layout, DENSITY)),
              ("topk", lambda: topk_rows(args)),
              ("aligned", lambda: variants.aligned_rows(args, make_layout, DENSITY)),
              ("warps", lambda: variants.warps_rows(args, make_layout, DENSITY))]

@@ -1,8 +1,9 @@
 """Variants of the bucket kernels that only a GPU can choose between, timed by
-``benchmarks/gpu_breakdown.py`` (its parts 5 and 6, where they are described): the
-kernels told the layout's alignment or not (``aligned`` rows), and the fused selection's
+``benchmarks/gpu_breakdown.py`` (its parts 5 to 7, where they are described): the
+kernels told the layout's alignment or not (``aligned`` rows), the fused selection's
 histogram and band-write warps and its pick folded into the histogram's launch
-(``warps`` rows).  Each function takes the script's arguments, its ``make_layout`` and
+(``warps`` rows), and its kernels one by one with each program's block read whole or
+in chunks (``passes`` rows).  Each function takes the script's arguments, its ``make_layout`` and
 its density, and returns the rows.  Loaded by gpu_breakdown.py, which loads gpu_common
 first.
 """
@@ -96,3 +97,62 @@ def warps_rows(args, make_layout, density):
               + f"  same count {row['same_count']}, fold equal {row['fold_equal']}",
               flush=True)
     return rows
+
+
+#: (name, histogram chunk, band chunk): the block read whole (as before 2026-11-30's
+#: first stop of the day) and the defaults
+CHUNKS = (("whole", 4096, 4096), ("default", None, None))
+
+
+def passes_rows(args, make_layout, density):
+    """The fused selection's kernels one by one, in launch order, with the device time of
+    each (torch.profiler: the coarse pass, each fine pass and its pick, the band count,
+    offsets and write apart, where the ``compress`` rows sum them by name), for each
+    ``CHUNKS`` setting, and the whole selection's wall time; the indices must be equal."""
+    import hvd_compress
+    from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES, select_histogram
+    from hvd_compress.kernels import band_compact as B
+    from hvd_compress.kernels import histogram_select as H
+    from hvd_compress.ops import torch_ops
+    now = (H.HISTOGRAM_CHUNK, B.BAND_CHUNK)
+    cuda = args.device == "cuda"
+    rows = []
+    for lname in ("gpt2", "one"):
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=8)
+        search = hvd_compress.from_spec(f"laplace_topk:density={density},fused=1")
+        fn = lambda: select_histogram(search, flat, lay, torch_ops,  # noqa: E731
+                                      HISTOGRAM_PASSES)[0]
+        row, got = {"layout": lname, "numel": lay.total}, []
+        for name, hist, band in CHUNKS:
+            H.HISTOGRAM_CHUNK, B.BAND_CHUNK = hist or now[0], band or now[1]
+            try:
+                row[f"{name}_chunks"] = [H.HISTOGRAM_CHUNK, B.BAND_CHUNK]
+                row[f"{name}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
+                row[f"{name}_kernels"] = launch_order(fn) if cuda else []
+                got.append(fn())
+            finally:
+                H.HISTOGRAM_CHUNK, B.BAND_CHUNK = now
+        row["equal"] = all(torch.equal(g, got[0]) for g in got)
+        rows.append(row)
+        for name, *_ in CHUNKS:
+            each = " ".join(f"{k['kernel'][1:5]}{k['us']:.0f}" for k in row[f"{name}_kernels"])
+            print(f"passes {lname:5s} {name:8s} chunks {row[f'{name}_chunks']}  "
+                  f"{row[f'{name}_ms']:8.3f} ms  us: {each or '-'}", flush=True)
+        print(f"passes {lname:5s} equal {row['equal']}", flush=True)
+    return rows
+
+
+def launch_order(fn):
+    """``[{"kernel", "us"}]``: the CUDA kernels of one ``fn()`` in the order they ran, each
+    with its device microseconds (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events()
+              if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    return [{"kernel": e.name[:60], "us": round(e.time_range.elapsed_us(), 2)} for e in events]

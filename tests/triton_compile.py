@@ -253,6 +253,9 @@ def enable(arch=90, counts=True):
         raise RuntimeError("triton_compile.enable needs TRITON_INTERPRET unset: the "
                            "interpreter's triton.jit builds functions that cannot compile")
     CompiledThenInterpreted.arch = int(arch)
+    # the kernels as a GPU gets them: read in chunks where a launcher would on CUDA
+    # (kernels._backend.program_chunk; CPU tensors are otherwise read a block at once)
+    os.environ["HVD_COMPRESS_CHUNKS_ON_CPU"] = "1"
     if counts and _COUNTING is None:
         _COUNTING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuobjdump")
     knobs.runtime.interpret = False     # whatever TRITON_INTERPRET says later (a benchmark

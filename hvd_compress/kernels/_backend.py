@@ -30,6 +30,19 @@ def pick_backend(x, backend=None):
     return backend
 
 
+def program_chunk(chunk, block, x):
+    """Entries a kernel's program reads at once, of its ``block``: ``chunk`` (at most the
+    block) for CUDA tensors, where a loop over a block in chunks holds fewer registers a
+    thread and so fits more programs on an SM; the whole block for CPU tensors (Triton's
+    interpreter), where registers do not exist and each iteration of a kernel's loop
+    costs its numpy calls again (the fused search's tests ran 2.4x slower in chunks of
+    512).  ``$HVD_COMPRESS_CHUNKS_ON_CPU=1`` keeps ``chunk`` there too: the tests of the
+    loops, and a compile for the GPU without one (``tests/triton_compile.py``)."""
+    if x.is_cuda or os.environ.get("HVD_COMPRESS_CHUNKS_ON_CPU") == "1":
+        return min(int(chunk), int(block))
+    return int(block)
+
+
 CHUNK = 1 << 20   #: CPU references work in cache-sized chunks (2x faster than whole-tensor)
 
 

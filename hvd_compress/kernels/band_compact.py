@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._backend import count_launch, pick_backend
+from ._backend import count_launch, pick_backend, program_chunk
 from ._launch import cached
 from .histogram_select import FINITE, HI, LO, QUOTA, _entry_segments, _magnitude_bits, _whole
 from .segmented import check_flat32
@@ -50,7 +50,7 @@ def _kernels():
                      first_ptr, slots_ptr,
                      WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                      GATHER: tl.constexpr = False, ZERO: tl.constexpr = False,
-                     PADDED: tl.constexpr = False):
+                     PADDED: tl.constexpr = False, CHUNK: tl.constexpr = 1024):
         # WRITE=False: count the block's entries above hi and in the band (lo, hi];
         # WRITE=True: write the taken entries' indices (band_ptr: band entries before it),
         # with GATHER their values too (val_ptr, x's dtype), with ZERO +0.0 over them in x
@@ -63,48 +63,65 @@ def _kernels():
         # rows read here: LO = 0, HI = 1, QUOTA = 5, FINITE = 6
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
-        local = tl.arange(0, BLOCK)
-        valid = local < (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
+        count = (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
         s = tl.load(segs_ptr + pid)
-        raw = tl.load(x_ptr + start + local, mask=valid, other=0.0)
-        x = raw.to(tl.float32)
-        b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
         lo = tl.load(state_ptr + s).to(tl.int32)                 # -1 <= lo, hi < 2^31
         hi = tl.load(state_ptr + T + s).to(tl.int32)
-        above = valid & (b > hi)
-        band = (valid & (b > lo) & (b <= hi)).to(tl.int32)
         if WRITE:
             # the band entries this block may still take: QUOTA less those before it,
             # clamped to [0, BLOCK] so that the compare stays in int32
             room = tl.minimum(tl.maximum(tl.load(state_ptr + 5 * T + s) - tl.load(band_ptr + pid),
                                          0), BLOCK).to(tl.int32)
-            # one scan for both counts before each entry: band entries in the low 16 bits,
-            # entries above hi in the high ones (a block's counts are below 2^15).  The
-            # band entries taken are its first `room`, so the taken entries before an
-            # entry are those above hi plus min(band entries before it, room)
-            tl.static_assert(BLOCK <= 16384)
-            code = band + (above.to(tl.int32) << 16)
-            before = tl.cumsum(code, axis=0) - code
-            band_before = before & 0xFFFF
-            take = above | ((band > 0) & (band_before < room))
-            pos = (before >> 16) + tl.minimum(band_before, room)
             at = tl.load(out_offset_ptr + pid)
             if PADDED:
                 # the taken entries of its tensor before this block, then the tensor's slots
+                # (limit: the tensor's slots this block may still fill)
                 at -= tl.load(out_offset_ptr + tl.load(first_ptr + s))
-                take = take & (at + pos < tl.load(slots_ptr + T + s))
+                limit = tl.load(slots_ptr + T + s) - at
                 at += tl.load(slots_ptr + s)
-            tl.store(idx_ptr + at + pos, (start + local).to(tl.int32), mask=take)
-            if GATHER:
-                if PADDED:
-                    raw = tl.where(tl.load(state_ptr + 6 * T + s) != 0, raw,
-                                   float("nan")).to(raw.dtype)
-                tl.store(val_ptr + at + pos, raw, mask=take)
-            if ZERO:
-                tl.store(x_ptr + start + local, tl.zeros_like(x), mask=take)
+            if GATHER and PADDED:
+                finite = tl.load(state_ptr + 6 * T + s) != 0
+            # both counts of the block's entries before the chunk, packed as below
+            carry = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
         else:
-            tl.store(above_ptr + pid, tl.sum(above.to(tl.int32), axis=0).to(tl.int64))
-            tl.store(band_ptr + pid, tl.sum(band, axis=0).to(tl.int64))
+            n_above = tl.zeros([CHUNK], dtype=tl.int32)
+            n_band = tl.zeros([CHUNK], dtype=tl.int32)
+        for c0 in range(0, BLOCK, CHUNK):      # CHUNK entries at a time: fewer registers
+            local = tl.multiple_of(c0, CHUNK) + tl.arange(0, CHUNK)
+            valid = local < count
+            raw = tl.load(x_ptr + start + local, mask=valid, other=0.0)
+            x = raw.to(tl.float32)
+            b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
+            above = valid & (b > hi)
+            band = (valid & (b > lo) & (b <= hi)).to(tl.int32)
+            if WRITE:
+                # one scan for both counts before each entry: band entries in the low 16
+                # bits, entries above hi in the high ones (a block's counts are below
+                # 2^15), from the chunks before on.  The band entries taken are its first
+                # `room`, so the taken entries before an entry are those above hi plus
+                # min(band entries before it, room)
+                tl.static_assert(BLOCK <= 16384)
+                code = band + (above.to(tl.int32) << 16)
+                before = carry + tl.cumsum(code, axis=0) - code
+                carry += tl.sum(code, axis=0)
+                band_before = before & 0xFFFF
+                take = above | ((band > 0) & (band_before < room))
+                pos = (before >> 16) + tl.minimum(band_before, room)
+                if PADDED:
+                    take = take & (pos < limit)
+                tl.store(idx_ptr + at + pos, (start + local).to(tl.int32), mask=take)
+                if GATHER:
+                    if PADDED:
+                        raw = tl.where(finite, raw, float("nan")).to(raw.dtype)
+                    tl.store(val_ptr + at + pos, raw, mask=take)
+                if ZERO:
+                    tl.store(x_ptr + start + local, tl.zeros_like(x), mask=take)
+            else:
+                n_above += above.to(tl.int32)
+                n_band += band
+        if not WRITE:
+            tl.store(above_ptr + pid, tl.sum(n_above, axis=0).to(tl.int64))
+            tl.store(band_ptr + pid, tl.sum(n_band, axis=0).to(tl.int64))
 
     @triton.jit
     def _offsets_kernel(above_ptr, band_ptr, segs_ptr, first_ptr, state_ptr, T, P,
@@ -235,6 +252,13 @@ def _padded_reference(x, idx, seg, state, zero, slots):
 #: ``histogram_select.HISTOGRAM_WARPS``
 BAND_WRITE_WARPS = 8
 
+#: entries a band program reads at once on CUDA (its block in a loop of ``block // CHUNK``,
+#: the write's scan carried from chunk to chunk), as ``histogram_select.HISTOGRAM_CHUNK``:
+#: compiled for sm_90 (Triton 3.6, 2026-11-30), the write at 8 warps held 122 registers a
+#: thread reading its block whole, 64 in chunks of 1024 (16 -> 32 warps on an SM); the
+#: count 47 -> 40 at 4 warps.  Not timed yet (``gpu_breakdown.py``'s ``passes`` rows)
+BAND_CHUNK = 1024
+
 #: blocks the offsets program takes at once (its loop count, ``cdiv(blocks,
 #: OFFSETS_BLOCK)``, is a compile-time constant: one compile per such count, 1 up to 8M
 #: values in blocks of 4096, 4 for 25M)
@@ -274,10 +298,11 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
     band = torch.empty(programs, dtype=torch.int64, device=x.device)
     T = blocks.first.numel()
     count_launch("band_count")
-    kernels = _kernels()
+    kernels, chunk = _kernels(), program_chunk(BAND_CHUNK, blocks.block, x)
     kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, _whole(state), T, above,
                               band, above, above, above, above, above, WRITE=False,
-                              BLOCK=blocks.block, ALIGN=blocks.align)
+                              BLOCK=blocks.block, ALIGN=blocks.align,
+                              CHUNK=chunk)
     band_before, out_start, scratch, result = (
         torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
     count = gather and count and slots is None
@@ -306,5 +331,6 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
                                   above if slots is None else slots.table, WRITE=True,
                                   BLOCK=blocks.block, ALIGN=blocks.align, GATHER=gather,
                                   ZERO=zero, PADDED=slots is not None,
+                                  CHUNK=chunk,
                                   num_warps=BAND_WRITE_WARPS)
     return (idx, finite, values, counts) if gather else (idx, finite)

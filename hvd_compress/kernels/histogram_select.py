@@ -51,7 +51,7 @@ import types
 
 import torch
 
-from ._backend import count_launch, pick_backend
+from ._backend import count_launch, pick_backend, program_chunk
 from ._launch import cached
 from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 
@@ -105,51 +105,65 @@ def _kernels():
     def _histogram_kernel(x_ptr, starts_ptr, stops_ptr, segs_ptr, state_ptr, T, hist_ptr,
                           counts_ptr, done_ptr, k_ptr, slack_ptr,
                           BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr,
-                          ALIGN: tl.constexpr, PICK: tl.constexpr):
+                          ALIGN: tl.constexpr, PICK: tl.constexpr, CHUNK: tl.constexpr):
         # per entry only int32 and one float64 multiply (bits of |x| are below 2^31), no
         # 64-bit integer division (sm_90 has no divider: ~85 instructions each); the
         # state's rows read here: LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every start
-        # and stop (Blocks.align: 16-byte loads)
+        # and stop (Blocks.align: 16-byte loads).  The block is read CHUNK entries at a
+        # time (a loop of BLOCK // CHUNK), so that a thread holds CHUNK / (32 * warps)
+        # entries, not BLOCK / (32 * warps): fewer registers, more programs on an SM
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         s = tl.load(segs_ptr + pid)
         count = tl.where(tl.load(state_ptr + 4 * T + s) != 0,
                          tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start, 0).to(tl.int32)
-        local = tl.arange(0, BLOCK)
-        valid = local < count                                # inactive tensor: nothing read
-        x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
-        b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
         lo64 = tl.load(state_ptr + s)
         width = tl.maximum(tl.load(state_ptr + T + s) - lo64, 1)
         lo = lo64.to(tl.int32)                                   # -1 <= lo < 2^31
         hi = tl.minimum(lo64 + width, 0x7FFFFFFF).to(tl.int32)   # no |x| lies above that
-        # the window bin floor((b - lo - 1) * BINS / W) of an entry inside the bracket:
-        # b - lo - 1 < 2^31 is exact in float64, its product with BINS / W is within
-        # 2^-41 of the quotient q < 2^11, whose fractional part is 0 or at least
-        # 1 / W >= 2^-31, so adding 2^-36 (the literal) and truncating gives floor(q);
-        # entries outside get 0 (below) or BINS (above), so the conversion is in range
-        off = b - lo - 1
-        q = tl.where(off >= 0, off, 0).to(tl.float64) * (BINS / width.to(tl.float64))
-        j = 1 + tl.minimum(q + 1.4551915228366852e-11, BINS).to(tl.int32)
+        scale = BINS / width.to(tl.float64)
         row = hist_ptr + s * (BINS + 2)
         if LOCAL:
-            # the block's own histogram (tl.histogram: BINS + 2 columns, few), then one
-            # atomic per non-empty column: for a coarse pass, where most entries of a
-            # block fall in a few columns and per-entry atomics would queue on them
-            col = tl.where(b > hi, BINS + 1, tl.where(b > lo, j, 0))
-            h = tl.histogram(col, BINS + 2, mask=valid & ((b > 0) | (b > lo)))
+            h = tl.zeros([BINS + 2], dtype=tl.int32)
+        else:
+            below = tl.zeros([CHUNK], dtype=tl.int32)
+            above = tl.zeros([CHUNK], dtype=tl.int32)
+        for c0 in range(0, BLOCK, CHUNK):
+            local = tl.multiple_of(c0, CHUNK) + tl.arange(0, CHUNK)
+            valid = local < count                            # inactive tensor: nothing read
+            x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
+            b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
+            # the window bin floor((b - lo - 1) * BINS / W) of an entry inside the
+            # bracket: b - lo - 1 < 2^31 is exact in float64, its product with BINS / W is
+            # within 2^-41 of the quotient q < 2^11, whose fractional part is 0 or at
+            # least 1 / W >= 2^-31, so adding 2^-36 (the literal) and truncating gives
+            # floor(q); entries outside get 0 (below) or BINS (above), so the conversion
+            # is in range
+            off = b - lo - 1
+            q = tl.where(off >= 0, off, 0).to(tl.float64) * scale
+            j = 1 + tl.minimum(q + 1.4551915228366852e-11, BINS).to(tl.int32)
+            if LOCAL:
+                # the block's own histogram (tl.histogram: BINS + 2 columns, few), then one
+                # atomic per non-empty column: for a coarse pass, where most entries of a
+                # block fall in a few columns and per-entry atomics would queue on them
+                col = tl.where(b > hi, BINS + 1, tl.where(b > lo, j, 0))
+                h += tl.histogram(col, BINS + 2, mask=valid & ((b > 0) | (b > lo)))
+            else:
+                inside = valid & (b > lo) & (b <= hi)
+                tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside,
+                              sem="relaxed")
+                below += (valid & (b > 0) & (b <= lo)).to(tl.int32)
+                above += (valid & (b > hi)).to(tl.int32)
+        if LOCAL:
             cols = tl.arange(0, BINS + 2)
             tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0, sem="relaxed")
         else:
-            inside = valid & (b > lo) & (b <= hi)
-            tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside,
-                          sem="relaxed")
             # every block of a tensor adds to these two counters: no atomic that adds 0 (an
             # inactive tensor's blocks, or nothing above hi), as they queue on one address
-            below = tl.sum((valid & (b > 0) & (b <= lo)).to(tl.int32), axis=0).to(tl.int64)
-            above = tl.sum((valid & (b > hi)).to(tl.int32), axis=0).to(tl.int64)
-            tl.atomic_add(row, below, mask=below > 0, sem="relaxed")
-            tl.atomic_add(row + BINS + 1, above, mask=above > 0, sem="relaxed")
+            below_n = tl.sum(below, axis=0).to(tl.int64)
+            above_n = tl.sum(above, axis=0).to(tl.int64)
+            tl.atomic_add(row, below_n, mask=below_n > 0, sem="relaxed")
+            tl.atomic_add(row + BINS + 1, above_n, mask=above_n > 0, sem="relaxed")
         if PICK:
             # the tensor's last block to finish counting makes its step: every thread's
             # atomics before the block's count (the barrier, then a release), the row read
@@ -285,6 +299,16 @@ def segment_histogram_reference(x, blocks, state, bins):
 #: ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8
 HISTOGRAM_WARPS = 4
 
+#: entries a histogram program reads at once on CUDA (its block in a loop of ``block //
+#: CHUNK``; :func:`._backend.program_chunk`): 512, 4 a thread, from the compiled register
+#: counts (sm_90, Triton 3.6, 2026-11-30): read whole (4096, 32 a thread) the coarse pass
+#: held 145 registers a thread and the fine one 185, so 3 and 2 programs fit on an SM (12
+#: and 8 warps of 64), too few to hide latency, which fits the H200's histogram passes at
+#: a sixth of the bandwidth of the pass before them (2026-11-29); now 39 and 48 (48 and 40
+#: warps).  Not timed yet: ``benchmarks/gpu_breakdown.py``'s ``passes`` rows time each
+#: pass with blocks read whole and in chunks
+HISTOGRAM_CHUNK = 512
+
 
 def segment_histogram(x, blocks, state, bins=2046, out=None, backend=None, local=False):
     """int64 ``[T, bins + 2]`` (see the module docstring) of the tensors active in
@@ -311,7 +335,7 @@ def _launch_histogram(x, blocks, state, bins, hist, local, pick=None):
         x.reshape(-1), blocks.starts, blocks.stops, blocks.segs, _whole(state),
         blocks.first.numel(), hist, blocks.counts, done, k, slack, BINS=bins,
         BLOCK=blocks.block, LOCAL=bool(local), ALIGN=blocks.align, PICK=pick is not None,
-        num_warps=HISTOGRAM_WARPS)
+        CHUNK=program_chunk(HISTOGRAM_CHUNK, blocks.block, x), num_warps=HISTOGRAM_WARPS)
 
 
 def _whole(state):

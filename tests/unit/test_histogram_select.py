@@ -89,6 +89,23 @@ def test_segment_histogram_matches_reference_and_counts_above_its_edges(dtype, b
         assert torch.equal(above[s], brute), s
 
 
+@pytest.mark.parametrize("chunk", [64, 256, 4096])
+@pytest.mark.parametrize("bins, local", [(2046, False), (62, True)])
+def test_a_block_read_in_chunks_counts_as_a_block_read_whole(monkeypatch, chunk, bins, local):
+    """``HISTOGRAM_CHUNK``: a program reads its block in a loop of ``block // chunk``
+    parts (fewer registers a thread); the counts are the reference's whatever the chunk,
+    with tensors that end inside a chunk and tensors not searched.  4096 is more than the
+    block: the block is read whole."""
+    monkeypatch.setenv("HVD_COMPRESS_CHUNKS_ON_CPU", "1")      # (CPU tensors: as on CUDA)
+    monkeypatch.setattr(H, "HISTOGRAM_CHUNK", chunk)
+    x = make("student_t", sum(LENGTHS), seed=3)
+    blocks = H.block_table(LENGTHS, x.device, block=1024)
+    state = state_for(LENGTHS, LO, HI, [1, 1, 0, 1, 1, 1])
+    got = H.segment_histogram(x, blocks, state, bins, backend="triton", local=local)
+    assert torch.equal(got, H.segment_histogram_reference(x, blocks, state, bins))
+    assert got[0].sum() > 0 and not got[2].any()
+
+
 @pytest.mark.parametrize("bins, local", [(2046, False), (62, True)])
 def test_window_bins_are_exact_on_every_edge(bins, local):
     """The kernel bins ``floor((b - lo - 1) * bins / W)`` by a float64 product (no 64-bit
@@ -176,9 +193,14 @@ def test_band_select_gathers_the_values_and_zeroes_them_in_x(monkeypatch, backen
                                                              chunk):
     """``gather=True``: the taken values from the launch that writes the indices, and
     their number per tensor from the offsets program (``chunk``: tensors it takes at
-    once); ``zero=True`` (float32): +0.0 written over exactly those entries of ``x``
-    (error feedback's ``c - sent``), every other bit of ``x`` as it was."""
+    once; at 4, the count and write programs also read their blocks in chunks of 128,
+    ``BAND_CHUNK``, the write's ranks carried from chunk to chunk); ``zero=True``
+    (float32): +0.0 written over exactly those entries of ``x`` (error feedback's
+    ``c - sent``), every other bit of ``x`` as it was."""
     monkeypatch.setattr(B, "OFFSETS_BLOCK", chunk)
+    if chunk == 4:
+        monkeypatch.setenv("HVD_COMPRESS_CHUNKS_ON_CPU", "1")
+        monkeypatch.setattr(B, "BAND_CHUNK", 128)
     x = make("laplace", sum(LENGTHS)).to(dtype)
     j = int(x[:LENGTHS[0]].abs().argmax())
     x[j] = -x[j].abs()                                    # a negative taken entry

@@ -45,13 +45,18 @@ def per_tensor(idx):
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend, chunk", [("torch", None), ("triton", None), ("triton", 64)])
 @pytest.mark.parametrize("dtype, zero", [(torch.float32, True), (torch.float32, False),
                                          (torch.float16, False)])
-def test_padded_band_select_fills_each_tensors_slots(backend, dtype, zero):
+def test_padded_band_select_fills_each_tensors_slots(monkeypatch, backend, chunk, dtype, zero):
     """Tensor t's taken entries in its own slots, the first ``sizes[t]`` of them in index
     order (a tensor that takes more keeps its first), then padding: its first index, 0.0;
-    ``zero``: +0.0 over exactly the entries written, the dropped ones untouched."""
+    ``zero``: +0.0 over exactly the entries written, the dropped ones untouched.
+    ``chunk``: the band's programs read their blocks 64 entries at a time
+    (``BAND_CHUNK``), as on CUDA."""
+    if chunk:
+        monkeypatch.setenv("HVD_COMPRESS_CHUNKS_ON_CPU", "1")
+        monkeypatch.setattr(B, "BAND_CHUNK", chunk)
     x = laplace(sum(LENGTHS)).to(dtype)
     blocks = H.block_table(LENGTHS, x.device, block=1024)
     state = band_state(x)
