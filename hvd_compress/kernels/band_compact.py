@@ -260,9 +260,14 @@ BAND_WRITE_WARPS = 8
 BAND_CHUNK = 1024
 
 #: blocks the offsets program takes at once (its loop count, ``cdiv(blocks,
-#: OFFSETS_BLOCK)``, is a compile-time constant: one compile per such count, 1 up to 8M
-#: values in blocks of 4096, 4 for 25M)
-OFFSETS_BLOCK = 2048
+#: OFFSETS_BLOCK)``, is a compile-time constant: one compile per such count, 1 up to 33M
+#: values in blocks of 4096), and its warps: 16 entries a thread, as 2048 at 4 warps
+#: were, but a 25M-value bucket's 6,104 blocks in one iteration of each of its two
+#: loops instead of three (the H200 took 42 us for this one program there, 11 us for
+#: GPT-2's 1,731 blocks, 2026-11-29).  Compiled for sm_90 (Triton 3.6): 128 registers, no
+#: spill (8192 at 4 warps spills).  Not timed yet (``gpu_breakdown.py``'s ``passes``)
+OFFSETS_BLOCK = 8192
+OFFSETS_WARPS = 16
 
 
 def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=True,
@@ -311,7 +316,8 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
     kernels.offsets[(1,)](above, band, blocks.segs, blocks.first, state, T, programs, scratch,
                           band_before, out_start, result, result if counts is None else counts,
                           CB=OFFSETS_BLOCK, CHUNKS=-(-programs // OFFSETS_BLOCK),
-                          COUNTS=-(-T // OFFSETS_BLOCK) if count else 0, BAD=slots is not None)
+                          COUNTS=-(-T // OFFSETS_BLOCK) if count else 0, BAD=slots is not None,
+                          num_warps=OFFSETS_WARPS)
     if slots is not None:                # the slots: no size to read back, the flag stays
         total, finite, counts = slots.total, result[1:], slots.table[1]
         idx = slots.fill.clone()

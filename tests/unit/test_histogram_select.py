@@ -172,8 +172,9 @@ def test_histogram_pick_matches_reference(start):
 
 @pytest.mark.parametrize("dtype, block", [(torch.float32, 1024), (torch.float16, 1024),
                                           (torch.float32, 8)])
-def test_band_select_matches_reference(dtype, block):
+def test_band_select_matches_reference(monkeypatch, dtype, block):
     """(block 8: more blocks than the offsets program takes at once, OFFSETS_BLOCK)"""
+    monkeypatch.setattr(B, "OFFSETS_BLOCK", 1024)       # 2,676 blocks of 8: 3 at once
     x = make("ties", sum(LENGTHS)).to(dtype)
     blocks = H.block_table(LENGTHS, x.device, block=block)
     state = state_for(LENGTHS, [bits(1.0), -1, 0, bits(2.0), 0, bits(1.0)],
