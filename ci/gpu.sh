@@ -205,7 +205,7 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
     --out "$RESULTS/models.json"
   run_step "gpu step" 150 "$PY" benchmarks/gpu_step.py --device "$DEVICE" --models gpt2,resnet50 \
     "${STEP[@]}" --ddp-check --out "$RESULTS"   # issue 26; each model's JSON when done
-  run_step breakdown 60 "$PY" benchmarks/gpu_breakdown.py --device "$DEVICE" \
+  run_step breakdown 75 "$PY" benchmarks/gpu_breakdown.py --device "$DEVICE" \
     ${DRY:+--tiny --repeat 1} --out "$RESULTS"  # device time by kernel; host overhead
   run_step "bucket ops" 60 "$PY" benchmarks/bucket_ops.py --device "$DEVICE" \
     ${DRY:+--specs "twobit;qsgd" --host-tensors 2,6 --host-reps 1} \
