@@ -136,7 +136,8 @@ def passes_rows(args, make_layout, density):
         row["equal"] = all(torch.equal(g, got[0]) for g in got)
         rows.append(row)
         for name, *_ in CHUNKS:
-            each = " ".join(f"{k['kernel'][1:5]}{k['us']:.0f}" for k in row[f"{name}_kernels"])
+            each = " ".join(f"{k['kernel'].replace('void ', '').lstrip('_')[:6]} {k['us']:.0f}"
+                            for k in row[f"{name}_kernels"])
             print(f"passes {lname:5s} {name:8s} chunks {row[f'{name}_chunks']}  "
                   f"{row[f'{name}_ms']:8.3f} ms  us: {each or '-'}", flush=True)
         print(f"passes {lname:5s} equal {row['equal']}", flush=True)

@@ -31,8 +31,10 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -53,6 +55,10 @@ METHODS = {
     "laplace_topk_exact": "laplace_topk:density={d},exact=1,ef=0",
     "laplace_topk_fused": "laplace_topk:density={d},fused=1,ef=0",    # histogram search
     "laplace_topk_fused_exact": "laplace_topk:density={d},fused=1,exact=1,ef=0",
+    # the fused search with a payload of fixed size: no host synchronisation at all;
+    # "_cached": with the launch cache (HVD_COMPRESS_LAUNCH_CACHE=1) during its calls
+    "laplace_topk_padded": "laplace_topk:density={d},padded=1,ef=0",
+    "laplace_topk_padded_cached": "laplace_topk:density={d},padded=1,ef=0",
     "dgc": "dgc:density={d},ef=0",
     "gaussian_k": "gaussian_k:density={d},ef=0",
     "sidco_exp": "sidco_exp:density={d},ef=0",
@@ -97,6 +103,23 @@ def timeit(fn, repeat, sync):
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def launch_cache(on):
+    """``HVD_COMPRESS_LAUNCH_CACHE=1`` inside the block where ``on`` (as it was after)."""
+    if not on:
+        yield
+        return
+    was = os.environ.get("HVD_COMPRESS_LAUNCH_CACHE")
+    os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = "1"
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop("HVD_COMPRESS_LAUNCH_CACHE")
+        else:
+            os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = was
+
+
 def numel(x):
     return int(np.prod(tuple(x.shape)))
 
@@ -130,8 +153,9 @@ def measure(x, density, repeat, sync, methods, graph=False):
                     return c.compress(t, "g")[0]
             fn = tf.function(fn) if graph else fn
 
-            def call(fn=fn):
-                out["payload"] = fn(x)
+            def call(fn=fn, cached=method.endswith("_cached")):
+                with launch_cache(cached):
+                    out["payload"] = fn(x)
 
         seconds = timeit(call, repeat, sync)
         count = numel(out["payload"][1])
@@ -196,7 +220,8 @@ def main():
     p.add_argument("--densities", default="0.001,0.01")
     p.add_argument("--inputs", default=",".join(SYNTHETIC + ("real",)))
     p.add_argument("--methods", default=None,
-                   help="default: all but tf_top_k (torch), tf_top_k,topk,laplace_topk (TF)")
+                   help="default: all but tf_top_k (torch; the padded ones only where the "
+                        "kernels run), tf_top_k,topk,laplace_topk (TF)")
     p.add_argument("--framework", default="torch", choices=("torch", "tensorflow"))
     p.add_argument("--graph", action="store_true", help="TensorFlow: in tf.function")
     p.add_argument("--repeat", type=int, default=5)
@@ -221,8 +246,11 @@ def main():
         to_framework = lambda t: tf.constant(t.numpy())                   # noqa: E731
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"select_{name}_{stamp}.json")
     if args.methods is None:
+        # (padded=1 where its kernels run: on the CPU it runs the torch references, which
+        # are there to check the kernels, not to be timed)
+        kernels = device == "cuda" or os.environ.get("HVD_COMPRESS_BACKEND") == "triton"
         methods = ["tf_top_k", "topk", "laplace_topk"] if args.framework == "tensorflow" \
-            else [m for m in METHODS if m != "tf_top_k"]
+            else [m for m in METHODS if m != "tf_top_k" and (kernels or "padded" not in m)]
     else:
         methods = args.methods.split(",")
 
