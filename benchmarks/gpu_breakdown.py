@@ -359,7 +359,7 @@ def direct_launches(H, x, blocks, state, row):
     own zeroed counts, compared (``row["direct_equal"]``); the two calls to time."""
     jit, grid = H._kernels().histogram.jit, (blocks.starts.numel(),)   # not the cache's
     meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align,
-            "PICK": False}
+            "PICK": False, "CHUNK": blocks.block}
     counts = [torch.zeros(1, 16, dtype=torch.int64, device=x.device) for _ in range(2)]
 
     def args(out):       # as histogram_select._launch_histogram passes them, without a pick

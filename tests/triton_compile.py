@@ -126,6 +126,11 @@ class CompiledThenInterpreted(JITFunction):
         if warmup:
             return compiled
         knobs.runtime.interpret = True
+        if "CHUNK" in kwargs and "BLOCK" in kwargs:
+            # compiled as a GPU runs it, a program's block read in chunks; interpreted a
+            # block at once, as on CPU tensors (kernels._backend.program_chunk), which
+            # computes the same (the kernel tests check it) without the loop's numpy calls
+            kwargs = dict(kwargs, CHUNK=kwargs["BLOCK"])
         try:
             return _interpreted(self.fn).run(*args, grid=grid, warmup=False, **kwargs)
         finally:
@@ -253,8 +258,8 @@ def enable(arch=90, counts=True):
         raise RuntimeError("triton_compile.enable needs TRITON_INTERPRET unset: the "
                            "interpreter's triton.jit builds functions that cannot compile")
     CompiledThenInterpreted.arch = int(arch)
-    # the kernels as a GPU gets them: read in chunks where a launcher would on CUDA
-    # (kernels._backend.program_chunk; CPU tensors are otherwise read a block at once)
+    # the kernels compiled as a GPU gets them: read in chunks where a launcher would on
+    # CUDA (kernels._backend.program_chunk; CPU tensors are otherwise read a block at once)
     os.environ["HVD_COMPRESS_CHUNKS_ON_CPU"] = "1"
     if counts and _COUNTING is None:
         _COUNTING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cuobjdump")

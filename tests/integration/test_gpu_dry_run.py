@@ -38,6 +38,8 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     fused = [row for row in figures["select"] if "laplace_topk_fused_ms" in row]
     assert {row["n"] for row in fused} >= {4000, 8000}
     assert all(0.5 <= row["laplace_topk_fused_count_over_k"] <= 2 for row in fused), fused
+    padded = [row for row in figures["select"] if "laplace_topk_padded_cached_ms" in row]
+    assert {row["n"] for row in padded} >= {4000, 8000}     # (the launch cache's column)
     ops = {row["op"] for row in figures["codecs"]}
     assert {"laplace_topk:density=0.01,fused=1,values=rangefloat8 compress",
             "rangefloat8 decode", "block DCT 64", "twobit pack"} <= ops
@@ -63,6 +65,8 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert all(row["exact_equal"] for row in breakdown["search"])   # both pass schedules
     assert [row["layout"] for row in breakdown["aligned"]] == ["gpt2", "one"]
     assert all(row["select_aligned_ms"] > 0 for row in breakdown["aligned"])
+    assert [row["layout"] for row in breakdown["passes"]] == ["gpt2", "one"]
+    assert all(row["equal"] and row["whole_chunks"] == [4096, 4096] for row in breakdown["passes"])
     assert [row["layout"] for row in breakdown["warps"]] == ["gpt2", "one"]
     assert all(row["same_count"] and row["select_8_8_ms"] > 0 for row in breakdown["warps"])
     assert all(row["fold_equal"] and row["select_fold_8_ms"] > 0 for row in breakdown["warps"])
