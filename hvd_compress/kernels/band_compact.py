@@ -246,8 +246,8 @@ def _padded_reference(x, idx, seg, state, zero, slots):
     return out, bad, values, slots.table[1]
 
 
-#: warps of a band-write program (blocks of 4096 entries: 16 a thread): chosen from the
-#: compiled register counts (sm_90, Triton 3.6), not timed yet;
+#: warps of a band-write program (chunks of ``BAND_CHUNK`` entries: 4 a thread): chosen
+#: from the compiled register counts (sm_90, Triton 3.6), not timed yet;
 #: ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8, with
 #: ``histogram_select.HISTOGRAM_WARPS``
 BAND_WRITE_WARPS = 8
@@ -330,8 +330,8 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
         values = torch.empty(total, dtype=x.dtype, device=x.device) if gather else idx
     if total:
         count_launch("band_write")
-        # 8 warps: the one scan of both counts holds 194 registers a thread with 4
-        # (sm_90, Triton 3.6), 85 with 8, so that as many warps fit on an SM as before it
+        # 8 warps (BAND_WRITE_WARPS): in chunks of 1024, 64 registers a thread and 32
+        # warps on an SM (sm_90, Triton 3.6, 2026-11-30); with 4, 96 and 20
         kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, state, T, above,
                                   band_before, out_start, idx, values, blocks.first,
                                   above if slots is None else slots.table, WRITE=True,

@@ -294,8 +294,8 @@ def segment_histogram_reference(x, blocks, state, bins):
     return hist.reshape(T, bins + 2)
 
 
-#: warps of a histogram program (blocks of 4096 entries: 32 a thread): chosen from the
-#: compiled register counts (sm_90, Triton 3.6), not timed yet;
+#: warps of a histogram program (chunks of ``HISTOGRAM_CHUNK`` entries: 4 a thread):
+#: chosen from the compiled register counts (sm_90, Triton 3.6), not timed yet;
 #: ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8
 HISTOGRAM_WARPS = 4
 

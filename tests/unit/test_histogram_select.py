@@ -208,7 +208,7 @@ def test_band_select_gathers_the_values_and_zeroes_them_in_x(monkeypatch, backen
     blocks = H.block_table(LENGTHS, x.device, block=1024)
     state = state_for(LENGTHS, [bits(1.0), -1, 0, bits(2.0), 0, bits(0.5)],
                       [bits(2.0), -1, bits(3.0), bits(2.0), bits(3.0), bits(2.0)])
-    state[H.QUOTA] = torch.tensor([3, 0, 1000, 50, 2, 0], device=DEVICE)
+    state[H.QUOTA] = torch.tensor([100, 0, 1000, 50, 2, 0], device=DEVICE)   # 100: past 1 chunk
     state[H.LO, 4] = state[H.HI, 4] = bits(1e30)           # a tensor that sends nothing
     before = x.clone()
     want, _ = B.band_select_reference(before.clone(), blocks, state)
