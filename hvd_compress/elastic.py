@@ -64,8 +64,10 @@ class CompressionCommit:
             self.lost_residual_norm += lost
             if lost:
                 gone = len(self._norms) - len([r for r in here if r is not None])
-                info_rank0(self._hvd.rank(), f"hvd_compress: {gone} worker(s) lost; the "
-                           "gradient they had not sent yet (their error-feedback residuals "
-                           f"at the last commit) had L2 norm {lost:.6g}")
+                # (what the residuals hold: gradients, or updates where the optimizer
+                # exchanges them, compressed_update=True)
+                info_rank0(self._hvd.rank(), f"hvd_compress: {gone} worker(s) lost; what "
+                           "they had not sent yet (their error-feedback residuals at the "
+                           f"last commit) had L2 norm {lost:.6g}")
         self._restored = False
         return lost
