@@ -44,10 +44,10 @@ tensor.  ``--tiny`` divides every size by 1000.
    indices as the default.
 7. **passes**: the fused selection's kernels one by one in launch order, each with its
    device time (the coarse pass, the fine ones, the band count, offsets and write), with
-   every program reading its block whole (as before 2026-11-30) and in the chunks of
-   ``histogram_select.HISTOGRAM_CHUNK`` and ``band_compact.BAND_CHUNK`` (the defaults,
-   chosen from register counts, not timed), layouts ``gpt2`` and ``one``; the indices
-   must be equal.
+   every program reading its block whole (as before 2026-11-30), in chunks of 1024, and
+   in the chunks of ``histogram_select.HISTOGRAM_CHUNK`` and ``band_compact.BAND_CHUNK``
+   (the defaults, chosen from register counts, not timed), layouts ``gpt2`` and ``one``;
+   the indices must be equal.
 8. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
