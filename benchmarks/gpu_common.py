@@ -1,13 +1,16 @@
 """What the GPU benchmarks share (``benchmarks/gpu_bench.py`` and the modules it loads:
 ``gpu_profile.py``, ``gpu_summary.py``): the device's peak bandwidth, sizes, JSON, CUDA
 event timing (wall clock on a CPU dry run), Laplace test data, the two-rank aggregate,
-and :func:`sibling`, which loads a benchmark module of this folder by its path (this
-folder is not put on ``sys.path``: ``benchmarks/select.py`` is named like the standard
-library's ``select``).
+settings of the environment for a block (:func:`environment`; ``select.py`` uses it
+too), and :func:`sibling`, which loads a benchmark module of this folder by its path
+(this folder is not put on ``sys.path``: ``benchmarks/select.py`` is named like the
+standard library's ``select``).
 """
+import contextlib
 import datetime
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -24,6 +27,20 @@ def sibling(name):
         spec.loader.exec_module(module)
     return sys.modules[name]
 
+
+@contextlib.contextmanager
+def environment(settings):
+    """``os.environ`` with ``settings`` inside the block; put back after."""
+    old = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # Peak memory bandwidth (GB/s) by device name, most specific first (vendor data sheets).

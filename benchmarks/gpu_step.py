@@ -64,7 +64,6 @@ import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -115,19 +114,7 @@ def variant(spec):
         settings.setdefault(*VARIANTS[suffix])
 
 
-@contextlib.contextmanager
-def environment(settings):
-    """``os.environ`` with ``settings`` inside the block; put back after."""
-    old = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+environment = common.environment      #: ``os.environ`` with a variant's settings, in a block
 
 
 # -- timing ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -46,6 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 import hvd_compress  # noqa: E402
 from mnist_common import show_progress  # noqa: E402  (no bar off a terminal)
+
+_spec = importlib.util.spec_from_file_location("gpu_common",
+                                               Path(__file__).with_name("gpu_common.py"))
+common = sys.modules.setdefault("gpu_common", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(common)       # (environment(): the launch cache for a call)
 
 METHODS = {
     "torch_topk": None,                                     # torch.topk itself, no compressor
@@ -103,23 +108,6 @@ def timeit(fn, repeat, sync):
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def launch_cache(on):
-    """``HVD_COMPRESS_LAUNCH_CACHE=1`` inside the block where ``on`` (as it was after)."""
-    if not on:
-        yield
-        return
-    was = os.environ.get("HVD_COMPRESS_LAUNCH_CACHE")
-    os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = "1"
-    try:
-        yield
-    finally:
-        if was is None:
-            os.environ.pop("HVD_COMPRESS_LAUNCH_CACHE")
-        else:
-            os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = was
-
-
 def numel(x):
     return int(np.prod(tuple(x.shape)))
 
@@ -153,8 +141,9 @@ def measure(x, density, repeat, sync, methods, graph=False):
                     return c.compress(t, "g")[0]
             fn = tf.function(fn) if graph else fn
 
-            def call(fn=fn, cached=method.endswith("_cached")):
-                with launch_cache(cached):
+            def call(fn=fn, settings={"HVD_COMPRESS_LAUNCH_CACHE": "1"}
+                     if method.endswith("_cached") else {}):
+                with common.environment(settings):
                     out["payload"] = fn(x)
 
         seconds = timeit(call, repeat, sync)

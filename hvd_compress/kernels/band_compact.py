@@ -49,8 +49,8 @@ def _kernels():
                      above_ptr, band_ptr, out_offset_ptr, idx_ptr, val_ptr,
                      first_ptr, slots_ptr,
                      WRITE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                     GATHER: tl.constexpr = False, ZERO: tl.constexpr = False,
-                     PADDED: tl.constexpr = False, CHUNK: tl.constexpr = 1024):
+                     CHUNK: tl.constexpr, GATHER: tl.constexpr = False,
+                     ZERO: tl.constexpr = False, PADDED: tl.constexpr = False):
         # WRITE=False: count the block's entries above hi and in the band (lo, hi];
         # WRITE=True: write the taken entries' indices (band_ptr: band entries before it),
         # with GATHER their values too (val_ptr, x's dtype), with ZERO +0.0 over them in x
@@ -81,6 +81,7 @@ def _kernels():
                 at += tl.load(slots_ptr + s)
             if GATHER and PADDED:
                 finite = tl.load(state_ptr + 6 * T + s) != 0
+            tl.static_assert(BLOCK <= 16384)      # (the packed counts below: 15 bits)
             # both counts of the block's entries before the chunk, packed as below
             carry = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), axis=0)
         else:
@@ -100,7 +101,6 @@ def _kernels():
                 # 2^15), from the chunks before on.  The band entries taken are its first
                 # `room`, so the taken entries before an entry are those above hi plus
                 # min(band entries before it, room)
-                tl.static_assert(BLOCK <= 16384)
                 code = band + (above.to(tl.int32) << 16)
                 before = carry + tl.cumsum(code, axis=0) - code
                 carry += tl.sum(code, axis=0)
@@ -306,8 +306,7 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
     kernels, chunk = _kernels(), program_chunk(BAND_CHUNK, blocks.block, x)
     kernels.band[(programs,)](x, blocks.starts, blocks.stops, blocks.segs, _whole(state), T, above,
                               band, above, above, above, above, above, WRITE=False,
-                              BLOCK=blocks.block, ALIGN=blocks.align,
-                              CHUNK=chunk)
+                              BLOCK=blocks.block, ALIGN=blocks.align, CHUNK=chunk)
     band_before, out_start, scratch, result = (
         torch.empty(n, dtype=torch.int64, device=x.device) for n in (programs,) * 3 + (2,))
     count = gather and count and slots is None
@@ -336,7 +335,6 @@ def band_select(x, blocks, state, backend=None, gather=False, zero=False, count=
                                   band_before, out_start, idx, values, blocks.first,
                                   above if slots is None else slots.table, WRITE=True,
                                   BLOCK=blocks.block, ALIGN=blocks.align, GATHER=gather,
-                                  ZERO=zero, PADDED=slots is not None,
-                                  CHUNK=chunk,
+                                  ZERO=zero, PADDED=slots is not None, CHUNK=chunk,
                                   num_warps=BAND_WRITE_WARPS)
     return (idx, finite, values, counts) if gather else (idx, finite)
