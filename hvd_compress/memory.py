@@ -155,14 +155,29 @@ class ResidualMemory:
         return flat + ops.cast(r, flat.dtype)
 
     def residuals_to_add(self, parts, flat, own):
-        """The residuals of a bucket (``parts`` in ``flat``, the caller's scratch buffer:
-        ``own``), float32 and end to end, for an encode that adds them to ``flat`` in its
-        own first pass (``c = g + r`` written over ``flat``, as :meth:`compensate_parts`
-        would; then ``flat`` is ``c`` for :meth:`update_parts`); None where it cannot."""
-        if not (self.reuse and own and len(parts) > 1 and flat.dtype == self.ops.float32):
+        """``(r, c)`` for an encode that adds the residuals ``r`` (float32, end to end) in
+        its own first pass, writing ``c = g + r`` into the buffer ``c`` that
+        :meth:`compensate_parts` would have written (then ``c`` is what
+        :meth:`update_parts` takes); None where it cannot (``reuse`` only, float32).
+
+        A bucket (``parts`` in ``flat``, the caller's scratch buffer: ``own``): ``c`` is
+        ``flat``, written over.  A tensor alone (one part, not ``own``): ``c`` is its
+        residual's spare buffer, ``flat`` (the caller's gradient) is only read -- the
+        encode's first pass reads ``g`` and ``r`` and writes ``c``, where a pass of its own
+        wrote ``c`` and the first pass read it again (one read of the tensor fewer)."""
+        if not (self.reuse and flat.dtype == self.ops.float32):
             return None
-        r = self._residuals(parts, flat)
-        return r if r.dtype == flat.dtype and r.data_ptr() != flat.data_ptr() else None
+        if own:
+            r = self._residuals(parts, flat)
+            return (r, flat) if r.dtype == flat.dtype and r.data_ptr() != flat.data_ptr() \
+                else None
+        if len(parts) != 1 or self.ops.numel(flat) == 0 or not flat.is_contiguous():
+            return None
+        r = self._residual(parts[0][0], flat)
+        spare = self.store.spare(self.SPARE + parts[0][0], r)
+        if len({r.data_ptr(), spare.data_ptr(), flat.data_ptr()}) != 3:
+            return None
+        return r, spare
 
     def update_parts(self, parts, compensated, subtract_sent, finite, own=False):
         """``r = c - sent`` per tensor of ``parts``; unchanged where ``finite`` is false.

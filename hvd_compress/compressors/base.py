@@ -276,7 +276,8 @@ class Compressor:
         add = memory.residuals_to_add(parts, flat, own) \
             if self.finds_nonfinite and self.adds_residual(flat, ctx, ops) else None
         if add is not None:                   # c = g + r written by encode's first pass
-            compensated, ctx = flat, ctx._replace(add=add)
+            compensated = add[1]              # (flat, or a tensor alone's spare buffer)
+            ctx = ctx._replace(add=add[0], source=None if compensated is flat else flat)
         else:
             compensated = memory.compensate_parts(parts, flat, own=own)
         if self.finds_nonfinite:
@@ -295,8 +296,10 @@ class Compressor:
 
     def adds_residual(self, flat, ctx, ops):
         """Does :meth:`encode_checked` (``finds_nonfinite``) add error feedback's
-        residuals ``ctx.add`` to the bucket ``flat`` itself, in its first pass over it
-        (``c = g + r`` written over ``flat``: one pass over the bucket fewer)?  No."""
+        residuals ``ctx.add`` in its first pass over the bucket ``flat`` (``c = g + r``
+        written over ``flat``; for a tensor alone, ``ctx.source + r`` written into
+        ``flat``, its spare buffer: :meth:`.ResidualMemory.residuals_to_add`), one pass
+        fewer?  No."""
         return False
 
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):

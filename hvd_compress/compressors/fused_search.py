@@ -30,7 +30,8 @@ def fused_payload(sparsifier, selector, flat, ctx, ops, **kw):
     """``(payload, finite, written)``: ``sparsifier``'s payload of the entries that the
     fused search of ``selector`` (a LaplaceTopK; its ``padded`` decides) selects in
     ``flat`` (``ctx``: its Ctx), values and counts from the write pass
-    (:func:`select_histogram` with ``gather``; ``kw``: ``add``, ``own``, ``count``).
+    (:func:`select_histogram` with ``gather``; ``kw``: ``add``, ``source``, ``own``,
+    ``count``).
     ``padded=1``: in ``selector``'s slots, ``finite`` a device flag
     (:class:`~hvd_compress.memory.NonFinite`) and the codec's counts the host's."""
     torch_only(sparsifier, ops)
@@ -65,12 +66,13 @@ COARSE_BINS = 62        #: passes with at most this many bins count per block (`
 
 
 def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, gather=False,
-                     own=False, count=True, slots=None):
+                     own=False, count=True, slots=None, source=None):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
     1. one pass: ``sum|g|`` and ``max|g|`` per tensor (with error feedback, ``g`` is
-       ``c = g + r``, written by this same pass: ``add``); the bracket starts at
+       ``c = g + r``, written by this same pass: ``add``, and ``source`` where ``g`` is
+       not ``flat`` itself but a tensor alone's gradient); the bracket starts at
        ``(t0 / 2, max|g|]``, ``t0 = mean|g| ln(1/density)`` (the Laplace fit), set on
        the device by one launch;
     2. histogram passes (kernel ``histogram_select.segment_histogram``) count, per
@@ -102,20 +104,20 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, ga
     finite, values, counts, written)`` (``ops.band_select``); ``slots`` (with
     ``gather``): padded (``padded=1``), no synchronisation at all.
     """
-    blocks, state = histogram_search(self, flat, lay, ops, passes, add)
+    blocks, state = histogram_search(self, flat, lay, ops, passes, add, source)
     return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count,
                            slots=slots)
 
 
-def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None):
+def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, source=None):
     """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
     launch on the device and no host synchronisation, shapes fixed by the layout (so
     the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
     times that).  ``add``: error feedback's residuals, added to ``flat`` by the first
-    pass (:meth:`LaplaceTopK.adds_residual`)."""
+    pass (:meth:`LaplaceTopK.adds_residual`), or to ``source`` into ``flat``."""
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
-    abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add)
+    abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add, source=source)
     state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density))
     buffers = {}
     for bins in passes:

@@ -136,11 +136,12 @@ class LaplaceTopK(DensitySparsifier):
             # not finite: every index; else without zeros (on CUDA read back together)
             return found if found is not None else super().select_checked(flat, ctx, ops, step)
         torch_only(self, ops)
-        return select_histogram(self, flat, ctx.layout, ops, add=ctx.add)
+        return select_histogram(self, flat, ctx.layout, ops, add=ctx.add, source=ctx.source)
 
     def adds_residual(self, flat, ctx, ops):
-        # the fused search's first pass (sum|c| and max|c| per tensor) adds r itself
-        return bool(self.fused) and ctx.bucket is not None and self.payload_is_copy
+        # the fused search's first pass (sum|c| and max|c| per tensor) adds r itself, a
+        # bucket's or a tensor alone's
+        return bool(self.fused) and self.payload_is_copy and ctx.numel > 0
 
     #: the fused search's write pass gathers the sent values and counts them per tensor
     #: (for ``values=rangefloat*``), and with error feedback writes its residual over the
@@ -167,6 +168,7 @@ class LaplaceTopK(DensitySparsifier):
             return super().encode_checked(flat, ctx, ops, step)
         coded = self.codec is not None         # (per-tensor counts for its exponent ranges)
         payload, finite, written = fused_payload(self, self, flat, ctx, ops, add=ctx.add,
+                                                 source=ctx.source,
                                                  own=own and not coded, count=coded)
         return (payload if written is None else OwnPayload(payload, residual=written)), finite
 

@@ -23,6 +23,9 @@ class Ctx(NamedTuple):
                           #: aggregate must match (:meth:`~.base.Compressor.check_aggregate`)
     add: Any = None       #: error feedback's residuals, for encode_checked to add to its
                           #: input in its first pass (:meth:`~.base.Compressor.adds_residual`)
+    source: Any = None    #: with ``add``: what that pass reads in its input's place, and
+                          #: adds ``add`` to, writing the sum into its input (a tensor
+                          #: alone's gradient; its input is then the residual's spare buffer)
 
     @property
     def bucket(self):

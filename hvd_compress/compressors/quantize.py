@@ -85,7 +85,7 @@ class CodesAndScales(Compressor):
     def encode_checked(self, flat, ctx, ops, step):
         # where the bucket kernels run, their own NaN/Inf flags, left on the device (error
         # feedback obeys them there: memory.NonFinite); elsewhere one check on the host
-        more = {"add": ctx.add} if ctx.add is not None else {}      # (adds_residual)
+        more = {"add": ctx.add, "source": ctx.source} if ctx.add is not None else {}
         if self.writes_residual and self.payload_is_copy:     # (residuals updated in place)
             more["residual"] = True
         fast = self.encode_bucket(flat, ctx.layout, ops, step, **more)
@@ -192,19 +192,21 @@ class TwoBit(CodesAndScales):
 
     def adds_residual(self, flat, ctx, ops):
         # adaptive thresholds where the kernels run: their segmented pass adds r
-        return (self.threshold is None and self.payload_is_copy and ctx.bucket is not None
-                and ops.bucket_codec_kernels(flat) and min(ctx.bucket.numels) >= 1)
+        # (a bucket's or a tensor alone's: encode_bucket takes either)
+        return (self.threshold is None and self.payload_is_copy
+                and ops.bucket_codec_kernels(flat) and min(ctx.layout.numels) >= 1)
 
-    def encode_bucket(self, flat, lay, ops, step, residual=False, add=None):
+    def encode_bucket(self, flat, lay, ops, step, residual=False, add=None, source=None):
         # where the kernels run: every tensor's threshold from one segmented pass (which
-        # adds error feedback's residuals first, given them), one pack launch for the
+        # adds error feedback's residuals first, given them, to flat or to source into
+        # flat: adds_residual), one pack launch for the
         # bucket, which flags NaN/Inf (the thresholds' formula as in encode_one; the sums'
         # order of additions is the segmented pass's) and may write the residual
         # (subtract_sent's bits)
         if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
             return None
         if self.threshold is None:               # t and the scales in the pack kernel
-            abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add)
+            abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add, source=source)
             return ops.twobit_pack_fit(flat, lay, abs_sum, abs_max, self.scale, residual)
         t = ops.layout_constant(f"twobit.t={self.threshold!r}", lay,
                                 lambda: [self.threshold] * len(lay.numels), ops.float32, flat)

@@ -84,20 +84,21 @@ class RangeFloatCodec:
                                         counts=counts)[0]
 
     def encode_segments_own(self, values, seg, segments, ops, lengths=None, write="decoded",
-                            add=None, counts=None):
+                            add=None, counts=None, source=None):
         """``(payload, written)``: :meth:`encode_segments`' payload and what the sender's
         error feedback needs of it, written by the encode's launch over ``values`` where
         the kernels run and ``values`` are float32 (``values`` returned), else None:
         what every rank will decode of it (``write="decoded"``), or ``values`` minus that
         (``"residual"``).  Either way its error feedback decodes nothing.  ``add``: error
         feedback's residuals, added to ``values`` first (by the exponent pass where the
-        kernels run; ``RangeFloat.adds_residual``)."""
+        kernels run; ``RangeFloat.adds_residual``), or to ``source`` and written into
+        ``values`` (a tensor alone: its gradient, and its residual's spare buffer)."""
         if lengths is not None:
             counts = None
         elif counts is None:
             counts = ops.segment_counts(seg, segments)
         fast = ops.rangefloat_encode_segments(values, counts, lengths, self.e, self.m, write,
-                                              add)
+                                              add, source)
         if fast is not None:
             return (fast[:2], fast[2]) if write else (fast, None)
         if lengths is not None:
@@ -186,12 +187,15 @@ class RangeFloat(Compressor):
         # each tensor its own range; decoding reads (rank, tensor) segments in order,
         # which for a dense payload is each rank's bucket in order: the sum of rows
         payload, residual = self.codec.encode_segments_own(flat, None, len(lay.numels), ops,
-                                                           lay.numels, write, ctx.add)
+                                                           lay.numels, write, ctx.add,
+                                                           source=ctx.source)
         return payload if residual is None else OwnPayload(payload, residual=residual)
 
     def adds_residual(self, flat, ctx, ops):
-        # where the kernels run, the exponent pass reads the bucket first: it adds r
-        return self.payload_is_copy and ctx.bucket is not None and ops.bucket_codec_kernels(flat)
+        # where the kernels run, the exponent pass reads the bucket first: it adds r (a
+        # tensor alone's too, which _encode then encodes as a bucket of one)
+        return (self.payload_is_copy and (ctx.bucket is not None or ctx.numel > 0)
+                and ops.bucket_codec_kernels(flat))
 
     def encode_checked(self, flat, ctx, ops, step):
         # (called with error feedback on, whose residuals are updated in place: the

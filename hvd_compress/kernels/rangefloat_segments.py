@@ -61,14 +61,15 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _exponent_kernel(x_ptr, add_ptr, starts_ptr, stops_ptr, segs_ptr, emax_ptr,
+    def _exponent_kernel(x_ptr, add_ptr, src_ptr, starts_ptr, stops_ptr, segs_ptr, emax_ptr,
                          BLOCK: tl.constexpr, ADD: tl.constexpr):
-        # ADD (float32 x): x + add written over x first (error feedback's c = g + r)
+        # ADD (float32 x): src + add written into x first (error feedback's c = g + r;
+        # src is x, or a tensor alone's gradient when x is its spare buffer); else src is x
         pid = tl.program_id(0)
         start = tl.load(starts_ptr + pid)
         stop = tl.load(stops_ptr + pid)
         offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
+        x = tl.load(src_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
         if ADD:
             x = x + tl.load(add_ptr + offs, mask=offs < stop, other=0.0)
             tl.store(x_ptr + offs, x, mask=offs < stop)
@@ -249,12 +250,14 @@ def segment_max_exponent_reference(x, counts):
     return torch.stack([max_exponent(p) for p in parts]).to(torch.int32)
 
 
-def _exponents(x, table, segments, block, add=None):
+def _exponents(x, table, segments, block, add=None, source=None):
     triton, kernel = _kernels()[:2]
     emax = torch.full((segments,), -127, dtype=torch.int32, device=x.device)
     count_launch("rangefloat_segment_exponent")
-    kernel[(table.starts.numel(),)](x, x if add is None else add, table.starts, table.stops,
-                                    table.segs, emax, BLOCK=block, ADD=add is not None)
+    kernel[(table.starts.numel(),)](x, x if add is None else add,
+                                    x if source is None else source, table.starts,
+                                    table.stops, table.segs, emax, BLOCK=block,
+                                    ADD=add is not None)
     return emax
 
 
@@ -289,7 +292,7 @@ def encode_segments_reference(x, counts, e, m):
 
 
 def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, decoded=None,
-                    minus=False, add=None):
+                    minus=False, add=None, source=None):
     """:func:`encode_segments_reference` in two launches (kernels on CUDA): the exponent
     pass and the encode.  ``counts``: int64 device tensor of the segments' lengths, or
     None with ``lengths`` (host ints; then no op builds the table).  The byte count needs
@@ -301,18 +304,19 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, de
     no launch); with ``minus``, ``x`` minus that, in float32 (error feedback's residual,
     in the same pass).  ``add``: ``x + add`` is written over
     ``x`` by the exponent pass first, and encoded (error feedback's ``c = g + r``; both
-    contiguous 1-D float32)."""
+    contiguous 1-D float32); with ``source`` (another such buffer), ``source + add`` is
+    written into ``x``, which is not read before (a tensor alone's spare buffer)."""
     g, nb = group(1 + e + m)
     if decoded is not None and (decoded.dtype != torch.float32 or decoded.numel() != x.numel()
                                 or not decoded.is_contiguous()):
         raise ValueError(f"decoded must be a contiguous float32 tensor of {x.numel()} values, "
                          f"got {decoded.dtype} of {decoded.numel()}")
-    if add is not None:
-        from .segmented import check_flat32
-        check_flat32("encode_segments: add=", x.numel(), x, add)
+    if add is not None or source is not None:
+        from .segmented import add_into, check_addends
+        check_addends("encode_segments", x, add, source)
     if pick_backend(x, backend) == "torch":
         if add is not None:
-            x.add_(add)
+            add_into(x, add, source)
         lengths = counts.tolist() if lengths is None else lengths
         out = encode_segments_reference(x, lengths, e, m)
         if decoded is not None:
@@ -331,7 +335,7 @@ def encode_segments(x, counts, e, m, lengths=None, backend=None, block=BLOCK, de
         table, total = device_table(counts, x.numel(), g, block)
         total = x.numel() if g == 1 else int(total)            # the one synchronisation
     segments = table.vstart.numel()
-    emax = _exponents(x, table, segments, block, add)
+    emax = _exponents(x, table, segments, block, add, source)
     out = torch.empty(total * nb, dtype=torch.uint8, device=x.device)
     count_launch("rangefloat_encode_segments")
     kernel[(table.starts.numel(),)](x, table.starts, table.stops, table.segs, table.vstart,

@@ -43,17 +43,18 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _block_abs_sum_max_kernel(x_ptr, add_ptr, starts_ptr, stops_ptr, part_sum_ptr,
-                                  part_max_ptr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                                  ADD: tl.constexpr):
+    def _block_abs_sum_max_kernel(x_ptr, add_ptr, src_ptr, starts_ptr, stops_ptr,
+                                  part_sum_ptr, part_max_ptr, BLOCK: tl.constexpr,
+                                  ALIGN: tl.constexpr, ADD: tl.constexpr):
         # ALIGN: every start and stop is a multiple of it (Blocks.align), so the compiler
-        # may load 16 bytes at a time.  ADD (float32 x): x + add written over x first
-        # (error feedback's c = g + r), then its sums
+        # may load 16 bytes at a time.  ADD (float32 x): src + add written into x first
+        # (error feedback's c = g + r; src is x itself, or a tensor alone's gradient, when
+        # x is its spare buffer), then its sums; without ADD, src is x
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)      # int64 offsets
         stop = tl.multiple_of(tl.load(stops_ptr + pid), ALIGN)
         offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
+        x = tl.load(src_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32)
         if ADD:
             x = x + tl.load(add_ptr + offs, mask=offs < stop, other=0.0)
             tl.store(x_ptr + offs, x, mask=offs < stop)
@@ -248,24 +249,46 @@ def word_table(lengths, per_word, device, block_words):
 def check_flat32(what, n, *tensors):
     """ValueError naming ``what`` unless every tensor is contiguous 1-D float32 of ``n``
     values: those that a kernel reads beside ``x`` or writes over in place (error
-    feedback's ``add=`` and ``residual=``)."""
+    feedback's ``add=``, ``source=`` and ``residual=``)."""
     if not all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
                and t.numel() == n for t in tensors):
         got = ", ".join(f"{t.dtype} of shape {tuple(t.shape)}" for t in tensors)
         raise ValueError(f"{what} needs contiguous 1-D float32 tensors of {n} values, got {got}")
 
 
-def segment_abs_sum_max(x, lengths, backend=None, block=4096, add=None):
+def check_addends(what, x, add, source):
+    """The checks of a first pass given error feedback's ``add`` (and ``source``):
+    :func:`check_flat32` of all three, and ``source`` (read) apart from ``x`` (written)."""
+    if source is None:
+        return check_flat32(what + ": add=", x.numel(), x, add)
+    if add is None:
+        raise ValueError(f"{what}: source= is read in place of x only with add=")
+    check_flat32(what + ": add= and source=", x.numel(), x, add, source)
+    if source.data_ptr() == x.data_ptr():
+        raise ValueError(f"{what}: source= must be another buffer than x (or None)")
+
+
+def add_into(x, add, source):
+    """The torch form of a first pass's error feedback: ``x + add`` over ``x``, or
+    ``source + add`` into ``x``; ``x``."""
+    return x.add_(add) if source is None else torch.add(source, add, out=x)
+
+
+def segment_abs_sum_max(x, lengths, backend=None, block=4096, add=None, source=None):
     """float32 ``(sum|x|, max|x|)`` of each segment of flat ``x`` (kernel on CUDA).
     ``add``: float32 ``x + add`` is written over ``x`` first (both contiguous 1-D
-    float32), in the same pass, and summed (error feedback's compensation)."""
+    float32), in the same pass, and summed (error feedback's compensation); with
+    ``source`` (contiguous 1-D float32, another buffer), ``source + add`` is written into
+    ``x``, which is not read (a tensor alone: its gradient and residual, summed into the
+    residual's spare buffer)."""
     lengths = tuple(int(v) for v in (lengths.tolist() if torch.is_tensor(lengths) else lengths))
     if min(lengths, default=1) < 1 or sum(lengths) != x.numel():
         raise ValueError(f"segment lengths {lengths[:8]}... must be >= 1 and sum to {x.numel()}")
-    if add is not None:
-        check_flat32("segment_abs_sum_max: add=", x.numel(), x, add)
+    if add is not None or source is not None:
+        check_addends("segment_abs_sum_max", x, add, source)
     if pick_backend(x, backend) == "torch":
-        return segment_abs_sum_max_reference(x if add is None else x.add_(add), lengths)
+        return segment_abs_sum_max_reference(x if add is None else add_into(x, add, source),
+                                             lengths)
     triton, kernel = _kernels()[:2]
     x = x.reshape(-1).contiguous()
     blocks = block_table(lengths, x.device, block)
@@ -273,8 +296,9 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096, add=None):
     part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
     part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     count_launch("segment_abs_sum_max")
-    kernel[(programs,)](x, x if add is None else add, blocks.starts, blocks.stops, part_sum,
-                        part_max, BLOCK=block, ALIGN=blocks.align, ADD=add is not None)
+    kernel[(programs,)](x, x if add is None else add, x if source is None else source,
+                        blocks.starts, blocks.stops, part_sum, part_max, BLOCK=block,
+                        ALIGN=blocks.align, ADD=add is not None)
     # unsafe=True: the lengths are the package's own block table (the default checks
     # them with two host synchronisations per call)
     return (torch.segment_reduce(part_sum, "sum", lengths=blocks.counts, unsafe=True),

@@ -46,13 +46,22 @@ def test_segment_abs_sum_max(lengths, dtype):
 
 @pytest.mark.parametrize("lengths", LAYOUTS)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_segment_abs_sum_max_adds_first(lengths, backend):
+@pytest.mark.parametrize("into", [False, True])
+def test_segment_abs_sum_max_adds_first(lengths, backend, into):
     """``add=``: ``x + add`` written over ``x`` in the same pass (error feedback's
-    ``c = g + r``), bit for bit the torch add, and the sums are those of the sum."""
+    ``c = g + r``), bit for bit the torch add, and the sums are those of the sum.
+    ``into``: with ``source=``, ``source + add`` written into ``x`` (a tensor alone's
+    spare buffer, NaN here: never read), ``source`` and ``add`` left as they were."""
     x, r = data(lengths), data(lengths) * 0.5 - 0.25
     want = x + r
-    s, m = S.segment_abs_sum_max(x, lengths, backend=backend, add=r)
+    kept = (x.clone(), r.clone())
+    more = {}
+    if into:
+        more["source"], x = x, torch.full_like(x, float("nan"))
+    s, m = S.segment_abs_sum_max(x, lengths, backend=backend, add=r, **more)
     assert torch.equal(x.view(torch.int32), want.view(torch.int32))
+    if into:
+        assert torch.equal(more["source"], kept[0]) and torch.equal(r, kept[1])
     ws, wm = S.segment_abs_sum_max(want, lengths, backend=backend)
     assert torch.equal(m, wm)
     if backend == "torch" and x.is_cuda:   # the reference's index_add_: float atomics there
@@ -61,6 +70,12 @@ def test_segment_abs_sum_max_adds_first(lengths, backend):
         assert torch.equal(s, ws)
     with pytest.raises(ValueError, match="add= needs"):
         S.segment_abs_sum_max(x.half(), lengths, backend=backend, add=r)
+    with pytest.raises(ValueError, match="source= needs"):
+        S.segment_abs_sum_max(x, lengths, backend=backend, add=r, source=r[:-1])
+    with pytest.raises(ValueError, match="source= must be another buffer"):
+        S.segment_abs_sum_max(x, lengths, backend=backend, add=r, source=x)
+    with pytest.raises(ValueError, match="only with add="):
+        S.segment_abs_sum_max(x, lengths, backend=backend, source=r)
 
 
 def test_segment_abs_sum_max_rejects_bad_lengths():

@@ -84,18 +84,27 @@ def test_encode_segments_writes_what_decode_segments_makes_of_its_bytes(bits, on
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("on_device", [False, True])
-def test_encode_segments_adds_first(backend, on_device):
+@pytest.mark.parametrize("into", [False, True])
+def test_encode_segments_adds_first(backend, on_device, into):
     """``add=``: the exponent pass writes ``x + add`` over ``x`` (error feedback's
-    ``c = g + r``, torch's bits) and the bytes and headers are those of the sum's."""
+    ``c = g + r``, torch's bits) and the bytes and headers are those of the sum's;
+    ``into``: with ``source=``, ``source + add`` written into ``x`` (NaN before: not
+    read), ``source`` left as it was."""
     e, m = RF.SPLITS[8]
     x = with_specials(laplace(sum(LENGTHS), seed=3))
     r = laplace(sum(LENGTHS), seed=4) * 0.25
     want = x + r
+    more = {}
+    if into:
+        more["source"], x = x, torch.full_like(x, float("nan"))
+        kept = more["source"].clone()
     counts = torch.tensor(LENGTHS, device=DEVICE)
     data, header = RS.encode_segments(x, counts if on_device else None, e, m,
                                       lengths=None if on_device else LENGTHS, add=r,
-                                      backend=backend)
+                                      backend=backend, **more)
     assert same_values(x, want) and same_bits(x.nan_to_num(), want.nan_to_num())
+    if into:
+        assert same_bits(more["source"].nan_to_num(), kept.nan_to_num())
     want_data, want_header = RS.encode_segments_reference(want, LENGTHS, e, m)
     assert torch.equal(data, want_data) and torch.equal(header, want_header)
     with pytest.raises(ValueError, match="add= needs"):

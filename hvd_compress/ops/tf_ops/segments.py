@@ -31,8 +31,8 @@ def layout_constant(what, layout, values, dtype, like):
     return _tf.constant(list(values()), dtype=dtype)
 
 
-def segment_abs_sum_max(flat, layout, add=None):
-    if add is not None:              # (in place: error feedback defers it on PyTorch only)
+def segment_abs_sum_max(flat, layout, add=None, source=None):
+    if add is not None or source is not None:              # (in place: error feedback defers it on PyTorch only)
         raise NotImplementedError("segment_abs_sum_max(add=) writes in place: PyTorch only")
     a = _tf.abs(_tf.cast(flat, _tf.float32))
     ids = segment_ids(layout, flat)

@@ -153,7 +153,8 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
     return rangefloat.decode_ranks(data, emax, counts, e, m)
 
 
-def rangefloat_encode_segments(values, counts, lengths, e, m, write=None, add=None):
+def rangefloat_encode_segments(values, counts, lengths, e, m, write=None, add=None,
+                               source=None):
     """Optional fast path of the codec's per-tensor encode of a bucket: ``(bytes,
     headers)`` of ``values`` in tensors of host ``lengths`` (or of device ``counts``, the
     values per tensor) in two launches where :func:`bucket_codec_kernels`; None elsewhere
@@ -163,15 +164,17 @@ def rangefloat_encode_segments(values, counts, lengths, e, m, write=None, add=No
     ``values`` are not contiguous float32 (then they are left as they are).  ``add``
     (float32): ``values + add`` written over ``values`` first, by the exponent pass
     where it can, else at once (then None where the kernels do not run: the codec
-    encodes ``values``, which hold the sum), and encoded (error feedback's ``c = g + r``)."""
+    encodes ``values``, which hold the sum), and encoded (error feedback's ``c = g + r``);
+    ``source``: ``source + add`` written into ``values`` instead (a tensor alone)."""
     from ...kernels import pick_backend, rangefloat_segments
     kernels = pick_backend(values) == "triton"
-    values, add = _add_unless(kernels, values, add)
+    values, add, source = _add_unless(kernels, values, add, source)
     if not kernels:
         return None
     out = _over(values, write)
     got = rangefloat_segments.encode_segments(values, counts, e, m, lengths=lengths,
-                                              decoded=out, minus=write == "residual", add=add)
+                                              decoded=out, minus=write == "residual", add=add,
+                                              source=source)
     return (*got, out) if write else got
 
 

@@ -222,14 +222,18 @@ def _flat32(t):
     return t.dtype == _torch.float32 and t.dim() == 1 and t.is_contiguous()
 
 
-def _add_unless(kernel_adds, flat, add):
-    """``(flat, add)`` for a pass that adds error feedback's residuals ``add`` to ``flat``
-    itself where ``kernel_adds`` and both are contiguous 1-D float32; elsewhere
-    ``flat + add`` is written over ``flat`` at once (the same ``c``, a pass apart) and
-    ``add`` becomes None."""
-    if add is not None and not (kernel_adds and _flat32(flat) and _flat32(add)):
-        return flat.add_(add.to(flat.dtype)), None
-    return flat, add
+def _add_unless(kernel_adds, flat, add, source=None):
+    """``(flat, add, source)`` for a pass that adds error feedback's residuals ``add`` to
+    ``flat`` itself (or to ``source``, into ``flat``: a tensor alone's spare buffer) where
+    ``kernel_adds`` and all are contiguous 1-D float32; elsewhere ``flat + add`` (or
+    ``source + add``) is written into ``flat`` at once (the same ``c``, a pass apart) and
+    ``add`` and ``source`` become None."""
+    if add is not None and not (kernel_adds and _flat32(flat) and _flat32(add) and (
+            source is None or _flat32(source))):
+        add = add.to(flat.dtype)
+        return (flat.add_(add) if source is None else _torch.add(source, add, out=flat)), \
+            None, None
+    return flat, add, source
 
 
 def subtract(a, b, inplace=False):

@@ -37,14 +37,16 @@ def segment_ids(layout, like):
                        lambda: segmented.segment_ids(layout.numels, like.device))
 
 
-def segment_abs_sum_max(flat, layout, add=None):
+def segment_abs_sum_max(flat, layout, add=None, source=None):
     """float32 ``(sum|x|, max|x|)`` per tensor of a bucket (one pass; Triton on CUDA).
     ``add`` (float32, as ``flat``): ``flat + add`` written over ``flat`` first, in the
-    same pass where the kernels run (error feedback's ``c = g + r``), and summed."""
+    same pass where the kernels run (error feedback's ``c = g + r``), and summed;
+    ``source``: ``source + add`` written into ``flat`` instead (a tensor alone)."""
     from ...kernels import pick_backend, segmented
-    flat, add = _add_unless(pick_backend(flat) == "triton", flat, add)
+    flat, add, source = _add_unless(pick_backend(flat) == "triton", flat, add, source)
     if pick_backend(flat) == "triton":
-        return segmented.segment_abs_sum_max(flat, layout.numels, backend="triton", add=add)
+        return segmented.segment_abs_sum_max(flat, layout.numels, backend="triton", add=add,
+                                             source=source)
     return segmented.segment_abs_sum_max_reference(flat, layout.numels, segment_ids(layout, flat))
 
 
