@@ -73,8 +73,7 @@ triton36: setup
 
 test-triton36: triton36
 	$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
-	HVD_COMPRESS_BACKEND=triton HVD_COMPRESS_GPU_TESTS_ON_CPU=1 \
-		$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider tests/gpu
+	HVD_COMPRESS_GPU_TESTS_ON_CPU=1 $(TRITON36)/bin/python -m pytest -q -p no:cacheprovider tests/gpu
 
 # make compile-check - the same tests, every kernel launch also compiled for the lent GPU (sm_90:
 #                     H100/H200) by Triton 3.6's compiler, down to a cubin, no GPU needed
@@ -83,7 +82,7 @@ COMPILE_REPORT ?= $${TMPDIR:-/tmp}/hvd_compress_compiled_sm90.json
 compile-check: triton36
 	HVD_COMPRESS_COMPILE_FOR=90 HVD_COMPRESS_COMPILE_REPORT=$(COMPILE_REPORT) \
 		$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
-	HVD_COMPRESS_COMPILE_FOR=90 HVD_COMPRESS_BACKEND=triton HVD_COMPRESS_GPU_TESTS_ON_CPU=1 \
+	HVD_COMPRESS_COMPILE_FOR=90 HVD_COMPRESS_GPU_TESTS_ON_CPU=1 \
 		$(TRITON36)/bin/python -m pytest -q -p no:cacheprovider tests/gpu
 
 clean:

@@ -48,13 +48,18 @@ tensor.  ``--tiny`` divides every size by 1000.
    in the chunks of ``histogram_select.HISTOGRAM_CHUNK`` and ``band_compact.BAND_CHUNK``
    (the defaults, chosen from register counts, not timed), layouts ``gpt2`` and ``one``;
    the indices must be equal.
-8. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+8. **twobit**: twobit's compress with error feedback, GPT-2's block as a bucket and a
+   25M-value tensor alone, with pack programs of 256 (the default,
+   ``twobit_segments.PACK_WORDS``), 128 and 64 words, and with error feedback's add as a
+   pass of its own (before 2026-11-30's twenty-fourth stop, for a tensor alone); each
+   kernel's device time in launch order; the payloads must be equal.
+9. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
    kernel's own launcher (what our launchers would save by calling it directly).
 
-They run in the order launch, compress, graph, search, passes, top-k, aligned, warps (the JSON is
-written after each), so that a time limit stops the least decisive.  Writes
+They run in the order launch, compress, graph, search, passes, twobit, top-k, aligned,
+warps (the JSON is written after each), so that a time limit stops the least decisive.  Writes
 ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
 times on a CPU dry run are no GPU figures.
 """
@@ -67,7 +72,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -333,19 +337,16 @@ def launch_row(args):
     # our launcher again with the launch cache (HVD_COMPRESS_LAUNCH_CACHE=1): on CUDA, a
     # hit calls the compiled kernel's launcher (hvd_compress/kernels/_launch.py)
     calls.append(("cached_launch_us", calls[1][1]))
-    asked = os.environ.get("HVD_COMPRESS_LAUNCH_CACHE")
     for name, fn in calls:
-        os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = "1" if name == "cached_launch_us" else "0"
-        fn()
-        common.sync(torch, args.device)
-        t0 = time.perf_counter()
-        for _ in range(n):
+        cache = "1" if name == "cached_launch_us" else "0"
+        with common.environment({"HVD_COMPRESS_LAUNCH_CACHE": cache}):
             fn()
-        row[name] = 1e6 * (time.perf_counter() - t0) / n
-        common.sync(torch, args.device)
-    os.environ.pop("HVD_COMPRESS_LAUNCH_CACHE")
-    if asked is not None:
-        os.environ["HVD_COMPRESS_LAUNCH_CACHE"] = asked
+            common.sync(torch, args.device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            row[name] = 1e6 * (time.perf_counter() - t0) / n
+            common.sync(torch, args.device)
     print("launch: " + ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f} us" for k, v in row.items()
                                  if k.endswith("_us")) + (f"; {row['direct_error']}"
                                                           if "direct_error" in row else ""),
@@ -424,6 +425,7 @@ def main():
     steps = [("launch", lambda: launch_row(args)), ("compress", lambda: compress_rows(args, cuda)),
              ("graph", lambda: graph_rows(args, cuda)), ("search", lambda: search_rows(args)),
              ("passes", lambda: variants.passes_rows(args, make_layout, DENSITY)),
+             ("twobit", lambda: variants.twobit_rows(args, make_layout)),
              ("topk", lambda: topk_rows(args)),
              ("aligned", lambda: variants.aligned_rows(args, make_layout, DENSITY)),
              ("warps", lambda: variants.warps_rows(args, make_layout, DENSITY))]

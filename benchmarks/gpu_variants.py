@@ -3,7 +3,9 @@
 kernels told the layout's alignment or not (``aligned`` rows), the fused selection's
 histogram and band-write warps and its pick folded into the histogram's launch
 (``warps`` rows), and its kernels one by one with each program's block read whole or
-in chunks (``passes`` rows).  Each function takes the script's arguments, its ``make_layout`` and
+in chunks (``passes`` rows); twobit's compress with its pack programs of 256, 128 and 64
+words, and with error feedback's add folded into the first pass or not (``twobit``
+rows).  Each function takes the script's arguments, its ``make_layout`` and
 its density, and returns the rows.  Loaded by gpu_breakdown.py, which loads gpu_common
 first.
 """
@@ -142,6 +144,50 @@ def passes_rows(args, make_layout, density):
             print(f"passes {lname:5s} {name:8s} chunks {row[f'{name}_chunks']}  "
                   f"{row[f'{name}_ms']:8.3f} ms  us: {each or '-'}", flush=True)
         print(f"passes {lname:5s} equal {row['equal']}", flush=True)
+    return rows
+
+
+#: (name, twobit_segments.PACK_WORDS, error feedback's add in the first pass)
+TWOBIT = (("w256", 256, True), ("w128", 128, True), ("w64", 64, True),
+          ("w256_add_apart", 256, False))
+
+
+def twobit_rows(args, make_layout, density=None):
+    """twobit's compress with error feedback (its adaptive threshold): GPT-2's block as a
+    bucket, and a 25M-value tensor alone (``compress``; its add folded into the first
+    pass since 2026-11-30's twenty-fourth stop), for each ``TWOBIT`` setting: wall time,
+    each kernel's device time in launch order; the first step's payloads must be
+    equal."""
+    import hvd_compress
+    from hvd_compress.kernels import twobit_segments as TS
+    now, cuda, rows = TS.PACK_WORDS, args.device == "cuda", []
+    for lname in ("gpt2", "one"):
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=9)
+        row, got = {"layout": lname, "numel": lay.total}, []
+        for name, words, fold in TWOBIT:
+            c = hvd_compress.from_spec("twobit")
+            if not fold:                       # (this compressor only)
+                c.adds_residual = lambda *a: False
+            if lname == "one":
+                fn = lambda c=c: c.compress(flat, "one")[0]  # noqa: E731
+            else:
+                fn = lambda c=c: c.compress_bucket(flat.clone(), lay)[0]  # noqa: E731
+            TS.PACK_WORDS = words
+            try:
+                got.append([t.clone() for t in fn()])
+                row[f"{name}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
+                row[f"{name}_kernels"] = launch_order(fn) if cuda else []
+            finally:
+                TS.PACK_WORDS = now
+        row["equal"] = all(all(torch.equal(a, b) for a, b in zip(g, got[0])) for g in got)
+        rows.append(row)
+        for name, *_ in TWOBIT:
+            each = " ".join(f"{k['kernel'].replace('void ', '').lstrip('_')[:6]} {k['us']:.0f}"
+                            for k in row[f"{name}_kernels"])
+            print(f"twobit {lname:5s} {name:15s} {row[f'{name}_ms']:8.3f} ms  us: {each or '-'}",
+                  flush=True)
+        print(f"twobit {lname:5s} equal {row['equal']}", flush=True)
     return rows
 
 

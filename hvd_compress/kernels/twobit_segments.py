@@ -169,7 +169,15 @@ def _with_residual(x, lengths, t, residual):
         x.copy_(subtract_segments_reference(x, lengths, t))
 
 
-def pack_segments(x, lengths, t, backend=None, block_words=256, residual=False):
+#: words (16 values each) a pack program covers: 256 (4096 values), 110 registers a thread
+#: at 4 warps compiled for sm_90 with Triton 3.6 (16 warps on an SM; 64 registers at 128
+#: words, 40 at 64, 2026-11-30); the H200 streamed the pack at about 1.9 TB/s
+#: (2026-11-29).  Not timed otherwise: ``benchmarks/gpu_variants.py``'s ``twobit`` rows
+#: time 256, 128 and 64
+PACK_WORDS = 256
+
+
+def pack_segments(x, lengths, t, backend=None, block_words=None, residual=False):
     """``(words, bad)`` of :func:`pack_segments_reference` in one launch (kernel on
     CUDA): the bucket's words against a threshold per tensor (``t`` float32 ``[T]``).
     ``residual``: also write ``x - q`` over ``x`` (float32), error feedback's residual
@@ -182,6 +190,7 @@ def pack_segments(x, lengths, t, backend=None, block_words=256, residual=False):
         return out
     triton, kernel = _kernels()[0], _kernels()[1]
     x = x.reshape(-1).contiguous()
+    block_words = block_words or PACK_WORDS
     blocks, xoff, woff, n, total, align = _segment_table(lengths, x.device, block_words)
     words = torch.empty(total, dtype=torch.int32, device=x.device)
     bad = torch.zeros(len(lengths), dtype=torch.int32, device=x.device)
@@ -206,7 +215,7 @@ def pack_fit_reference(x, lengths, abs_sum, abs_max, scale, residual=False):
     return words, torch.where(nonfinite, torch.full_like(t, float("nan")), t), bad
 
 
-def pack_fit(x, lengths, abs_sum, abs_max, scale, backend=None, block_words=256,
+def pack_fit(x, lengths, abs_sum, abs_max, scale, backend=None, block_words=None,
              residual=False):
     """``(words, scales, bad)`` of a bucket with twobit's adaptive thresholds, computed in
     the pack kernel itself: ``t[s] = scale * sum|x_s| / n_s`` (``abs_sum``, ``abs_max``:
@@ -221,6 +230,7 @@ def pack_fit(x, lengths, abs_sum, abs_max, scale, backend=None, block_words=256,
         return pack_fit_reference(x, lengths, abs_sum, abs_max, scale, residual)
     kernel = _kernels()[1]
     x = x.reshape(-1).contiguous()
+    block_words = block_words or PACK_WORDS
     blocks, xoff, woff, n, total, align = _segment_table(lengths, x.device, block_words)
     words = torch.empty(total, dtype=torch.int32, device=x.device)
     bad = torch.zeros(len(lengths), dtype=torch.int32, device=x.device)

@@ -67,6 +67,9 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert all(row["select_aligned_ms"] > 0 for row in breakdown["aligned"])
     assert [row["layout"] for row in breakdown["passes"]] == ["gpt2", "one"]
     assert all(row["equal"] and row["whole_chunks"] == [4096, 4096] for row in breakdown["passes"])
+    assert [row["layout"] for row in breakdown["twobit"]] == ["gpt2", "one"]
+    assert all(row["equal"] and row["w64_ms"] > 0 and "w256_add_apart_ms" in row
+               for row in breakdown["twobit"])
     assert [row["layout"] for row in breakdown["warps"]] == ["gpt2", "one"]
     assert all(row["same_count"] and row["select_8_8_ms"] > 0 for row in breakdown["warps"])
     assert all(row["fold_equal"] and row["select_fold_8_ms"] > 0 for row in breakdown["warps"])

@@ -160,7 +160,7 @@ def rangefloat_decode_ranks(data, emax, counts, e, m):
 def rangefloat_encode_segments(values, counts, lengths, e, m, write=None, add=None,
                                source=None):
     """No bucket fast path in TensorFlow: the codec encodes tensor by tensor."""
-    if add is not None or source is not None:              # (in place: error feedback defers it on PyTorch only)
+    if add is not None or source is not None:   # (error feedback defers it on PyTorch only)
         raise NotImplementedError("rangefloat_encode_segments(add=): PyTorch only")
     return None
 

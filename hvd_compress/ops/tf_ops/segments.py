@@ -32,7 +32,7 @@ def layout_constant(what, layout, values, dtype, like):
 
 
 def segment_abs_sum_max(flat, layout, add=None, source=None):
-    if add is not None or source is not None:              # (in place: error feedback defers it on PyTorch only)
+    if add is not None or source is not None:   # (error feedback defers it on PyTorch only)
         raise NotImplementedError("segment_abs_sum_max(add=) writes in place: PyTorch only")
     a = _tf.abs(_tf.cast(flat, _tf.float32))
     ids = segment_ids(layout, flat)
