@@ -30,8 +30,9 @@ class CompressionCommit:
         self.snapshot()
 
     def snapshot(self):
-        """Copy this rank's state (no collective)."""
-        self._saved = copy.deepcopy(self.compression.state_dict())
+        """Copy this rank's state (no collective), without the rank it records: a reset
+        may number this process otherwise before :meth:`restore` gives it back."""
+        self._saved = _unranked(copy.deepcopy(self.compression.state_dict()))
 
     def save(self):
         self.snapshot()
@@ -71,3 +72,11 @@ class CompressionCommit:
                            f"last commit) had L2 norm {lost:.6g}")
         self._restored = False
         return lost
+
+
+def _unranked(state_dict):
+    """``state_dict`` (a compressor's, a Policy's of its members') without ``"rank"``."""
+    out = {k: v for k, v in state_dict.items() if k != "rank"}
+    if isinstance(out.get("state"), list):
+        out["state"] = [_unranked(s) for s in out["state"]]
+    return out

@@ -165,6 +165,18 @@ def ranks_of(process_set):
         return None
 
 
+def rank_in(process_set):
+    """``() -> int or None``: this process's rank in ``process_set`` (Horovod's), None
+    while it cannot be known (Horovod not initialised, or this rank not in the set): what
+    a compressor's checkpoints record (``Compressor.bind_rank``)."""
+    def rank():
+        try:
+            return process_set.rank() if process_set.included() else None
+        except ValueError:                  # "Horovod has not been initialized"
+            return None
+    return rank
+
+
 def check_device(value, name, parse=None):
     """``device_dense``/``device_sparse`` (``name``) as given: a string, ``""`` for
     Horovod's default; ``parse`` (e.g. ``tf.DeviceSpec.from_string``) checks its syntax.

@@ -66,6 +66,28 @@ def check_residuals_of(compressor, state_dict):
         raise other_residuals(held, compressor.residuals_of)
 
 
+def check_rank_of(compressor, state_dict):
+    """ValueError when ``state_dict`` (a checkpoint's) was saved by another rank than the
+    one ``compressor``'s glue says this process is (``Compressor.bind_rank``): error
+    feedback's residuals are each rank's own, what it has not sent yet, so a rank given
+    another's would send that rank's residual a second time and lose its own.  A
+    compressor no glue has taken yet remembers the rank, checked when one does; a
+    checkpoint without the key (before 2026-11-30, or saved before any glue) is not
+    checked."""
+    saved = state_dict.get("rank")
+    if saved is None:
+        return
+    mine = None if compressor.rank_of is None else compressor.rank_of()
+    if mine is None:
+        compressor.loaded_rank = int(saved)
+    elif int(saved) != mine:
+        raise ValueError(
+            f"state_dict holds the error feedback of rank {int(saved)}, but this is rank "
+            f"{mine}: each rank's residuals are its own (what it has not sent yet), so save "
+            "state_dict() on every rank, to a file of its own (e.g. "
+            "f'compression_rank{rank}.pt'), and load each rank's own file")
+
+
 def other_residuals(held, mine):
     """The ValueError for residuals of ``held`` (``"gradients"`` or ``"updates"``) where
     ``mine`` are expected."""

@@ -56,13 +56,13 @@ def run_job(cmd, timeout, env, cwd=ROOT, what=None):
     return proc.returncode, log
 
 
-def torchrun(args, out_dir, timeout=300):
+def torchrun(args, out_dir, timeout=300, env=None):
     """``torchrun --nproc_per_node 2 --standalone <args>`` (a free port for the
     rendezvous) through :func:`run_job`; returns (rc, output).  Workers get ``OUT_DIR``
-    and ``DDP_WORKER_TIMEOUT`` (15 s less than ``timeout``)."""
+    and ``DDP_WORKER_TIMEOUT`` (15 s less than ``timeout``), and ``env``."""
     launcher = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m",
                                                           "torch.distributed.run"]
     env = dict(os.environ, OUT_DIR=str(out_dir), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               DDP_WORKER_TIMEOUT=str(timeout - 15))
+               DDP_WORKER_TIMEOUT=str(timeout - 15), **(env or {}))
     return run_job(launcher + ["--nproc_per_node", "2", "--standalone", *map(str, args)],
                    timeout, env, what=f"torchrun {list(map(str, args))}")

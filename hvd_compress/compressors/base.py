@@ -40,7 +40,7 @@ modules of its own package.
 import inspect
 import numbers
 
-from ..memory import ResidualMemory, check_residuals_of, other_residuals
+from ..memory import ResidualMemory, check_rank_of, check_residuals_of, other_residuals
 from ..ops import ops_for
 from . import replay
 from .payload import (Ctx, OwnPayload, _wire, check_wire, first_tensor,  # noqa: F401
@@ -94,6 +94,8 @@ class Compressor:
                                #: (:meth:`mark_residuals`); None before (checkpoints then
                                #: say ``"gradients"``)
     loaded_residuals_of = None  #: what a checkpoint restored before any glue took it held
+    rank_of = None             #: ``() -> int or None``: this process's rank (:meth:`bind_rank`)
+    loaded_rank = None         #: the rank of a checkpoint restored before any glue took it
     ef_decay = 1.0             #: error feedback keeps ``ef_decay * (c - sent)``: the
                                #: spec's (:meth:`decay_residuals`), else, once a glue has
                                #: marked the residuals, :meth:`default_ef_decay`'s
@@ -168,6 +170,16 @@ class Compressor:
             c.mark_residuals(kind)
         if self.ef and not held and not self.ef_decay_given:
             self.ef_decay = self.default_ef_decay(kind)
+
+    def bind_rank(self, rank_of):
+        """How the glue that takes this compressor numbers this process (``rank_of()``:
+        an int, or None while unknown): checkpoints record it, and another rank's is
+        refused (:func:`~hvd_compress.memory.check_rank_of`), one restored before too."""
+        self.rank_of = rank_of
+        for c in self.holds():
+            c.bind_rank(rank_of)
+        if self.loaded_rank is not None:
+            check_rank_of(self, {"rank": self.loaded_rank})
 
     def holds(self):
         """The compressors inside this one that keep residuals of their own (a Policy's
@@ -296,10 +308,8 @@ class Compressor:
 
     def adds_residual(self, flat, ctx, ops):
         """Does :meth:`encode_checked` (``finds_nonfinite``) add error feedback's
-        residuals ``ctx.add`` in its first pass over the bucket ``flat`` (``c = g + r``
-        written over ``flat``; for a tensor alone, ``ctx.source + r`` written into
-        ``flat``, its spare buffer: :meth:`.ResidualMemory.residuals_to_add`), one pass
-        fewer?  No."""
+        residuals ``ctx.add`` in its first pass, ``c = g + r`` written over ``flat`` (or
+        ``ctx.source + r`` into it: :meth:`.ResidualMemory.residuals_to_add`)?  No."""
         return False
 
     def subtract_sent(self, compensated, payload, ctx, ops, inplace):
@@ -384,16 +394,21 @@ class Compressor:
                     state=self._store.state_dict() if self._store is not None else {})
 
     def _state_header(self):
-        """What every state_dict starts with: the spec and what the residuals hold."""
-        return {"spec": self.spec, "residuals_of": self.residuals_of or "gradients"}
+        """What every state_dict starts with: the spec, what the residuals hold and,
+        where a glue has told it (:meth:`bind_rank`), the rank they are of."""
+        head = {"spec": self.spec, "residuals_of": self.residuals_of or "gradients"}
+        rank = None if self.rank_of is None else self.rank_of()
+        return head if rank is None else dict(head, rank=rank)
 
     def _check_state_header(self, state_dict):
-        """ValueError when ``state_dict`` is another compressor's, or holds residuals of
-        the other mode (:func:`~hvd_compress.memory.check_residuals_of`)."""
+        """ValueError when ``state_dict`` is another compressor's, holds residuals of
+        the other mode (:func:`~hvd_compress.memory.check_residuals_of`) or another
+        rank's (:meth:`bind_rank`)."""
         if not same_spec(state_dict.get("spec"), self.spec):
             raise ValueError(f"state_dict is for compressor {state_dict.get('spec')!r}, "
                              f"not {self.spec!r}")
         check_residuals_of(self, state_dict)
+        check_rank_of(self, state_dict)
 
     def load_state_dict(self, state_dict, framework="torch", strict=True):
         """Restore what :meth:`state_dict` returned; the spec must match.  ``strict``: a

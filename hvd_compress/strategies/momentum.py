@@ -281,7 +281,7 @@ def dgc_compressors(compression):
 
 
 def check_compressed_update(compressed_update, schedule, compression, average, ops,
-                            ranks=None):
+                            ranks=None, rank_of=None):
     """What every glue refuses with ``compressed_update=True`` (the rule:
     :mod:`hvd_compress.torch.compressed_update`): ValueError for a value not a bool,
     compressed momentum (``schedule`` not None), a sum (``average`` False: P ranks'
@@ -290,7 +290,8 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
     momentum to updates).  Then marks what the compressor's residuals hold, updates or
     gradients (:meth:`~hvd_compress.compressors.base.Compressor.mark_residuals`: its
     checkpoints record it; ValueError when one restored before held the other).  Returns
-    ``compressed_update``.
+    ``compressed_update``.  ``rank_of``: how the glue numbers this process, for the
+    compressor's checkpoints (:meth:`~hvd_compress.compressors.base.Compressor.bind_rank`).
 
     Logs the decay it chose for the updates' sparsifiers and, given the number of
     ``ranks`` P > 1, the learning rate measured best for them: about ``sqrt(P)`` times
@@ -312,6 +313,8 @@ def check_compressed_update(compressed_update, schedule, compression, average, o
                              "(the wrapped optimizer's own momentum is in the update)")
     if hasattr(compression, "mark_residuals"):
         compression.mark_residuals("updates" if compressed_update else "gradients")
+        if rank_of is not None:
+            compression.bind_rank(rank_of)
     decayed = _decayed(compression)
     if compressed_update and decayed:
         from ..log import logger

@@ -21,7 +21,7 @@ import fnmatch
 import sys
 
 from ..compressors.base import Compressor, leaves, same_spec
-from ..memory import check_residuals_of
+from ..memory import check_rank_of, check_residuals_of
 from ..spec import from_spec
 
 
@@ -105,6 +105,7 @@ class Policy(Compressor):
             raise ValueError("state_dict is for another policy:\n"
                              f"  {state_dict.get('spec')}\nnot\n  {self.spec}")
         check_residuals_of(self, state_dict)
+        check_rank_of(self, state_dict)
         for c, sd in zip(self.compressors(), state_dict["state"]):
             sd = {k: v for k, v in sd.items() if k != "residuals_of"}    # checked above
             # (an empty one clears; auto also holds its schedule and choices)

@@ -146,7 +146,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     schedule = MomentumSchedule.build(compressed_momentum)
     update = check_compressed_update(compressed_update, schedule, wrapped.compression,
                                      op == hvd.Average, ("op=hvd.Average", "op=hvd.Sum"),
-                                     horovod_args.ranks_of(process_set))
+                                     horovod_args.ranks_of(process_set),
+                                     horovod_args.rank_in(process_set))
     if update and accumulation.passes > 1:
         raise ValueError("backward_passes_per_step > 1 does not go with compressed_update "
                          "(each step's update is exchanged)")

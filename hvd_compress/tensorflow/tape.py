@@ -151,6 +151,7 @@ class DistributedGradientTape:
         self.groups = surface.groups_from(num_groups, groups, bucket_mb)
         self.sparse_as_dense = bool(sparse_as_dense)
         self.process_set = process_set
+        self.compression.bind_rank(horovod_args.rank_in(process_set))   # (its checkpoints)
         self.bucket_mb = buckets.bucket_mb(bucket_mb, self.compression) \
             if self.groups is None else None
         self._local = surface.LocalSources(scale_local_gradients)

@@ -63,16 +63,17 @@ from .momentum import plain_step, replace_step
 
 
 def check(compressed_update, schedule, grad_scaler, compression, average=True, optimizer=None,
-          ops=("op=hvd.Average", "op=hvd.Sum"), ranks=None):
+          ops=("op=hvd.Average", "op=hvd.Sum"), ranks=None, rank_of=None):
     """ValueError for what ``compressed_update=True`` cannot be combined with: what every
     glue refuses (:func:`~hvd_compress.strategies.momentum.check_compressed_update`:
     compressed momentum, a sum, DGC's ``momentum=``), a ``grad_scaler`` (the update
     carries no loss scale) and LBFGS (its step calls the closure several times; the rule
     needs the gradients before the step).
-    ``ranks``: the number of ranks, for the learning-rate hint it logs.
+    ``ranks``: the number of ranks, for the learning-rate hint it logs; ``rank_of``: this
+    process's rank, for the compressor's checkpoints (``Compressor.bind_rank``).
     Returns ``compressed_update`` as a bool."""
     if not check_compressed_update(compressed_update, schedule, compression, average, ops,
-                                   ranks):
+                                   ranks, rank_of):
         return False
     if grad_scaler is not None:
         raise ValueError("compressed_update=True does not take grad_scaler: the update "

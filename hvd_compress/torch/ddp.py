@@ -101,7 +101,7 @@ from ..stats import Stats
 from ..strategies.momentum import MomentumSchedule, adam_defaults
 from .compressed_update import check as check_update, check_optimizer, update_optimizer
 from .ddp_bucket import (TorchDistributed, UpdateBucket, _Bucket, check_config,
-                         find_ddp_model)
+                         find_ddp_model, group_rank)
 from .momentum import ADAM_FAMILY, check_dgc, momentum_optimizer, restore_step
 
 OPS = ("average", "sum")
@@ -142,7 +142,8 @@ class CompressionState:
         self.ranks = dist.get_world_size(process_group) if dist.is_initialized() else None
         compressed_update = check_update(compressed_update, schedule, None, self.compression,
                                          op == "average", optimizer,
-                                         ("op='average'", "op='sum'"), self.ranks)
+                                         ("op='average'", "op='sum'"), self.ranks,
+                                         lambda: group_rank(process_group))
         if compressed_update and optimizer is None and ddp_model is not None:
             raise ValueError("compressed_update=True needs optimizer= (the optimizer that "
                              "steps ddp_model's parameters: its step() exchanges the update)")

@@ -227,6 +227,12 @@ class UpdateBucket:
         return self._last
 
 
+def group_rank(process_group):
+    """This process's rank in ``process_group`` (None: the default group), or None before
+    the process group exists (Lightning makes the hook's state first)."""
+    return dist.get_rank(process_group) if dist.is_initialized() else None
+
+
 def find_ddp_model(state, bucket):
     """The DistributedDataParallel model that called the hook with ``bucket`` for
     ``state`` (an unbound :class:`CompressionState`): the live DDP model that registered

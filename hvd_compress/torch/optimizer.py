@@ -21,7 +21,7 @@ import horovod.torch as hvd
 import torch
 
 from .. import buckets, hosts
-from ..horovod_args import passes as _passes, ranks_of
+from ..horovod_args import passes as _passes, rank_in, ranks_of
 from ..exchange import Driver, find_auto
 from ..ops import torch_ops
 from ..spec import resolve
@@ -49,7 +49,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         schedule = MomentumSchedule.build(compressed_momentum)
         update = check_update(compressed_update, schedule, grad_scaler, self.compression,
                               op == hvd.Average, self,
-                              ranks=ranks_of(process_set))
+                              ranks=ranks_of(process_set), rank_of=rank_in(process_set))
         if schedule is None and not update and isinstance(self, ADAM_FAMILY):
             adam_defaults(self.compression, type(self).__name__)
         check_dgc(self.compression, self, schedule)

@@ -162,6 +162,16 @@ def checkpoint(out):
     comp.load_state_dict(saved["compression"])
     _train(model, opt, 3, 3)
     out["resumed"] = model.w.detach().numpy().copy()
+    # the checkpoint records the rank (the optimizer told the compressor), and the other
+    # rank's file is refused (a barrier first: it is written)
+    out["saved_rank"] = np.int64(saved["compression"]["rank"])
+    hvd.allreduce(torch.zeros(1), name="checkpoint_barrier")
+    other = torch.load(os.path.join(os.environ["OUT_DIR"], f"ckpt_rank{1 - hvd.rank()}.pt"))
+    try:
+        build()[2].load_state_dict(other["compression"])
+        out["other_refused"] = np.array("")
+    except ValueError as e:
+        out["other_refused"] = np.array(str(e))
 
 
 def stock(out):
