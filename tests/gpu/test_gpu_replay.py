@@ -39,9 +39,10 @@ if DEV == "cpu":        # the interpreter: the test's own logic, on two kernel f
 @pytest.fixture(autouse=True)
 def graphs_on_cpu(monkeypatch):
     """On CPU tensors: replay taken for them, through the stand-in for CUDA graphs, and
-    the kernels of the CUDA code path (in Triton's interpreter): the torch references'
-    ``all_finite`` goes through ``torch.compile``, whose ops differ between a capture and
-    a replay, which the stand-in cannot follow (a real capture never sees them)."""
+    the kernels of the CUDA code path (in Triton's interpreter): the torch references
+    branch on what they read back (``all_finite``, ``nonzero``'s size), so their ops
+    differ between a capture and a replay, which the stand-in cannot follow (and a real
+    capture would not take: those reads synchronise)."""
     if DEV == "cpu":
         from replay_standin import StandIn          # tests/replay_standin.py
         monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
