@@ -198,9 +198,12 @@ def _ddp_worker(rank, port, model_name, spec, out, device, steps, graphs=False):
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f, indent=1, default=str)
-        dist.destroy_process_group()
-    # All is written: end without the interpreter's teardown, where torch's Gloo aborts a
-    # rank now and then (exit -6), which mp.spawn would report as this check failing.
+        dist.barrier()
+    # All is written: end without the interpreter's teardown, nor destroy_process_group,
+    # where torch 2.13's Gloo aborts a rank now and then ("terminate called without an
+    # active exception", SIGABRT: once in the replay check of a dry run, 2026-11-30),
+    # which mp.spawn would report as this check failing; both ranks leave the barrier
+    # together.
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

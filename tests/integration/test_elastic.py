@@ -184,7 +184,9 @@ def test_compressed_update_survivors_keep_their_own_optimizer_state(tmp_path):
     _equal(pairs[0][0]["model"], pairs[1][0]["model"], "parameters agree")
     for mine, commit in pairs:
         _equal(mine["opt"], commit["opt"], f"optimizer state of {mine['host']}")
-        _equal(mine["compression"], commit["compression"], "residuals")
+        # (each records the rank it was saved under: the reset renumbered a survivor)
+        _equal(*({k: v for k, v in sd.items() if k != "rank"}
+                 for sd in (mine["compression"], commit["compression"])), "residuals")
     # the rate measured best, logged for 3 ranks at the start and for 2 after the reset
     assert "compressed_update=True on 3 ranks" in log and "on 2 ranks" in log, log[-3000:]
     moments = [mine["opt"]["state"][0]["exp_avg"] for mine, _ in pairs]
