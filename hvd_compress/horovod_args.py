@@ -156,25 +156,26 @@ def passes(value, name="backward_passes_per_step"):
     return number
 
 
-def ranks_of(process_set):
-    """The number of ranks in ``process_set`` (Horovod's), or None where it cannot be
-    known yet (Horovod not initialised, or this rank not in the set): for messages only."""
+def _known(process_set, ask):
+    """``ask()`` of ``process_set`` (Horovod's), or None where it cannot be known yet
+    (Horovod not initialised, or this rank not in the set)."""
     try:
-        return process_set.size() if process_set.included() else None
+        return ask() if process_set.included() else None
     except ValueError:                  # "Horovod has not been initialized"
         return None
 
 
+def ranks_of(process_set):
+    """The number of ranks in ``process_set``, or None where it cannot be known yet
+    (:func:`_known`): for messages only."""
+    return _known(process_set, process_set.size)
+
+
 def rank_in(process_set):
-    """``() -> int or None``: this process's rank in ``process_set`` (Horovod's), None
-    while it cannot be known (Horovod not initialised, or this rank not in the set): what
-    a compressor's checkpoints record (``Compressor.bind_rank``)."""
-    def rank():
-        try:
-            return process_set.rank() if process_set.included() else None
-        except ValueError:                  # "Horovod has not been initialized"
-            return None
-    return rank
+    """``() -> int or None``: this process's rank in ``process_set``, None while it
+    cannot be known (:func:`_known`): what a compressor's checkpoints record
+    (``Compressor.bind_rank``)."""
+    return lambda: _known(process_set, process_set.rank)
 
 
 def check_device(value, name, parse=None):

@@ -230,9 +230,8 @@ def _add_unless(kernel_adds, flat, add, source=None):
     ``add`` and ``source`` become None."""
     if add is not None and not (kernel_adds and _flat32(flat) and _flat32(add) and (
             source is None or _flat32(source))):
-        add = add.to(flat.dtype)
-        return (flat.add_(add) if source is None else _torch.add(source, add, out=flat)), \
-            None, None
+        from ...kernels.segmented import add_into
+        return add_into(flat, add.to(flat.dtype), source), None, None
     return flat, add, source
 
 
