@@ -64,8 +64,27 @@ HISTOGRAM_BINS = 2046   #: window bins per tensor and pass (a row of 2048 counte
 HISTOGRAM_PASSES = (62, HISTOGRAM_BINS, HISTOGRAM_BINS, HISTOGRAM_BINS)
 COARSE_BINS = 62        #: passes with at most this many bins count per block (``local``)
 
+#: a warm start (``histogram_search(warm=)``) brackets each tensor within a factor 1 + w
+#: of the previous search's bracket, w = 0.13: 87% of tensor-steps of a GPT-2 with AdamW
+#: stayed within it (``benchmarks/threshold_drift.py``, 2026-11-30); a float32's bits
+#: grow by 2^23 an octave, so the factor is ``log2(1.13) * 2^23`` bits (normal floats)
+WARM_SPREAD = 0.13
+WARM_SPREAD_BITS = round(math.log2(1 + WARM_SPREAD) * 2 ** 23)
+#: its passes: fine from the first (a part of the warm bracket spans a factor 1.0001,
+#: finer than the gap between entries near a top-1% threshold for k up to some 2,000, so
+#: a tensor with ``floor(tol * k) = 0`` lands on k too; 62 parts span 1.004, about 2% of
+#: k on Laplace data); after a miss, ``(0, lo]`` or ``(hi, +Inf]``, 3 collapse either
+WARM_PASSES = (HISTOGRAM_BINS,) * 4
 
-def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, gather=False,
+
+def warm_brackets(state):
+    """A search's final brackets ``(lo, hi]`` (int64 ``[2, T]``, a copy) for the next
+    search's warm start; a bucket that held NaN/Inf has ``lo = -1``: its tensors start
+    cold (at their Laplace fit) next time."""
+    return state[:2].clone()
+
+
+def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
                      own=False, count=True, slots=None, source=None):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
@@ -109,16 +128,22 @@ def select_histogram(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, ga
                            slots=slots)
 
 
-def histogram_search(self, flat, lay, ops, passes=HISTOGRAM_PASSES, add=None, source=None):
+def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, warm=None):
     """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
     launch on the device and no host synchronisation, shapes fixed by the layout (so
     the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
     times that).  ``add``: error feedback's residuals, added to ``flat`` by the first
-    pass (:meth:`LaplaceTopK.adds_residual`), or to ``source`` into ``flat``."""
+    pass (:meth:`LaplaceTopK.adds_residual`), or to ``source`` into ``flat``.  ``warm``:
+    a previous search's final brackets (:func:`warm_brackets`): a tensor starts within a
+    factor ``1 + WARM_SPREAD`` of its own instead of at its Laplace fit.  ``passes``:
+    default ``HISTOGRAM_PASSES``, ``WARM_PASSES`` from ``warm``."""
+    if passes is None:
+        passes = HISTOGRAM_PASSES if warm is None else WARM_PASSES
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
     abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add, source=source)
-    state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density))
+    state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density),
+                             warm, WARM_SPREAD_BITS if warm is not None else 0)
     buffers = {}
     for bins in passes:
         state = ops.histogram_step(flat, blocks, state, bins, k_t, slack, buffers,

@@ -10,10 +10,10 @@ scale-free), the counts above its ends, whether it is still searched, how many b
 entries to take, and whether the bucket is finite.  Its kernels read it through one
 pointer (no host-side row views per launch).  The kernels:
 
-``search_from_fit(abs_sum, abs_max, n, factor)``
+``search_from_fit(abs_sum, abs_max, n, factor, warm, spread)``
     one program: the state that starts every tensor at its Laplace fit's bracket
-    ``(bits(sum|x| / n * factor), bits(max|x|)]``, or selects everything after a NaN/Inf
-    (the rule of ``search_start``, its torch form).
+    ``(bits(sum|x| / n * factor), bits(max|x|)]`` or around a previous search's
+    (``warm``), or selects everything after a NaN/Inf (``search_start``'s rule).
 ``segment_histogram(x, blocks, state, bins)``
     int64 ``[T, bins + 2]`` counts of ``b = bits(|x_i|)`` per active tensor: column 0
     counts ``0 < b <= lo`` (nonzero, below the bracket), column ``bins + 1`` counts
@@ -80,10 +80,11 @@ def _kernels():
         hi = tl.load(state_ptr + T + s)
         c_lo = tl.load(state_ptr + 2 * T + s)
         c_hi = tl.load(state_ptr + 3 * T + s)
-        j = tl.minimum(tl.maximum(tl.sum((above >= k).to(tl.int64), axis=0) - 1, 0), BINS)
+        # j = BINS + 1: k or more above the bracket (a warm start's), next (hi, +Inf]
+        j = tl.minimum(tl.maximum(tl.sum((above >= k).to(tl.int64), axis=0) - 1, 0), BINS + 1)
         width = tl.maximum(hi - lo, 1)
         new_lo = tl.where(j == 0, 0, lo + ((j - 1) * width + BINS - 1) // BINS)
-        new_hi = lo + (j * width + BINS - 1) // BINS
+        new_hi = tl.where(j > BINS, 0x7F800000, lo + (j * width + BINS - 1) // BINS)
         lo = tl.where(active, new_lo, lo)
         hi = tl.where(active, new_hi, hi)
         c_lo = tl.where(active, tl.sum(tl.where(cols == j, above, 0), axis=0), c_lo)
@@ -107,11 +108,9 @@ def _kernels():
                           BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr,
                           ALIGN: tl.constexpr, PICK: tl.constexpr, CHUNK: tl.constexpr):
         # per entry only int32 and one float64 multiply (bits of |x| are below 2^31), no
-        # 64-bit integer division (sm_90 has no divider: ~85 instructions each); the
-        # state's rows read here: LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every start
-        # and stop (Blocks.align: 16-byte loads).  The block is read CHUNK entries at a
-        # time (a loop of BLOCK // CHUNK), so that a thread holds CHUNK / (32 * warps)
-        # entries, not BLOCK / (32 * warps): fewer registers, more programs on an SM
+        # 64-bit integer division (sm_90 has no divider); the state's rows read here:
+        # LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every start and stop (16-byte loads).
+        # The block is read CHUNK entries at a time: fewer registers a thread
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         s = tl.load(segs_ptr + pid)
@@ -175,12 +174,13 @@ def _kernels():
                 _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS, BINS + 2)
 
     @triton.jit
-    def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, TB: tl.constexpr,
-                      CHUNKS: tl.constexpr):
+    def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr, spread,
+                      TB: tl.constexpr, CHUNKS: tl.constexpr, WARM: tl.constexpr):
         # one program: the bucket's finiteness, then every tensor's bracket from its
         # Laplace fit, (bits(sum|x| / n * factor), bits(max|x|)], or (-1, -1] when not finite
         # (CHUNKS = cdiv(T, TB), a constexpr: Triton 3.6's interpreter takes no loop over a
-        # runtime count)
+        # runtime count); WARM: (lo - spread, min(hi + spread, bits(max|x|))] where the
+        # warm [2, T] bracket's lo >= 0
         bad = tl.zeros([TB], dtype=tl.int32)
         for c in range(CHUNKS):
             t = c * TB + tl.arange(0, TB)
@@ -197,6 +197,11 @@ def _kernels():
             fit = tl.math.div_rn(a_sum, tl.load(n_ptr + t, mask=m, other=1.0)) * factor
             lo = fit.to(tl.int32, bitcast=True).to(tl.int64)
             hi = a_max.to(tl.int32, bitcast=True).to(tl.int64)
+            if WARM:
+                w_lo = tl.load(warm_ptr + t, mask=m, other=-1)
+                lo = tl.where(w_lo >= 0, tl.maximum(w_lo - spread, 0), lo)
+                hi = tl.where(w_lo >= 0, tl.minimum(tl.load(warm_ptr + T + t, mask=m, other=0)
+                                                    + spread, hi), hi)
             zero = tl.zeros([TB], dtype=tl.int64)
             tl.store(state_ptr + t, tl.where(finite != 0, lo, zero - 1), mask=m)
             tl.store(state_ptr + T + t, tl.where(finite != 0, hi, zero - 1), mask=m)
@@ -232,6 +237,7 @@ def _entry_segments(blocks, n):
 
 #: rows of the search state (int64 ``[7, T]``)
 LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE = range(7)
+INF_BITS = 0x7F800000      #: bits of +Inf: the top of a bracket above a warm start's
 
 
 def search_start(lo, hi, abs_sum, abs_max):
@@ -249,27 +255,40 @@ def search_start(lo, hi, abs_sum, abs_max):
     return state
 
 
-def search_from_fit_reference(abs_sum, abs_max, n, factor):
+def search_from_fit_reference(abs_sum, abs_max, n, factor, warm=None, spread=0):
     """:func:`search_from_fit` in torch."""
     fit = abs_sum.float() / n.float() * torch.tensor(factor, dtype=torch.float32)
-    return search_start(fit.view(torch.int32).to(torch.int64),
-                        abs_max.float().view(torch.int32).to(torch.int64), abs_sum, abs_max)
+    lo = fit.view(torch.int32).to(torch.int64)
+    hi = abs_max.float().view(torch.int32).to(torch.int64)
+    if warm is not None:
+        use = warm[0] >= 0
+        lo = torch.where(use, torch.clamp(warm[0] - spread, min=0), lo)
+        hi = torch.where(use, torch.minimum(warm[1] + spread, hi), hi)
+    return search_start(lo, hi, abs_sum, abs_max)
 
 
-def search_from_fit(abs_sum, abs_max, n, factor, backend=None):
+def search_from_fit(abs_sum, abs_max, n, factor, warm=None, spread=0, backend=None):
     """The state of a search that starts every tensor at ``(bits(sum|x| / n * factor),
     bits(max|x|)]`` (float32 ``[T]`` each; ``factor`` a float, rounded to float32; an
     IEEE division), with :func:`search_start`'s NaN/Inf rule: one launch of one program
-    where the kernels run, instead of some 35 framework ops."""
+    where the kernels run, instead of some 35 framework ops.  ``warm``: int64 ``[2, T]``,
+    brackets ``(lo, hi]`` in bits (a previous search's final ones); a tensor whose ``lo``
+    is not negative starts at ``(lo - spread, min(hi + spread, bits(max|x|))]`` instead
+    (``lo - spread`` at least 0)."""
+    if warm is not None and (warm.dtype != torch.int64 or warm.shape != (2, abs_sum.numel())
+                             or not warm.is_contiguous()):
+        raise ValueError(f"warm must be a contiguous int64 [2, {abs_sum.numel()}] tensor, "
+                         f"got {warm.dtype} {tuple(warm.shape)}")
     if pick_backend(abs_sum, backend) == "torch":
-        return search_from_fit_reference(abs_sum, abs_max, n, factor)
+        return search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread)
     T = abs_sum.numel()
     state = torch.empty(7, T, dtype=torch.int64, device=abs_sum.device)
     count_launch("search_from_fit")
     tb = max(16, min(1024, 1 << max(T - 1, 1).bit_length()))
     _kernels().start[(1,)](abs_sum.float().contiguous(), abs_max.float().contiguous(),
-                           n.float().contiguous(), state, T, float(factor), TB=tb,
-                           CHUNKS=-(-T // tb))
+                           n.float().contiguous(), state, T, float(factor),
+                           state if warm is None else warm, int(spread), TB=tb,
+                           CHUNKS=-(-T // tb), WARM=warm is not None)
     return state
 
 
@@ -294,19 +313,16 @@ def segment_histogram_reference(x, blocks, state, bins):
     return hist.reshape(T, bins + 2)
 
 
-#: warps of a histogram program (chunks of ``HISTOGRAM_CHUNK`` entries: 4 a thread):
-#: chosen from the compiled register counts (sm_90, Triton 3.6), not timed yet;
-#: ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8
+#: warps of a histogram program, from the compiled register counts (sm_90, Triton 3.6),
+#: not timed yet: ``benchmarks/gpu_breakdown.py``'s ``warps`` rows time 4 and 8
 HISTOGRAM_WARPS = 4
 
 #: entries a histogram program reads at once on CUDA (its block in a loop of ``block //
 #: CHUNK``; :func:`._backend.program_chunk`): 512, 4 a thread, from the compiled register
-#: counts (sm_90, Triton 3.6, 2026-11-30): read whole (4096, 32 a thread) the coarse pass
-#: held 145 registers a thread and the fine one 185, so 3 and 2 programs fit on an SM (12
-#: and 8 warps of 64), too few to hide latency, which fits the H200's histogram passes at
-#: a sixth of the bandwidth of the pass before them (2026-11-29); now 39 and 48 (48 and 40
-#: warps).  Not timed yet: ``benchmarks/gpu_breakdown.py``'s ``passes`` rows time each
-#: pass with blocks read whole and in chunks
+#: counts (sm_90, Triton 3.6): read whole (4096), the coarse pass held 145 registers a
+#: thread and the fine one 185 (3 and 2 programs an SM, too few to hide latency: the
+#: H200's passes ran at a sixth of the bandwidth of the one before, 2026-11-29); now 39
+#: and 48.  Not timed yet: ``benchmarks/gpu_breakdown.py``'s ``passes`` rows time both
 HISTOGRAM_CHUNK = 512
 
 
@@ -361,7 +377,9 @@ def histogram_pick_reference(hist, state, k, slack, bins):
     """:func:`histogram_pick` in torch (``state`` updated in place, ``hist`` zeroed)."""
     above = torch.flip(torch.cumsum(torch.flip(hist, [1]), 1), [1])       # count(> E_j)
     edges = histogram_edges(state[LO], state[HI], bins)
-    j = torch.clamp((above >= k[:, None]).sum(1) - 1, 0, bins)[:, None]
+    above = torch.cat([above, torch.zeros_like(above[:, :1])], 1)      # E_(bins+2) = +Inf
+    edges = torch.cat([edges, torch.full_like(edges[:, :1], INF_BITS)], 1)
+    j = torch.clamp((above >= k[:, None]).sum(1) - 1, 0, bins + 1)[:, None]
     active = state[ACTIVE] != 0
     for row, new in ((LO, edges.gather(1, j)), (C_LO, above.gather(1, j)),
                      (HI, edges.gather(1, j + 1)), (C_HI, above.gather(1, j + 1))):
@@ -379,11 +397,12 @@ def histogram_pick_reference(hist, state, k, slack, bins):
 def histogram_pick(hist, state, k, slack, bins, backend=None):
     """One step of the search for every active tensor, on the device: the last edge
     whose count reaches ``k`` (``count(> E_j) >= k > count(> E_{j+1})``; edge 0 when
-    none does: fewer nonzero entries than k) becomes the bracket ``(E_j, E_{j+1}]``
-    with its two counts; a tensor stays active while its bracket is wider than one float
-    and neither count is within ``slack`` of ``k``.  ``QUOTA``: how many band entries
-    to take for the count that the selection will send (the closer end within
-    ``slack``, else exactly ``k``).  ``state`` is updated in place; ``hist`` is zeroed."""
+    none does: fewer nonzero entries than k; ``(hi, +Inf]`` when k or more lie above
+    ``hi``, as a warm start's may) becomes the bracket ``(E_j, E_{j+1}]`` with its two
+    counts; a tensor stays active while its bracket is wider than one float and neither
+    count is within ``slack`` of ``k``.  ``QUOTA``: how many band entries to take for
+    the count that the selection will send (the closer end within ``slack``, else
+    exactly ``k``).  ``state`` is updated in place; ``hist`` is zeroed."""
     if pick_backend(hist, backend) == "torch":
         return histogram_pick_reference(hist, state, k, slack, bins)
     T = state.shape[1]

@@ -210,10 +210,11 @@ def bucket_blocks(layout, like):
 _SAID_REFERENCE = []
 
 
-def search_start(abs_sum, abs_max, n, factor):
+def search_start(abs_sum, abs_max, n, factor, warm=None, spread=0):
     """The fused search's state, every tensor's bracket ``(bits(sum|x| / n * factor),
-    bits(max|x|)]`` (one launch on CUDA); every entry selected when the bucket holds a
-    NaN or Inf (from its ``sum|x|`` and ``max|x|``).  Where the kernels do not run (CPU
+    bits(max|x|)]`` (one launch on CUDA), or around a previous one (``warm``, widened by
+    ``spread`` bits: ``histogram_select.search_from_fit``); every entry selected when the
+    bucket holds a NaN or Inf (from its ``sum|x|`` and ``max|x|``).  Where the kernels do not run (CPU
     tensors), a warning once per process: the search is then its torch references."""
     from ...kernels import histogram_select, pick_backend
     if not _SAID_REFERENCE and pick_backend(abs_sum) == "torch":
@@ -225,7 +226,7 @@ def search_start(abs_sum, abs_max, n, factor):
                        "is for CUDA's kernels: leave fused and padded unset where they do "
                        "not run (CPU tensors, HVD_COMPRESS_BACKEND=torch)",
                        abs_sum.device.type)
-    return histogram_select.search_from_fit(abs_sum, abs_max, n, factor)
+    return histogram_select.search_from_fit(abs_sum, abs_max, n, factor, warm, spread)
 
 
 def histogram_step(flat, blocks, state, bins, k, slack, buffers, local=False):

@@ -1,0 +1,171 @@
+"""The fused search started at a previous search's brackets (``histogram_search(warm=)``,
+``histogram_select.search_from_fit(warm=)``): the start and the pick past a bracket's top
+against their torch references (kernels under TRITON_INTERPRET=1 on the CPU), how many
+passes read the bucket, and that the selection stays within tolerance, and exact where
+asked, wherever the threshold moved."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_compress.buckets import layout
+from hvd_compress.compressors import fused_search as fs
+from hvd_compress.kernels import band_compact as B
+from hvd_compress.kernels import histogram_select as H
+from hvd_compress.ops import torch_ops
+from hvd_compress.spec import from_spec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LENGTHS = [20000, 5000, 1, 30000]
+
+
+def laplace(seed=0):
+    x = np.random.default_rng(seed).laplace(size=sum(LENGTHS))
+    return torch.from_numpy(x.astype(np.float32)).to(DEVICE)
+
+
+def search(spec, x, warm, backend, monkeypatch):
+    """``(state, passes that read the bucket, selected indices)``."""
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    sel = from_spec(spec)
+    lay = layout([f"t{i}" for i in range(len(LENGTHS))], [(n,) for n in LENGTHS])
+    reading = []
+    step = torch_ops.histogram_step
+
+    def counted(flat, blocks, state, *a, **kw):
+        reading.append(int(state[H.ACTIVE].sum() > 0))
+        return step(flat, blocks, state, *a, **kw)
+    monkeypatch.setattr(torch_ops, "histogram_step", counted)
+    blocks, state = fs.histogram_search(sel, x.clone(), lay, torch_ops, warm=warm)
+    idx, finite = B.band_select(x, blocks, state, backend=backend)
+    return state, sum(reading), idx
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_warm_search_reads_once_where_the_threshold_stayed_and_three_times_past_it(
+        backend, monkeypatch):
+    spec = "laplace_topk:density=0.01,fused=1"
+    x = laplace()
+    state0, cold_reads, _ = search(spec, x, None, backend, monkeypatch)
+    assert cold_reads == 2
+    warm = fs.warm_brackets(state0)
+    assert warm.shape == (2, len(LENGTHS)) and bool((warm[0] >= 0).all())
+    k = torch.tensor([max(1, int(0.01 * n)) for n in LENGTHS], device=DEVICE)
+    for scale, reads in ((1.05, 1), (1.5, 3), (0.6, 3)):     # within 1.13, above, below
+        moved = x * scale
+        state, got, idx = search(spec, moved, warm, backend, monkeypatch)
+        assert got == reads, scale
+        sent = state[H.C_HI] + state[H.QUOTA]
+        assert bool(((sent - k).abs() <= torch.floor(0.01 * k.float()).long()).all()), scale
+        if scale == 1.5:           # the pick past the warm bracket: (hi, +Inf] first
+            assert bool((state[H.HI] < H.INF_BITS).all())     # then collapsed below Inf
+        # no unsent magnitude above a sent one, per tensor
+        off = 0
+        for n in LENGTHS:
+            mine = idx[(idx >= off) & (idx < off + n)]
+            rest = torch.ones(n, dtype=torch.bool, device=DEVICE)
+            rest[mine - off] = False
+            if rest.any():
+                assert moved[off:off + n][rest].abs().max() <= moved[mine].abs().min()
+            off += n
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_exact_warm_search_selects_what_a_cold_one_does(backend, monkeypatch):
+    spec = "laplace_topk:density=0.02,fused=1,exact=1"
+    x = laplace(seed=1)
+    state0, _, _ = search(spec, x, None, backend, monkeypatch)
+    for scale in (1.02, 3.0, 0.2):
+        moved = x * scale
+        _, _, cold = search(spec, moved, None, backend, monkeypatch)
+        _, _, warm = search(spec, moved, fs.warm_brackets(state0), backend, monkeypatch)
+        assert torch.equal(cold, warm), scale
+
+
+def test_after_a_nonfinite_bucket_the_next_search_starts_cold(monkeypatch):
+    spec = "laplace_topk:density=0.01,fused=1"
+    bad = laplace().clone()
+    bad[7] = float("nan")
+    state, _, _ = search(spec, bad, None, "torch", monkeypatch)
+    warm = fs.warm_brackets(state)
+    assert bool((warm == -1).all())
+    sums, peaks = torch.rand(4, device=DEVICE), torch.rand(4, device=DEVICE) + 1
+    n = torch.full((4,), 1000.0, device=DEVICE)
+    for backend in ("torch", "triton"):
+        cold = H.search_from_fit(sums, peaks, n, 2.3, backend=backend)
+        assert torch.equal(H.search_from_fit(sums, peaks, n, 2.3, warm, 99, backend=backend),
+                           cold)
+
+
+@pytest.mark.parametrize("T", [1, 6, 1500])
+def test_the_warm_start_matches_its_reference(T):
+    """One program on the device: a tensor with a warm bracket starts at ``(lo - spread,
+    min(hi + spread, bits(max))]`` (``lo - spread`` clipped at 0), one without (``lo`` =
+    -1) at its Laplace fit; after a NaN every bracket is (-1, -1] still."""
+    g = torch.Generator().manual_seed(T)
+    sums = (torch.rand(T, generator=g) * 1e3).to(DEVICE)
+    peaks = (torch.rand(T, generator=g) * 10 + 1).to(DEVICE)
+    n = torch.randint(1, 10 ** 6, (T,), generator=g).float().to(DEVICE)
+    lo = torch.randint(0, 0x3F800000, (T,), generator=g)
+    lo[::3] = -1                                   # no warm bracket: the fit's
+    lo[1::5] = 5                                   # below the spread: from 0
+    hi = torch.minimum(lo + torch.randint(1, 1 << 24, (T,), generator=g), torch.tensor(0x7F000000))
+    warm = torch.stack([lo, hi]).to(DEVICE)
+    spread = fs.WARM_SPREAD_BITS
+    factor = 0.5 * math.log(1 / 0.01)
+    want = H.search_from_fit_reference(sums, peaks, n, factor, warm, spread)
+    got = H.search_from_fit(sums, peaks, n, factor, warm, spread, backend="triton")
+    assert torch.equal(got, want)
+    cold = H.search_from_fit_reference(sums, peaks, n, factor)
+    use = warm[0] >= 0
+    assert torch.equal(want[H.LO][~use], cold[H.LO][~use])
+    assert torch.equal(want[H.LO][use], torch.clamp(warm[0][use] - spread, min=0))
+    assert torch.equal(want[H.HI][use], torch.minimum(warm[1] + spread, cold[H.HI])[use])
+    sums[0] = float("nan")
+    got = H.search_from_fit(sums, peaks, n, factor, warm, spread, backend="triton")
+    assert bool((got[H.LO] == -1).all()) and bool((got[H.HI] == -1).all())
+    assert torch.equal(got, H.search_from_fit_reference(sums, peaks, n, factor, warm, spread))
+
+
+def test_the_pick_past_a_bracket_matches_its_reference():
+    """k or more entries above a bracket's top: the next bracket is ``(hi, +Inf]`` with
+    counts ``(count(> hi), 0)``, on the device as in torch."""
+    x = laplace()
+    blocks = H.block_table(LENGTHS, x.device, block=512)
+    T = len(LENGTHS)
+    lo = torch.tensor([H.INF_BITS // 4] * T, device=DEVICE)
+    hi = lo + 1000                                 # far below the data's top-k
+    k = torch.tensor([50, 1, 1, 120], device=DEVICE)
+    slack = torch.zeros(T, dtype=torch.int64, device=DEVICE)
+    ones = torch.ones(T, device=DEVICE)
+    ref = H.search_start(lo, hi, ones, ones)
+    ker = ref.clone()
+    for bins in fs.HISTOGRAM_PASSES:
+        hr = H.segment_histogram(x, blocks, ref, bins, backend="torch")
+        hk = H.segment_histogram(x, blocks, ker, bins, backend="triton")
+        H.histogram_pick_reference(hr, ref, k, slack, bins)
+        H.histogram_pick(hk, ker, k, slack, bins, backend="triton")
+        assert torch.equal(ref, ker)
+        if bins == fs.HISTOGRAM_PASSES[0]:
+            above = torch.tensor([int((x[o:o + n].abs().view(torch.int32) > hi[0]).sum())
+                                  for o, n in zip([0, 20000, 25000, 25001], LENGTHS)],
+                                 device=DEVICE)
+            past = above >= k
+            assert bool(past[[0, 3]].all())
+            assert torch.equal(ref[H.LO][past], hi[past])
+            assert bool((ref[H.HI][past] == H.INF_BITS).all())
+            assert torch.equal(ref[H.C_LO][past], above[past]) and not ref[H.C_HI][past].any()
+    assert not ref[H.ACTIVE].any()           # collapsed within the passes
+    want = torch.cat([torch.topk(x[o:o + n].abs(), int(kk)).indices + o for o, n, kk in
+                      zip([0, 20000, 25000, 25001], LENGTHS, k.tolist())])
+    idx, _ = B.band_select(x, blocks, ref, backend="torch")
+    assert torch.equal(torch.sort(idx).values, torch.sort(want).values)
+
+
+def test_a_malformed_warm_bracket_is_a_clear_error():
+    ones = torch.ones(3, device=DEVICE)
+    for warm in (torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 3),
+                 torch.zeros(3, 2, dtype=torch.int64).t()):
+        with pytest.raises(ValueError, match="warm must be a contiguous int64"):
+            H.search_from_fit(ones, ones, ones, 1.0, warm.to(DEVICE), 10)
