@@ -214,8 +214,9 @@ def search_start(abs_sum, abs_max, n, factor, warm=None, spread=0):
     """The fused search's state, every tensor's bracket ``(bits(sum|x| / n * factor),
     bits(max|x|)]`` (one launch on CUDA), or around a previous one (``warm``, widened by
     ``spread`` bits: ``histogram_select.search_from_fit``); every entry selected when the
-    bucket holds a NaN or Inf (from its ``sum|x|`` and ``max|x|``).  Where the kernels do not run (CPU
-    tensors), a warning once per process: the search is then its torch references."""
+    bucket holds a NaN or Inf (from its ``sum|x|`` and ``max|x|``).  Where the kernels do
+    not run (CPU tensors), a warning once per process: the search is then its torch
+    references."""
     from ...kernels import histogram_select, pick_backend
     if not _SAID_REFERENCE and pick_backend(abs_sum) == "torch":
         from ...log import logger
