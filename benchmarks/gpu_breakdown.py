@@ -53,13 +53,18 @@ tensor.  ``--tiny`` divides every size by 1000.
    ``twobit_segments.PACK_WORDS``), 128 and 64 words, and with error feedback's add as a
    pass of its own (before 2026-11-30's twenty-fourth stop, for a tensor alone); each
    kernel's device time in launch order; the payloads must be equal.
-9. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
+9. **warm**: the fused selection started cold (at the Laplace fit) and warm (within a
+   factor 1.13 of a previous search's brackets, ``fused_search.warm_brackets``: not yet
+   used by the compressor), on data whose threshold moved by 1.05 (within) and 1.5
+   (past it): wall time, device time kernel by kernel, passes that read the bucket,
+   count against k; layouts ``gpt2`` and ``one``.
+10. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
    kernel's own launcher (what our launchers would save by calling it directly).
 
-They run in the order launch, compress, graph, search, passes, twobit, top-k, aligned,
-warps (the JSON is written after each), so that a time limit stops the least decisive.  Writes
+They run in the order launch, compress, graph, search, passes, twobit, warm, top-k,
+aligned, warps (the JSON is written after each), so that a time limit stops the least decisive.  Writes
 ``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
 times on a CPU dry run are no GPU figures.
 """
@@ -426,6 +431,7 @@ def main():
              ("graph", lambda: graph_rows(args, cuda)), ("search", lambda: search_rows(args)),
              ("passes", lambda: variants.passes_rows(args, make_layout, DENSITY)),
              ("twobit", lambda: variants.twobit_rows(args, make_layout)),
+             ("warm", lambda: variants.warm_rows(args, make_layout, DENSITY)),
              ("topk", lambda: topk_rows(args)),
              ("aligned", lambda: variants.aligned_rows(args, make_layout, DENSITY)),
              ("warps", lambda: variants.warps_rows(args, make_layout, DENSITY))]

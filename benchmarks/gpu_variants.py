@@ -5,7 +5,7 @@ histogram and band-write warps and its pick folded into the histogram's launch
 (``warps`` rows), and its kernels one by one with each program's block read whole or
 in chunks (``passes`` rows); twobit's compress with its pack programs of 256, 128 and 64
 words, and with error feedback's add folded into the first pass or not (``twobit``
-rows).  Each function takes the script's arguments, its ``make_layout`` and
+rows); the fused selection started cold or warm (``warm`` rows).  Each function takes the script's arguments, its ``make_layout`` and
 its density, and returns the rows.  Loaded by gpu_breakdown.py, which loads gpu_common
 first.
 """
@@ -204,3 +204,50 @@ def launch_order(fn):
               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: e.time_range.start)
     return [{"kernel": e.name[:60], "us": round(e.time_range.elapsed_us(), 2)} for e in events]
+
+
+#: how the data moves from the search that gave the warm brackets: (name, factor), the
+#: first within ``fused_search.WARM_SPREAD``, the second past it
+MOVES = (("stay", 1.05), ("past", 1.5))
+
+
+def warm_rows(args, make_layout, density):
+    """The fused selection started cold (at each tensor's Laplace fit, ``HISTOGRAM_PASSES``)
+    and warm (within a factor 1.13 of a previous search's brackets, ``WARM_PASSES``) on
+    data whose threshold moved by a factor within that spread and past it: wall time,
+    each kernel's device time in launch order, the passes that read the bucket (counted
+    in a run of their own: a host read each) and the count sent against k."""
+    import hvd_compress
+    from hvd_compress.compressors import fused_search as fs
+    from hvd_compress.kernels.histogram_select import C_HI, QUOTA
+    from hvd_compress.ops import torch_ops
+    cuda, rows = args.device == "cuda", []
+    for lname in ("gpt2", "one"):
+        lay = make_layout(lname, args.tiny)
+        flat = common.laplace(torch, lay.total, args.device, seed=10)
+        noise = common.laplace(torch, lay.total, args.device, seed=11)
+        search = hvd_compress.from_spec(f"laplace_topk:density={density},fused=1")
+        warm = fs.warm_brackets(fs.histogram_search(search, flat, lay, torch_ops)[1])
+        k = sum(search.k(n) for n in lay.numels)
+        row = {"layout": lname, "numel": lay.total, "k": k}
+        for move, factor in MOVES:
+            moved = flat * factor + 0.01 * noise
+            for start, bracket in (("cold", None), ("warm", warm)):
+                name = f"{move}_{start}"
+                fn = (lambda m=moved, b=bracket:          # noqa: E731
+                      fs.select_histogram(search, m, lay, torch_ops, warm=b)[0])
+                row[f"{name}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
+                row[f"{name}_kernels"] = launch_order(fn) if cuda else []
+                reading = []
+                state = fs.histogram_search(search, moved, lay, torch_ops, warm=bracket,
+                                            reading=reading)[1]
+                row[f"{name}_reading_passes"], row[f"{name}_bucket_reads"] = fs.reads(
+                    reading, lay.numels)
+                row[f"{name}_count"] = int((state[C_HI] + state[QUOTA]).sum())
+        rows.append(row)
+        for move, _ in MOVES:
+            print(f"warm {lname:5s} {move:5s} " + "  ".join(
+                f"{s} {row[f'{move}_{s}_ms']:8.3f} ms, {row[f'{move}_{s}_reading_passes']} "
+                f"reads, {row[f'{move}_{s}_count'] / k - 1:+.3%} off k" for s in ("cold", "warm")),
+                flush=True)
+    return rows

@@ -14,7 +14,9 @@ Reported: the share of (tensor, step) pairs whose threshold lies within a factor
 needs no bracket around the Laplace fit), over all steps and after the first 20; the
 spread of ``t / t0``; and, every ``--search-every`` steps, the passes of the fused
 search (``hvd_compress.compressors.fused_search``, its torch reference on the CPU) that
-read the bucket (a tensor still searched) and how close its count lands to k.  Writes
+read the bucket (a tensor still searched) and how close its count lands to k; and the
+same for the search started warm at every step (``histogram_search(warm=)``: within a
+factor 1.13 of the previous step's warm search's brackets).  Writes
 benchmarks/results/threshold_drift_<date>.json and .png (the distribution of
 ``log2(t_s / t_(s-1))`` per step range).  CPU only; no timing.
 
@@ -40,31 +42,43 @@ from gpt2_text import corpus, make_model, train_batch  # noqa: E402
 WINDOWS = (0.05, 0.10, 0.13, 0.20, 0.50)
 
 
-def search_passes(grads, density):
-    """The fused search over the bucket of ``grads`` (name -> flat c): how many of its
-    passes read the bucket (some tensor still searched before it), and the largest
-    relative distance of a tensor's count from k after the search."""
+def search_passes(grads, density, warm=None):
+    """The fused search over the bucket of ``grads`` (name -> flat c), started cold (at
+    each tensor's Laplace fit) or ``warm`` (a previous search's brackets): how many of its
+    passes read the bucket (some tensor still searched before it), the largest relative
+    distance of a tensor's count from k after the search, the tensors, and the brackets
+    for the next warm start."""
     from hvd_compress.buckets import layout
     from hvd_compress.compressors import fused_search as fs
-    from hvd_compress.kernels.histogram_select import ACTIVE, C_HI, C_LO, QUOTA
+    from hvd_compress.kernels.histogram_select import C_HI, QUOTA
     from hvd_compress.ops import torch_ops as ops
     from hvd_compress.spec import from_spec
     names = list(grads)
     lay = layout(names, [(grads[n].numel(),) for n in names])
     flat = torch.cat([grads[n] for n in names])
     sel = from_spec(f"laplace_topk:density={density},fused=1")
-    k_t, slack, n_t = fs.bucket_constants(sel, lay, sel.tol, ops, flat)
-    blocks = ops.bucket_blocks(lay, flat)
-    s, m = ops.segment_abs_sum_max(flat, lay)
-    state = ops.search_start(s, m, n_t, 0.5 * math.log(1.0 / density))
-    reading, buffers = 0, {}
-    for bins in fs.HISTOGRAM_PASSES:
-        reading += int(state[ACTIVE].sum() > 0)
-        state = ops.histogram_step(flat, blocks, state, bins, k_t, slack, buffers,
-                                   local=bins <= fs.COARSE_BINS)
+    k_t = fs.bucket_constants(sel, lay, sel.tol, ops, flat)[0]
+    reading = []
+    state = fs.histogram_search(sel, flat, lay, ops, warm=warm, reading=reading)[1]
     sent = state[C_HI] + state[QUOTA]
     off = ((sent - k_t).abs().float() / k_t.float()).max()
-    return reading, float(off), int(state[C_LO].numel())
+    passes, entries = fs.reads(reading, [grads[n].numel() for n in names])
+    return passes, entries, float(off), len(names), fs.warm_brackets(state)
+
+
+def warm_summary(rows):
+    """The warm searches after the first step (which starts cold): the share of steps by
+    passes that read the bucket, their mean, and the worst count off k."""
+    later = rows[1:]
+    if not later:
+        return {}
+    passes = sorted({r["reading_passes"] for r in later})
+    return {"steps": len(later),
+            "share_by_passes": {p: sum(r["reading_passes"] == p for r in later) / len(later)
+                                for p in passes},
+            "mean_passes": sum(r["reading_passes"] for r in later) / len(later),
+            "mean_bucket_reads": sum(r["bucket_reads"] for r in later) / len(later),
+            "worst_count_off_k": max(r["worst_count_off_k"] for r in later)}
 
 
 def main():
@@ -80,6 +94,9 @@ def main():
                    help="tensors of fewer values are left out (laplace_topk sends them "
                         "whole with min_size=)")
     p.add_argument("--search-every", type=int, default=25)
+    p.add_argument("--no-warm", dest="warm", action="store_false",
+                   help="leave out the search started at the previous step's brackets "
+                        "(every step)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -88,7 +105,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     params = {n: q for n, q in model.named_parameters() if q.numel() >= args.min_size}
     residual = {n: torch.zeros(q.numel()) for n, q in params.items()}
-    prev, moves, fits, searches = {}, [], [], []
+    prev, moves, fits, searches, warm_reads, brackets = {}, [], [], [], [], None
     try:
         from tqdm import tqdm
         steps = tqdm(range(args.steps), desc="steps")
@@ -113,9 +130,14 @@ def main():
             compensated[n] = c
             residual[n] = torch.where(mag >= t, torch.zeros_like(c), c)
         if step % args.search_every == 0:
-            reading, off, tensors = search_passes(compensated, args.density)
-            searches.append({"step": step, "reading_passes": reading,
+            reading, entries, off, tensors, _ = search_passes(compensated, args.density)
+            searches.append({"step": step, "reading_passes": reading, "bucket_reads": entries,
                              "worst_count_off_k": off, "tensors": tensors})
+        if args.warm:          # every step, from the previous step's warm search
+            reading, entries, off, _, brackets = search_passes(compensated, args.density,
+                                                               brackets)
+            warm_reads.append({"step": step, "reading_passes": reading,
+                               "bucket_reads": entries, "worst_count_off_k": off})
         opt.step()
     rows = []
     for label, lo in (("all steps", 0), ("after step 20", 20)):
@@ -135,15 +157,26 @@ def main():
         print(f"  {r['steps']:15s} {r['pairs']:6d} " + " ".join(
             f"{r[f'within_{w:g}']:7.1%}" for w in WINDOWS))
     print("t / Laplace fit: p1 %.2f, median %.2f, p99 %.2f" % tuple(q.values()))
-    print("fused search: passes that read the bucket " + ", ".join(
-        f"step {s['step']}: {s['reading_passes']}" for s in searches)
+    print("fused search: passes that read the bucket (its entries read) " + ", ".join(
+        f"step {s['step']}: {s['reading_passes']} ({s['bucket_reads']:.2f})" for s in searches)
         + f"; worst count off k {max(s['worst_count_off_k'] for s in searches):.2%}")
+    warm = warm_summary(warm_reads)
+    cold_passes = sum(s["reading_passes"] for s in searches) / len(searches)
+    cold_reads = sum(s["bucket_reads"] for s in searches) / len(searches)
+    if warm:
+        print("warm start (the previous step's brackets widened by a factor 1.13): passes "
+              "that read the bucket, share of steps after the first: " + ", ".join(
+                  f"{p}: {share:.1%}" for p, share in warm["share_by_passes"].items())
+              + f"; mean {warm['mean_passes']:.2f} (cold: {cold_passes:.2f}); the bucket's "
+              f"entries read {warm['mean_bucket_reads']:.2f} times a search (cold: "
+              f"{cold_reads:.2f}); worst count off k {warm['worst_count_off_k']:.2%}")
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"threshold_drift_{date}.json"
     path.write_text(json.dumps({"date": date, "args": vars(args), "windows": rows, **q,
-                                "searches": searches, "torch": torch.__version__}, indent=1))
+                                "searches": searches, "warm": warm, "warm_steps": warm_reads,
+                                "torch": torch.__version__}, indent=1))
     try:
         import matplotlib
         matplotlib.use("Agg")

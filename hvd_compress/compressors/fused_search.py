@@ -77,6 +77,15 @@ WARM_SPREAD_BITS = round(math.log2(1 + WARM_SPREAD) * 2 ** 23)
 WARM_PASSES = (HISTOGRAM_BINS,) * 4
 
 
+def reads(reading, numels):
+    """``(passes that read the bucket, the bucket's entries read over its size)`` of a
+    search's ``reading`` (:func:`histogram_search`): a pass reads only the tensors still
+    searched."""
+    total = max(sum(numels), 1)
+    return (sum(any(r) for r in reading),
+            sum(n for r in reading for n, a in zip(numels, r) if a) / total)
+
+
 def warm_brackets(state):
     """A search's final brackets ``(lo, hi]`` (int64 ``[2, T]``, a copy) for the next
     search's warm start; a bucket that held NaN/Inf has ``lo = -1``: its tensors start
@@ -85,7 +94,7 @@ def warm_brackets(state):
 
 
 def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
-                     own=False, count=True, slots=None, source=None):
+                     own=False, count=True, slots=None, source=None, warm=None):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
@@ -122,13 +131,15 @@ def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
     in place in ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices,
     finite, values, counts, written)`` (``ops.band_select``); ``slots`` (with
     ``gather``): padded (``padded=1``), no synchronisation at all.
+    ``warm``: start at a previous search's brackets (:func:`histogram_search`).
     """
-    blocks, state = histogram_search(self, flat, lay, ops, passes, add, source)
+    blocks, state = histogram_search(self, flat, lay, ops, passes, add, source, warm)
     return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count,
                            slots=slots)
 
 
-def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, warm=None):
+def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, warm=None,
+                     reading=None):
     """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
     launch on the device and no host synchronisation, shapes fixed by the layout (so
     the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
@@ -136,7 +147,9 @@ def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, w
     pass (:meth:`LaplaceTopK.adds_residual`), or to ``source`` into ``flat``.  ``warm``:
     a previous search's final brackets (:func:`warm_brackets`): a tensor starts within a
     factor ``1 + WARM_SPREAD`` of its own instead of at its Laplace fit.  ``passes``:
-    default ``HISTOGRAM_PASSES``, ``WARM_PASSES`` from ``warm``."""
+    default ``HISTOGRAM_PASSES``, ``WARM_PASSES`` from ``warm``.  ``reading``: a list
+    that gets, per pass, which tensors it reads (a list of bools: those still searched;
+    a host read each, for benchmarks: :func:`reads`)."""
     if passes is None:
         passes = HISTOGRAM_PASSES if warm is None else WARM_PASSES
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
@@ -146,6 +159,9 @@ def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, w
                              warm, WARM_SPREAD_BITS if warm is not None else 0)
     buffers = {}
     for bins in passes:
+        if reading is not None:
+            from ..kernels.histogram_select import ACTIVE
+            reading.append([bool(a) for a in state[ACTIVE].tolist()])
         state = ops.histogram_step(flat, blocks, state, bins, k_t, slack, buffers,
                                    local=bins <= COARSE_BINS)
     return blocks, state

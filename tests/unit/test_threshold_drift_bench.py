@@ -1,6 +1,7 @@
 """benchmarks/threshold_drift.py runs on a tiny GPT-2 for a few steps: its JSON holds a
 share in [0, 1] per window, growing with the window, and the fused search's reading
-passes (between 1 and its number of passes) at every step sampled."""
+passes (between 1 and its number of passes) at every step sampled, and started warm at
+every step."""
 import json
 import subprocess
 import sys
@@ -23,5 +24,11 @@ def test_threshold_drift_writes_its_table(tmp_path):
     assert all(0 <= s <= 1 for s in shares) and shares == sorted(shares)
     assert [s["step"] for s in data["searches"]] == [0, 2]
     assert all(1 <= s["reading_passes"] <= 4 for s in data["searches"])
+    assert [s["step"] for s in data["warm_steps"]] == [0, 1, 2, 3]     # warm: every step
+    assert all(1 <= s["reading_passes"] <= 4 for s in data["warm_steps"])
+    assert data["warm"]["steps"] == 3 and 1 <= data["warm"]["mean_passes"] <= 4
+    assert 0 < data["warm"]["mean_bucket_reads"] <= data["warm"]["mean_passes"]
+    assert all(0 < s["bucket_reads"] <= s["reading_passes"] for s in data["searches"])
+    assert abs(sum(data["warm"]["share_by_passes"].values()) - 1) < 1e-9
     assert 0 < data["t_over_fit_p1"] <= data["t_over_fit_p50"] <= data["t_over_fit_p99"]
     assert (tmp_path / next(tmp_path.glob("*.json")).with_suffix(".png").name).exists()
