@@ -1,12 +1,12 @@
 """Variants of the bucket kernels that only a GPU can choose between, timed by
-``benchmarks/gpu_breakdown.py`` (its parts 5 to 7, where they are described): the
+``benchmarks/gpu_breakdown.py`` (its parts 5 to 9, where they are described): the
 kernels told the layout's alignment or not (``aligned`` rows), the fused selection's
 histogram and band-write warps and its pick folded into the histogram's launch
 (``warps`` rows), and its kernels one by one with each program's block read whole or
 in chunks (``passes`` rows); twobit's compress with its pack programs of 256, 128 and 64
 words, and with error feedback's add folded into the first pass or not (``twobit``
-rows); the fused selection started cold or warm (``warm`` rows).  Each function takes the script's arguments, its ``make_layout`` and
-its density, and returns the rows.  Loaded by gpu_breakdown.py, which loads gpu_common
+rows); the fused selection started cold or warm (``warm`` rows).  Each function takes
+the script's arguments, its ``make_layout`` and its density, and returns the rows.  Loaded by gpu_breakdown.py, which loads gpu_common
 first.
 """
 import sys

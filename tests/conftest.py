@@ -61,16 +61,27 @@ def tf_job(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def agg3_jobs(tmp_path_factory):
-    """The aggregation-aware scenario on three ranks (-np 3), both frameworks; a process
-    set of ranks 0 and 2 needs Horovod's dynamic process sets."""
-    out = tmp_path_factory.mktemp("agg3_jobs")
-    for worker in ("torch_worker.py", "tf_worker.py"):
-        rc, log = horovodrun([ROOT / "tests/workers" / worker, "agg"], out, np_=3,
-                             env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
-        assert rc == 0, log[-6000:]
+def _agg3_job(tmp_path_factory, worker):
+    """The aggregation-aware scenario on three ranks (-np 3) of ``worker``; a process set
+    of ranks 0 and 2 needs Horovod's dynamic process sets."""
+    out = tmp_path_factory.mktemp("agg3_job")
+    rc, log = horovodrun([ROOT / "tests/workers" / worker, "agg"], out, np_=3,
+                         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    assert rc == 0, log[-6000:]
     return out
+
+
+# one fixture a framework: `make test` runs test files on two pytest-xdist workers
+# (--dist loadfile), where a session fixture that both frameworks' files asked for
+# would launch both jobs on each worker
+@pytest.fixture(scope="session")
+def agg3_torch_job(tmp_path_factory):
+    return _agg3_job(tmp_path_factory, "torch_worker.py")
+
+
+@pytest.fixture(scope="session")
+def agg3_tf_job(tmp_path_factory):
+    return _agg3_job(tmp_path_factory, "tf_worker.py")
 
 
 # --- GPU tests (tests/gpu/, `make gpu-test`, ci/gpu.sh) --------------------------------

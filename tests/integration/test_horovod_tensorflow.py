@@ -85,13 +85,13 @@ def test_ranks_with_different_bucket_sizes_fail_clearly(mismatch):
 def test_aggregation_aware_selection(request, spec, np_):
     """agg=union/leader/hint: every rank the same aggregate, equal to the reference;
     error feedback conserves; checkpoints resume; an empty union hangs nobody."""
-    out = request.getfixturevalue("tf_job" if np_ == 2 else "agg3_jobs")
+    out = request.getfixturevalue("tf_job" if np_ == 2 else "agg3_tf_job")
     check_agg(load_ranks(out, "tf_agg", np_), spec, AGG_SHAPES, AGG_STEPS, AGG_ZERO_STEP)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_aggregation_average_and_process_set(request, np_):
-    out = request.getfixturevalue("tf_job" if np_ == 2 else "agg3_jobs")
+    out = request.getfixturevalue("tf_job" if np_ == 2 else "agg3_tf_job")
     check_agg_average_and_process_set(load_ranks(out, "tf_agg", np_), AGG_SPECS, AGG_SHAPES)
 
 
