@@ -64,9 +64,9 @@ tensor.  ``--tiny`` divides every size by 1000.
    kernel's own launcher (what our launchers would save by calling it directly).
 
 They run in the order launch, compress, graph, search, passes, twobit, warm, top-k,
-aligned, warps (the JSON is written after each), so that a time limit stops the least decisive.  Writes
-``--out``/gpu_breakdown_<date>.json and .png and prints tables; wall-clock
-times on a CPU dry run are no GPU figures.
+aligned, warps (the JSON is written after each), so that a time limit stops the least
+decisive.  Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables;
+wall-clock times on a CPU dry run are no GPU figures.
 """
 import sys
 from pathlib import Path

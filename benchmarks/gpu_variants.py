@@ -6,8 +6,8 @@ histogram and band-write warps and its pick folded into the histogram's launch
 in chunks (``passes`` rows); twobit's compress with its pack programs of 256, 128 and 64
 words, and with error feedback's add folded into the first pass or not (``twobit``
 rows); the fused selection started cold or warm (``warm`` rows).  Each function takes
-the script's arguments, its ``make_layout`` and its density, and returns the rows.  Loaded by gpu_breakdown.py, which loads gpu_common
-first.
+the script's arguments, its ``make_layout`` and its density, and returns the rows.
+Loaded by gpu_breakdown.py, which loads gpu_common first.
 """
 import sys
 

@@ -62,7 +62,7 @@ def search_passes(grads, density, warm=None):
     state = fs.histogram_search(sel, flat, lay, ops, warm=warm, reading=reading)[1]
     sent = state[C_HI] + state[QUOTA]
     off = ((sent - k_t).abs().float() / k_t.float()).max()
-    passes, entries = fs.reads(reading, [grads[n].numel() for n in names])
+    passes, entries = fs.reads(reading, lay.numels)
     return passes, entries, float(off), len(names), fs.warm_brackets(state)
 
 
