@@ -93,10 +93,14 @@ if "fused" in LaplaceTopK.params():          # the fused CUDA path, where this t
     SPECS.insert(4, "laplace_topk:density=0.01,fused=1")
 if "padded" in LaplaceTopK.params():         # ... and its payload of fixed size (no sync)
     SPECS.insert(5, "laplace_topk:density=0.01,padded=1")
+WARM = "laplace_topk:density=0.01,padded=1,warm=1"
+if "warm" in LaplaceTopK.params():           # ... started at the last step's brackets
+    SPECS.insert(6, WARM)
 try:                                         # replayed from CUDA graphs, where it can be
     from hvd_compress.compressors import replay  # noqa: E402
     SPECS[-1:-1] = [s + v for s in ("laplace_topk:density=0.01,padded=1", "twobit") if s in SPECS
-                    for v in ("+graphs", "+cache")] + ["twobit+aten"]
+                    for v in ("+graphs", "+cache")] + [WARM + "+graphs"] * (WARM in SPECS) + [
+                        "twobit+aten"]
 except ImportError:
     replay = None
 TARGET = "laplace_topk:density=0.01"          # issue 26: codec <= 10% of GPT-2's backward

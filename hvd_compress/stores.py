@@ -24,18 +24,21 @@ class Journal:
     compressed-momentum Adam skips the step as a GradScaler would) attaches a journal to
     its compressor (``compressor.attach_journal(journal)``); every store then records,
     the first time a key is written in the step, what it takes to restore it (PyTorch: a
-    reference, since stores replace tensors and never write into a stored one;
-    TensorFlow: a copy of the variable's value).  ``rollback()`` puts every key back,
-    bit for bit; ``clear()`` starts the next step.
+    reference, since stores replace tensors, and a copy of the few written in place:
+    :meth:`TorchStore.keep`; TensorFlow: a copy of the variable's value).
+    ``rollback()`` puts every key back, bit for bit; ``clear()`` starts the next step.
     """
 
     def __init__(self):
         self.entries = {}        # (id(store), table, key) -> (store, table, key, token)
 
-    def record(self, store, table, key):
+    def record(self, store, table, key, token=None):
+        """Note what restores ``key`` (``token``: given; else ``store.snapshot``), the
+        first time it is written in the step."""
         mark = (id(store), table, key)
         if mark not in self.entries:
-            self.entries[mark] = (store, table, key, store.snapshot(table, key))
+            self.entries[mark] = (store, table, key, store.snapshot(table, key)
+                                  if token is None else token)
 
     def rollback(self):
         """Every recorded key back to the value it had when first written this step."""
@@ -96,6 +99,22 @@ class TorchStore:
     def set(self, key, value):
         self._record("_tensors", key)
         self._tensors[key] = value
+
+    def keep(self, key):
+        """Before a write *into* the tensor of ``key`` (the one kind of state kept in place:
+        a search's warm brackets, whose address a CUDA graph holds): a journal, if any,
+        records a copy of its value, not the tensor."""
+        if self.journal is not None and key in self._tensors:
+            value = self._tensors[key]
+            self.journal.record(self, "_tensors", key, (True, value.clone()))
+
+    def pin(self, key, tensor):
+        """Hold ``key``'s value in ``tensor`` (a CUDA graph's copy of it), copied there
+        where the store holds another tensor (restored, rolled back): the same value."""
+        value = self._tensors.get(key)
+        if value is not None and value is not tensor:
+            tensor.copy_(value)
+            self._tensors[key] = tensor
 
     def set_many(self, keys, values):
         """:meth:`set` for each pair of ``keys`` and ``values``."""

@@ -92,11 +92,13 @@ BUCKET_SYNCS = {
     # ... the values' headers checked against the indices' number, deferred too
     "laplace_topk:density=0.01,fused=1,values=rangefloat8": (1, 0, 1),
     "laplace_topk:density=0.01,fused=1,exact=1": (1, 0, 1),
+    "laplace_topk:density=0.01,warm=1": (1, 0, 1),       # (fused=1, started warm)
     # padded: every tensor's slots known before the search, NaN/Inf flagged on the
     # device: nothing read back in compress
     "laplace_topk:density=0.01,padded=1": (0, 0, 1),
     "laplace_topk:density=0.01,padded=1,values=rangefloat8": (0, 0, 1),
     "laplace_topk:density=0.01,padded=1,exact=1": (0, 0, 1),
+    "laplace_topk:density=0.01,padded=1,warm=1": (0, 0, 1),
     # one sort of the bucket (ops.segment_abs_topk): its finiteness, read back with the
     # number of non-zeros among the picks (laplace_topk drops zeros)
     "laplace_topk:density=0.01": (1, 0, 1),

@@ -139,10 +139,8 @@ class Compressor:
     def send_whole_below(self, min_size):
         """Send tensors of fewer than ``min_size`` values uncompressed (spec parameter
         ``min_size=``, any compressor but ``auto``), as Hylo's policy does with its own
-        ``min_size``: biases and normalisation weights are a small share of the values.
-        Whether it helps is measured, not assumed (docs/adam-adamw.md: with compressed
-        AdamW updates of a GPT-2 it helped in one setting and hurt in another).  Returns
-        ``self``."""
+        ``min_size`` (measured with compressed AdamW updates: docs/adam-adamw.md).
+        Returns ``self``."""
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
             raise ValueError(f"{self.name}: min_size must be an integer >= 0 (values), got "
                              f"{min_size!r}")
@@ -172,9 +170,8 @@ class Compressor:
             self.ef_decay = self.default_ef_decay(kind)
 
     def bind_rank(self, rank_of):
-        """How the glue that takes this compressor numbers this process (``rank_of()``:
-        an int, or None while unknown): checkpoints record it, and another rank's is
-        refused (:func:`~hvd_compress.memory.check_rank_of`), one restored before too."""
+        """How the glue numbers this process (``rank_of()``: an int, or None while
+        unknown): checkpoints record it; another rank's is refused (``check_rank_of``)."""
         self.rank_of = rank_of
         for c in self.holds():
             c.bind_rank(rank_of)
@@ -228,17 +225,12 @@ class Compressor:
 
     def compress_bucket(self, flat, layout):
         """One payload for a *bucket*: ``flat`` holds the flattened tensors of ``layout``
-        (:class:`~hvd_compress.buckets.Layout`) end to end, all of one dtype.
-
-        Per-tensor semantics are kept: k, thresholds, ranges and random draws are per
-        tensor (``ctx.segments`` tells ``encode`` where each tensor lies), and error
-        feedback keeps one residual per tensor *name*, so ``state_dict()`` means the same
-        as with :meth:`compress` (a checkpoint moves between the two).  ``flat`` must be
-        the caller's own buffer (it may be overwritten).  Only compressors with
-        ``segmented = True`` take buckets of more than one tensor; decompress the
-        aggregate with :meth:`decompress_bucket`.  Replayed from CUDA graphs where
-        :mod:`.replay` says (``HVD_COMPRESS_CUDA_GRAPHS=1``).
-        """
+        (:class:`~hvd_compress.buckets.Layout`) end to end, all of one dtype; the caller's
+        own buffer (it may be overwritten).  Per-tensor semantics: k, thresholds, ranges
+        and draws per tensor (``ctx.segments``), a residual per tensor *name* (a
+        checkpoint moves between this and :meth:`compress`).  Buckets of several tensors
+        need ``segmented``; :meth:`decompress_bucket` decodes the aggregate.  Replayed
+        from CUDA graphs where :mod:`.replay` says (``HVD_COMPRESS_CUDA_GRAPHS=1``)."""
         if replay.wanted(self, flat):
             return replay.compress_bucket(self, flat, layout)
         return self.compress_bucket_eager(flat, layout)
@@ -369,6 +361,11 @@ class Compressor:
             for c in (value if isinstance(value, (list, tuple)) else (value,)):
                 if isinstance(c, Compressor) and c is not self:
                     c.attach_journal(journal)
+
+    def in_place_state(self, lay):
+        """Keys of the state that a compress of the bucket ``lay`` writes *into* rather than
+        replaces (a CUDA graph holds their tensors: :mod:`.replay`); none here."""
+        return ()
 
     def residual_names(self, lay):
         """The names error feedback keeps the residuals of the tensors of the Layout

@@ -77,6 +77,11 @@ WARM_SPREAD_BITS = round(math.log2(1 + WARM_SPREAD) * 2 ** 23)
 WARM_PASSES = (HISTOGRAM_BINS,) * 4
 
 
+#: where ``warm=1`` keeps a bucket's brackets in its compressor's state (int64 ``[2, T]``:
+#: checkpointed, and restored by a journal's rollback, with the residuals), + the key
+WARM_KEY = "warm/"
+
+
 def reads(reading, numels):
     """``(passes that read the bucket, the bucket's entries read over its size)`` of a
     search's ``reading`` (:func:`histogram_search`): a pass reads only the tensors still
@@ -131,9 +136,17 @@ def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
     in place in ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices,
     finite, values, counts, written)`` (``ops.band_select``); ``slots`` (with
     ``gather``): padded (``padded=1``), no synchronisation at all.
-    ``warm``: start at a previous search's brackets (:func:`histogram_search`).
+    ``warm``: start at a previous search's brackets (:func:`histogram_search`); where
+    ``self.warm`` (``warm=1``) and none is given, at the brackets this bucket's last
+    search ended with, kept in ``self``'s state (:data:`WARM_KEY`).
     """
+    held = None
+    if warm is None and getattr(self, "warm", False):
+        store, key = self._state(ops), WARM_KEY + lay.key
+        warm = held = ops.warm_brackets(store, key, len(lay.numels), flat)
     blocks, state = histogram_search(self, flat, lay, ops, passes, add, source, warm)
+    if held is not None:
+        ops.keep_brackets(store, key, held, state)
     return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count,
                            slots=slots)
 

@@ -43,6 +43,11 @@ allocator need not, and small buckets share its pool with every other tensor.)
 - After a replay the residuals are made views of the input buffer
   (:meth:`~hvd_compress.memory.ResidualMemory.take_buffer`), as the eager compress
   would have made them.
+- State that the compress writes *into* (``Compressor.in_place_state``:
+  ``laplace_topk:warm=1``'s brackets) stays in the tensors the graph was captured with:
+  before each replay, a value the store holds elsewhere (a checkpoint restored, a step
+  rolled back) is copied into them (``TorchStore.pin``), and a journal, if any, keeps a
+  copy of it first (``TorchStore.keep``).
 
 The payload returned is the graph's own memory: the next replay of the same graph
 overwrites it, so it must have been sent (as every exchange does within its step)
@@ -106,8 +111,9 @@ class _Bucket:
 
     def __init__(self):
         self.graphs = {}      # compress: role (0: input in A, 1: in B) -> (replay, payload,
-        self.calls = 0        # ctx, held); decompress: shapes -> (replay, inputs, sum,
-                              # checks, held); held: the cached tables the graph reads
+        self.calls = 0        # ctx, in-place state, held); decompress: shapes -> (replay,
+                              # inputs, sum, checks, held); held: the cached tables the
+                              # graph reads; in-place state: {store key: the graph's tensor}
         self.buffers = None   # compress: A and B
         self.views = [None, None]   # ... the residuals' views of each, made once
         self.seen = set()     # decompress: the aggregates' shapes seen once (eagerly)
@@ -151,11 +157,14 @@ def compress_bucket(c, flat, layout, capture=None):
     if flat.data_ptr() != into.data_ptr():          # (the caller wrote it there: input_buffer)
         into.copy_(flat)
     hit = b.graphs.get(role)
+    store = c._store
+    in_place = _in_place(c, layout, store)
+    if None in in_place.values():                   # (rolled back to before its first step)
+        return _eager(eager)
     if hit is None:
-        store = c._store
         saved = store.tables() if store is not None else None
         capture = capture or _on_device(cuda_capture, flat.device)
-        written = (into,) if residual is None else (into, residual)
+        written = ((into,) if residual is None else (into, residual)) + tuple(in_place.values())
         hit, why = _capture(capture, lambda: c.compress_bucket_eager(into, layout, True), written,
                             store, lambda: host_effects(c, saved, layout, into))
         if hit is None:
@@ -165,13 +174,27 @@ def compress_bucket(c, flat, layout, capture=None):
         replay, (payload, ctx), held = hit
         # (a plain tuple: an OwnPayload holds the input)
         b.graphs[role] = hit = (replay, (tuple(payload) if isinstance(payload, (tuple, list))
-                                         else payload), ctx, held)
+                                         else payload), ctx, in_place, held)
     elif memory is not None:                         # (the views made once a buffer)
         b.views[role] = memory.take_buffer(parts, into, b.views[role])
-    replay, payload, ctx, _ = hit
+    replay, payload, ctx, pinned, _ = hit
+    for key, tensor in pinned.items():               # the graph's own tensors hold the value
+        store.pin(key, tensor)
     replay()
     STATS["replayed"] += 1
     return payload, ctx
+
+
+def _in_place(c, layout, store):
+    """``{key: tensor}`` of the state that ``c``'s compress of ``layout`` writes into
+    (:meth:`~.base.Compressor.in_place_state`: ``laplace_topk:warm=1``'s brackets), each
+    copied first for a journal, if any (:meth:`~hvd_compress.stores.TorchStore.keep`):
+    a graph captured now reads and writes these tensors."""
+    keys = c.in_place_state(layout) if store is not None else ()
+    for key in keys:
+        store.keep(key)
+    held = store.tables()[0] if keys else {}
+    return {key: held.get(key) for key in keys}
 
 
 def input_buffer(c, layout, like):

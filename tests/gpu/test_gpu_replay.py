@@ -30,7 +30,8 @@ SPECS = ["twobit", "twobit:ef=0", "twobit:threshold=0.5", "onebit", "signsgd",
          "laplace_topk:density=0.01,padded=1",
          "laplace_topk:density=0.01,padded=1,values=rangefloat8",
          "laplace_topk:density=0.01,padded=1,exact=1",
-         "laplace_topk:density=0.01,padded=1,ef_decay=0.9"]
+         "laplace_topk:density=0.01,padded=1,ef_decay=0.9",
+         "laplace_topk:density=0.01,padded=1,warm=1"]
 STEPS = 6
 if DEV == "cpu":        # the interpreter: the test's own logic, on two kernel families
     SPECS = ["twobit", "laplace_topk:density=0.01,padded=1"]

@@ -337,11 +337,13 @@ def one_exchange(T, spec):
 
 @pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("spec", ["laplace_topk:density=0.01,fused=1",
-                                  "laplace_topk:density=0.01,fused=1,exact=1"])
+                                  "laplace_topk:density=0.01,fused=1,exact=1",
+                                  "laplace_topk:density=0.01,warm=1"])
 def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch, spec, fold):
     """The CUDA code path (kernels forced with HVD_COMPRESS_BACKEND=triton, run by the
     interpreter here): a bucket of 4 and one of 40 tensors cost the same launches and the
-    same framework ops; with ``FOLD_PICK`` each pass is one launch, not two."""
+    same framework ops; with ``FOLD_PICK`` each pass is one launch, not two.  A warm
+    start (``warm=1``) makes as many passes, and one copy of the brackets more."""
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     monkeypatch.setattr(H, "FOLD_PICK", fold)
     l4, o4 = one_exchange(4, spec)

@@ -230,6 +230,29 @@ def search_start(abs_sum, abs_max, n, factor, warm=None, spread=0):
     return histogram_select.search_from_fit(abs_sum, abs_max, n, factor, warm, spread)
 
 
+def warm_brackets(store, key, T, like):
+    """The fused search's warm brackets of a bucket of ``T`` tensors, int64 ``[2, T]`` held
+    in ``store`` under ``key`` on ``like``'s device: all -1 (a cold start) the first time,
+    or where what it holds is of another shape (a checkpoint of another layout)."""
+    held = store.get(key, lambda: _torch.full((2, T), -1, dtype=_torch.int64,
+                                              device=like.device))
+    if tuple(held.shape) != (2, T) or held.dtype != _torch.int64 or not held.is_contiguous():
+        held = _torch.full((2, T), -1, dtype=_torch.int64, device=like.device)
+        store.set(key, held)
+    elif held.device != like.device:                 # (a checkpoint loaded elsewhere)
+        held = held.to(like.device)
+        store.set(key, held)
+    return held
+
+
+def keep_brackets(store, key, held, state):
+    """A finished search's brackets (rows ``LO, HI`` of ``state``) written *into* ``held``,
+    the tensor :func:`warm_brackets` returned (in place: a CUDA graph holds its address;
+    the store's journal, if any, keeps a copy first)."""
+    store.keep(key)
+    held.copy_(state[:2])
+
+
 def histogram_step(flat, blocks, state, bins, k, slack, buffers, local=False):
     """One pass of the fused search on the device (Triton on CUDA): the int64
     ``[T, bins + 2]`` magnitude histogram of the tensors active in ``state``, then its
