@@ -27,7 +27,8 @@ TORCH_BUCKET_SPECS = ["laplace_topk:density=0.05,exact=1,fused=1",
                       "laplace_topk:density=0.05,exact=1,padded=1",
                       "dct:density=0.05,block=32,padded=1"]
 TORCH_BUCKET_TOL_SPECS = ["laplace_topk:density=0.05,fused=1",
-                          "laplace_topk:density=0.05,padded=1,values=rangefloat8"]
+                          "laplace_topk:density=0.05,padded=1,values=rangefloat8",
+                          "laplace_topk:density=0.05,warm=1"]
 BUCKET_SHAPES = {"conv": (6, 4, 3, 3), "big": (40, 30), "w": (12, 10), "b": (7,), "s": (),
                  "late": (5, 3)}
 #: CUDA-graph replay through the optimizer (torch_worker's ``replay``; replayable specs)

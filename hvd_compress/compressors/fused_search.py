@@ -22,8 +22,8 @@ def torch_only(sparsifier, ops):
     (TensorFlow)."""
     if not ops.histogram_search_supported():
         raise ValueError(f"{sparsifier.spec}: fused=1 (the fused histogram search, which "
-                         "padded=1 implies) runs on PyTorch tensors only; leave fused and "
-                         "padded unset for TensorFlow")
+                         "padded=1 and warm=1 imply) runs on PyTorch tensors only; leave "
+                         "fused, padded and warm unset for TensorFlow")
 
 
 def fused_payload(sparsifier, selector, flat, ctx, ops, **kw):

@@ -172,3 +172,13 @@ def test_a_checkpoint_of_another_layout_under_the_key_starts_cold():
     c.load_state_dict(state)
     values, idx = run(c, 1, start=1)[0]
     assert abs(idx.numel() - 112) <= 1 and brackets(c).shape == (2, len(LAY.names))
+
+
+@pytest.mark.parametrize("backend", ["none"])          # (neither runs on TensorFlow)
+def test_tensorflow_is_told_to_leave_warm_unset(backend):
+    """The fused search runs on PyTorch tensors only: TensorFlow's compress names the
+    setting to drop."""
+    tf = pytest.importorskip("tensorflow")
+    c = from_spec(WARM)
+    with pytest.raises(ValueError, match="warm=1 imply.*leave fused, padded and warm unset"):
+        c.compress_bucket(tf.random.normal([LAY.total]), LAY)
