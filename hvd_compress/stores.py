@@ -40,6 +40,10 @@ class Journal:
             self.entries[mark] = (store, table, key, store.snapshot(table, key)
                                   if token is None else token)
 
+    def recorded(self, store, table, key):
+        """Whether ``key`` was written this step (what restores it is noted)."""
+        return (id(store), table, key) in self.entries
+
     def rollback(self):
         """Every recorded key back to the value it had when first written this step."""
         for store, table, key, token in self.entries.values():
@@ -104,9 +108,10 @@ class TorchStore:
         """Before a write *into* the tensor of ``key`` (the one kind of state kept in place:
         a search's warm brackets, whose address a CUDA graph holds): a journal, if any,
         records a copy of its value, not the tensor."""
-        if self.journal is not None and key in self._tensors:
-            value = self._tensors[key]
-            self.journal.record(self, "_tensors", key, (True, value.clone()))
+        journal = self.journal
+        if journal is not None and key in self._tensors and not journal.recorded(
+                self, "_tensors", key):
+            journal.record(self, "_tensors", key, (True, self._tensors[key].clone()))
 
     def pin(self, key, tensor):
         """Hold ``key``'s value in ``tensor`` (a CUDA graph's copy of it), copied there
