@@ -59,9 +59,10 @@ def check_nonfinite(ranks):
 def check_checkpoint(ranks):
     for rank, r in enumerate(ranks):
         np.testing.assert_array_equal(r["resumed"], r["straight"])
-        if "saved_rank" in r:          # (the PyTorch optimizer's checkpoint scenario)
-            assert int(r["saved_rank"]) == rank
-            assert f"rank {1 - rank}, but this is rank {rank}" in str(r["other_refused"])
+        # the checkpoint records its rank; the other rank's is refused (PyTorch: by the
+        # optimizer's compressor; TensorFlow: restored first, refused by the tape)
+        assert int(r["saved_rank"]) == rank
+        assert f"rank {1 - rank}, but this is rank {rank}" in str(r["other_refused"])
 
 
 def mismatch_job(worker, tmp_path):

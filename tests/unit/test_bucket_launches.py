@@ -85,8 +85,7 @@ CALLS_PER_TENSOR = 8
 
 @pytest.mark.parametrize("spec", [*CODEC_LAUNCHES, "topk:density=0.01", "randomk:density=0.01",
                                   "laplace_topk:density=0.01,fused=1",
-                                  "laplace_topk:density=0.01,padded=1",
-                                  "laplace_topk:density=0.01,padded=1,warm=1"])
+                                  "laplace_topk:density=0.01,padded=1"])
 def test_python_calls_per_tensor_of_a_bucket_are_few(monkeypatch, spec):
     """The host's own work per tensor, which launches and ops do not show: a bucket of 40
     tensors makes at most CALLS_PER_TENSOR more Python calls a tensor than one of 4."""

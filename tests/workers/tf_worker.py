@@ -137,6 +137,21 @@ def checkpoint(out):
     comp.load_state_dict(saved["compression"], framework="tensorflow")
     train(variables, comp, 3, 3)
     out["resumed"] = variables[0].numpy()
+    # the checkpoint records the rank (the tape told the compressor); the other rank's
+    # file, restored before any tape took the compressor, is refused when one does (a
+    # barrier first: it is written)
+    out["saved_rank"] = np.int64(saved["compression"]["rank"])
+    hvd.allreduce(tf.zeros(1), name="tf_checkpoint_barrier")
+    with open(os.path.join(os.environ["OUT_DIR"], f"tfckpt_rank{1 - hvd.rank()}.pkl"),
+              "rb") as f:
+        other = pickle.load(f)
+    fresh = build()[1]
+    fresh.load_state_dict(other["compression"], framework="tensorflow")
+    try:
+        hctf.DistributedGradientTape(tf.GradientTape(), compression=fresh)
+        out["other_refused"] = np.array("")
+    except ValueError as e:
+        out["other_refused"] = np.array(str(e))
 
 
 def policy(out):
