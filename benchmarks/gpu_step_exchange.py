@@ -117,7 +117,9 @@ def bucket_layouts(comp, names, first, bucket_mb):
 def exchange_buckets(spec, names, grads, sync, bucket_mb, warmup):
     """Every bucket of every step exchanged between 2 ranks with ``spec``: per bucket
     (launch order) its layout, median compress and decompress seconds of rank 0 over
-    the steps after ``warmup``, and its collectives [(kind, bytes sent)]."""
+    the steps after ``warmup``, its collectives [(kind, bytes sent)], and the fastest
+    compress and decompress of those steps (a median of two is their mean, which a
+    one-off such as a Triton compile of a new specialisation dominates)."""
     comps = [hvd_compress.from_spec(spec) for _ in range(2)]
     lays = bucket_layouts(comps[0], names, grads[0][0], bucket_mb)
     times = [([], []) for _ in lays]
@@ -154,7 +156,7 @@ def exchange_buckets(spec, names, grads, sync, bucket_mb, warmup):
                 times[b][1].append(exs[0].decompress_s + settle)
             colls[b] = collectives(exs[0].compressor, exs[0])
             del exs
-    return [(lay, statistics.median(c), statistics.median(d), k)
+    return [(lay, statistics.median(c), statistics.median(d), k, min(c), min(d))
             for lay, (c, d), k in zip(lays, times, colls)]
 
 

@@ -413,10 +413,9 @@ def histogram_pick(hist, state, k, slack, bins, backend=None):
 
 # -- one pass: the histogram and the step ------------------------------------------------
 
-#: make each pass's step in the histogram's launch: each tensor's last block to finish
-#: counting picks (a counter per tensor, a release/acquire atomic per block), 4 launches
-#: fewer per compress; off until a GPU has timed it and found the same selection
-#: (``benchmarks/gpu_breakdown.py``'s ``warps`` rows, ``fold``)
+#: each pass's step in the histogram's launch (each tensor's last block to finish picks:
+#: 4 launches fewer a compress); off: slower on the H200's 25M tensor, mixed on GPT-2's
+#: block (2026-11-29; ``benchmarks/gpu_breakdown.py``'s ``warps`` rows, ``fold``)
 FOLD_PICK = False
 
 
@@ -442,11 +441,9 @@ def histogram_step(x, blocks, state, bins, k, slack, buffers=None, local=False, 
 
 
 def _zeroed_counts(buffers, T, bins, device):
-    """The passes' one zeroed int64 counts buffer (``buffers["counts"]``, flat, at least
-    ``T * (bins + 2)`` and 2048 columns a tensor), which the kernels index as ``[T, bins +
-    2]`` rows from its start: each pass's pick zeroes the rows it counted into, so a
-    later pass, of as many columns or other, finds its rows zero too -- one allocation
-    for the search, not one per number of bins, and no view of it per pass."""
+    """The passes' one zeroed int64 counts buffer (``buffers["counts"]``, flat, 2048
+    columns a tensor), indexed as ``[T, bins + 2]`` rows from its start: each pick zeroes
+    the rows it counted into, so every later pass finds its rows zero (one allocation)."""
     need = T * (bins + 2)
     whole = buffers.get("counts")
     if whole is None or whole.numel() < need:

@@ -38,6 +38,12 @@ def test_rows_have_positive_times_and_fewer_bytes_compressed(results, model):
         assert r["compress_ms"] > 0 and r["decompress_ms"] > 0 and r["bytes_per_rank"] > 0
         assert r["codec_over_backward"] == pytest.approx(
             (r["compress_ms"] + r["decompress_ms"]) / r["backward_ms"])
+        # each bucket's fastest step is at most its median; the sums follow
+        for b in r["per_bucket"]:
+            assert 0 < b["compress_min_ms"] <= b["compress_ms"]
+            assert 0 < b["decompress_min_ms"] <= b["decompress_ms"]
+        assert 0 < r["codec_min_ms"] <= r["compress_ms"] + r["decompress_ms"] + 1e-9
+        assert r["codec_min_over_backward"] == pytest.approx(r["codec_min_ms"] / r["backward_ms"])
     assert rows["none"]["bytes_per_rank"] == 4 * data["params"]     # float32, all of it
     assert rows["none"]["bytes_per_rank"] > rows["topk:density=0.01"]["bytes_per_rank"]
     assert rows["none"]["bytes_per_rank"] > rows["powersgd:rank=4"]["bytes_per_rank"]
