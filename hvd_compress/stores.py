@@ -107,11 +107,12 @@ class TorchStore:
     def keep(self, key):
         """Before a write *into* the tensor of ``key`` (the one kind of state kept in place:
         a search's warm brackets, whose address a CUDA graph holds): a journal, if any,
-        records a copy of its value, not the tensor."""
-        journal = self.journal
-        if journal is not None and key in self._tensors and not journal.recorded(
+        records a copy of its value, not the tensor.  Returns the tensor (None if absent)."""
+        value, journal = self._tensors.get(key), self.journal
+        if journal is not None and value is not None and not journal.recorded(
                 self, "_tensors", key):
-            journal.record(self, "_tensors", key, (True, self._tensors[key].clone()))
+            journal.record(self, "_tensors", key, (True, value.clone()))
+        return value
 
     def pin(self, key, tensor):
         """Hold ``key``'s value in ``tensor`` (a CUDA graph's copy of it), copied there

@@ -141,7 +141,7 @@ def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
     search ended with, kept in ``self``'s state (:data:`WARM_KEY`).
     """
     held = None
-    if warm is None and getattr(self, "warm", False):
+    if warm is None and self.warm:
         store, key = self._state(ops), WARM_KEY + lay.key
         warm = held = ops.warm_brackets(store, key, len(lay.numels), flat)
     blocks, state = histogram_search(self, flat, lay, ops, passes, add, source, warm)

@@ -191,10 +191,7 @@ def _in_place(c, layout, store):
     copied first for a journal, if any (:meth:`~hvd_compress.stores.TorchStore.keep`):
     a graph captured now reads and writes these tensors."""
     keys = c.in_place_state(layout) if store is not None else ()
-    for key in keys:
-        store.keep(key)
-    held = store.tables()[0] if keys else {}
-    return {key: held.get(key) for key in keys}
+    return {key: store.keep(key) for key in keys}
 
 
 def input_buffer(c, layout, like):

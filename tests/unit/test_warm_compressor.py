@@ -18,6 +18,8 @@ from hvd_compress.compressors.fused_search import WARM_KEY
 from hvd_compress.spec import from_spec
 from hvd_compress.stores import Journal
 
+from bucket_data import same_bits  # tests/bucket_data.py
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAY = layout(["a", "b", "c", "d"], [(3000,), (40, 50), (5000,), (1200,)])
 WARM = "laplace_topk:density=0.01,warm=1"
@@ -43,9 +45,9 @@ def run(c, steps, start=0, grads=grad):
 
 
 def same(a, b):
-    return all(torch.equal(x.view(torch.uint8) if x.is_floating_point() else x,
-                           y.view(torch.uint8) if y.is_floating_point() else y)
-               for p, q in zip(a, b) for x, y in zip(p, q)) and len(a) == len(b)
+    """The same steps' payloads, bit for bit (bucket_data.same_bits)."""
+    return len(a) == len(b) and all(same_bits(x, y) for p, q in zip(a, b)
+                                    for x, y in zip(p, q))
 
 
 def brackets(c):
