@@ -54,10 +54,11 @@ tensor.  ``--tiny`` divides every size by 1000.
    pass of its own (before 2026-11-30's twenty-fourth stop, for a tensor alone); each
    kernel's device time in launch order; the payloads must be equal.
 9. **warm**: the fused selection started cold (at the Laplace fit) and warm (within a
-   factor 1.13 of a previous search's brackets, ``fused_search.warm_brackets``: not yet
-   used by the compressor), on data whose threshold moved by 1.05 (within) and 1.5
-   (past it): wall time, device time kernel by kernel, passes that read the bucket,
-   count against k; layouts ``gpt2`` and ``one``.
+   factor 1.13 of a previous search's brackets, ``fused_search.warm_brackets``), its
+   first pass apart (``warm``) or folded into the sums pass (``fold``, what ``warm=1``
+   runs), on data whose threshold moved by 1.05 (within) and 1.5 (past it): wall time,
+   device time kernel by kernel, histogram passes that read the bucket, count against
+   k; layouts ``gpt2`` and ``one``.
 10. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled

@@ -213,7 +213,8 @@ MOVES = (("stay", 1.05), ("past", 1.5))
 
 def warm_rows(args, make_layout, density):
     """The fused selection started cold (at each tensor's Laplace fit, ``HISTOGRAM_PASSES``)
-    and warm (within a factor 1.13 of a previous search's brackets, ``WARM_PASSES``) on
+    and warm (within a factor 1.13 of a previous search's brackets, ``WARM_PASSES``), its
+    first pass apart (``warm``) or folded into the sums pass (``fold``: ``warm=1``'s) on
     data whose threshold moved by a factor within that spread and past it: wall time,
     each kernel's device time in launch order, the passes that read the bucket (counted
     in a run of their own: a host read each) and the count sent against k."""
@@ -232,15 +233,16 @@ def warm_rows(args, make_layout, density):
         row = {"layout": lname, "numel": lay.total, "k": k}
         for move, factor in MOVES:
             moved = flat * factor + 0.01 * noise
-            for start, bracket in (("cold", None), ("warm", warm)):
+            for start, bracket, fold in (("cold", None, False), ("warm", warm, False),
+                                         ("fold", warm, True)):
                 name = f"{move}_{start}"
-                fn = (lambda m=moved, b=bracket:          # noqa: E731
-                      fs.select_histogram(search, m, lay, torch_ops, warm=b)[0])
+                fn = (lambda m=moved, b=bracket, f=fold:          # noqa: E731
+                      fs.select_histogram(search, m, lay, torch_ops, warm=b, fold=f)[0])
                 row[f"{name}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
                 row[f"{name}_kernels"] = launch_order(fn) if cuda else []
                 reading = []
                 state = fs.histogram_search(search, moved, lay, torch_ops, warm=bracket,
-                                            reading=reading)[1]
+                                            reading=reading, fold=fold)[1]
                 row[f"{name}_reading_passes"], row[f"{name}_bucket_reads"] = fs.reads(
                     reading, lay.numels)
                 row[f"{name}_count"] = int((state[C_HI] + state[QUOTA]).sum())
@@ -248,6 +250,7 @@ def warm_rows(args, make_layout, density):
         for move, _ in MOVES:
             print(f"warm {lname:5s} {move:5s} " + "  ".join(
                 f"{s} {row[f'{move}_{s}_ms']:8.3f} ms, {row[f'{move}_{s}_reading_passes']} "
-                f"reads, {row[f'{move}_{s}_count'] / k - 1:+.3%} off k" for s in ("cold", "warm")),
+                f"reads, {row[f'{move}_{s}_count'] / k - 1:+.3%} off k"
+                for s in ("cold", "warm", "fold")),
                 flush=True)
     return rows

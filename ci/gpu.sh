@@ -188,7 +188,8 @@ if [ "${#TESTS[@]}" = 0 ]; then      # (blank: the default, never pytest's whole
   TESTS=(tests/gpu)
   [ "$HAVE_CUDA" = 1 ] && TESTS+=(tests/unit/test_kernels.py tests/unit/test_buckets.py \
     tests/unit/test_histogram_select.py tests/unit/test_bucket_launches.py \
-    tests/unit/test_rangefloat_segments.py tests/unit/test_padded_select.py)
+    tests/unit/test_rangefloat_segments.py tests/unit/test_padded_select.py \
+    tests/unit/test_warm_start.py)
 fi
 run_step tests "$TESTS_LIMIT" "$PY" -m pytest -p no:cacheprovider -ra -q -o junit_family=xunit2 \
   --junitxml="$RESULTS/tests.xml" "${TESTS[@]}"

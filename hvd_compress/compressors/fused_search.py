@@ -99,7 +99,7 @@ def warm_brackets(state):
 
 
 def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
-                     own=False, count=True, slots=None, source=None, warm=None):
+                     own=False, count=True, slots=None, source=None, warm=None, fold=True):
     """The fused search (``fused=1``): every tensor of the bucket ``lay`` at once, in a
     fixed number of passes, with no host synchronisation but the output's length.
 
@@ -136,15 +136,17 @@ def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
     in place in ``flat``) writes +0.0 over the sent entries of ``flat``: ``(indices,
     finite, values, counts, written)`` (``ops.band_select``); ``slots`` (with
     ``gather``): padded (``padded=1``), no synchronisation at all.
-    ``warm``: start at a previous search's brackets (:func:`histogram_search`); where
-    ``self.warm`` (``warm=1``) and none is given, at the brackets this bucket's last
-    search ended with, kept in ``self``'s state (:data:`WARM_KEY`).
+    ``warm``: start at a previous search's brackets (:func:`histogram_search`, its first
+    pass folded into step 1 unless ``fold=False``); where ``self.warm`` (``warm=1``) and
+    none is given, at the brackets this bucket's last search ended with, kept in
+    ``self``'s state (:data:`WARM_KEY`).
     """
     held = None
     if warm is None and self.warm:
         store, key = self._state(ops), WARM_KEY + lay.key
         warm = held = ops.warm_brackets(store, key, len(lay.numels), flat)
-    blocks, state = histogram_search(self, flat, lay, ops, passes, add, source, warm)
+    blocks, state = histogram_search(self, flat, lay, ops, passes, add, source, warm,
+                                     fold=fold)
     if held is not None:
         ops.keep_brackets(store, key, held, state)
     return ops.band_select(flat, blocks, state, gather=gather, own=own, count=count,
@@ -152,25 +154,32 @@ def select_histogram(self, flat, lay, ops, passes=None, add=None, gather=False,
 
 
 def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, warm=None,
-                     reading=None):
+                     reading=None, fold=True):
     """Steps 1 and 2 of :func:`select_histogram`: ``(blocks, search state)``, every
     launch on the device and no host synchronisation, shapes fixed by the layout (so
     the whole of it could be replayed from a CUDA graph; ``benchmarks/gpu_breakdown.py``
     times that).  ``add``: error feedback's residuals, added to ``flat`` by the first
     pass (:meth:`LaplaceTopK.adds_residual`), or to ``source`` into ``flat``.  ``warm``:
     a previous search's final brackets (:func:`warm_brackets`): a tensor starts within a
-    factor ``1 + WARM_SPREAD`` of its own instead of at its Laplace fit.  ``passes``:
-    default ``HISTOGRAM_PASSES``, ``WARM_PASSES`` from ``warm``.  ``reading``: a list
-    that gets, per pass, which tensors it reads (a list of bools: those still searched;
-    a host read each, for benchmarks: :func:`reads`)."""
+    factor ``1 + WARM_SPREAD`` of its own instead of at its Laplace fit; ``fold``: its
+    first pass is counted by the sums pass (``ops.warm_search_start``: a read of the
+    bucket fewer), then ``WARM_PASSES`` still (a tensor without a warm bracket, started
+    at its fit, has them all).  ``passes``: default ``HISTOGRAM_PASSES``, ``WARM_PASSES``
+    from ``warm``.  ``reading``: a list that gets, per histogram pass, which tensors it
+    reads (a list of bools: those still searched; a host read each, for benchmarks:
+    :func:`reads`)."""
     if passes is None:
         passes = HISTOGRAM_PASSES if warm is None else WARM_PASSES
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
-    abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add, source=source)
-    state = ops.search_start(abs_sum, abs_max, n_t, 0.5 * math.log(1.0 / self.density),
-                             warm, WARM_SPREAD_BITS if warm is not None else 0)
-    buffers = {}
+    factor, buffers = 0.5 * math.log(1.0 / self.density), {}
+    if warm is not None and fold:
+        state = ops.warm_search_start(flat, lay, blocks, warm, k_t, slack, n_t, factor,
+                                      WARM_SPREAD_BITS, HISTOGRAM_BINS, buffers, add, source)
+    else:
+        abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add, source=source)
+        state = ops.search_start(abs_sum, abs_max, n_t, factor, warm,
+                                 WARM_SPREAD_BITS if warm is not None else 0)
     for bins in passes:
         if reading is not None:
             from ..kernels.histogram_select import ACTIVE

@@ -20,6 +20,7 @@ from . import rangefloat  # noqa: F401,E402
 from . import dct  # noqa: F401,E402
 from . import segmented  # noqa: F401,E402
 from . import histogram_select  # noqa: F401,E402
+from . import search_state  # noqa: F401,E402
 from . import band_compact  # noqa: F401,E402
 from . import rangefloat_segments  # noqa: F401,E402
 from . import flagged_copy  # noqa: F401,E402

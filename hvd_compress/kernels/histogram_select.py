@@ -10,10 +10,8 @@ scale-free), the counts above its ends, whether it is still searched, how many b
 entries to take, and whether the bucket is finite.  Its kernels read it through one
 pointer (no host-side row views per launch).  The kernels:
 
-``search_from_fit(abs_sum, abs_max, n, factor, warm, spread)``
-    one program: the state that starts every tensor at its Laplace fit's bracket
-    ``(bits(sum|x| / n * factor), bits(max|x|)]`` or around a previous search's
-    (``warm``), or selects everything after a NaN/Inf (``search_start``'s rule).
+``search_from_fit`` (in :mod:`.search_state`, with the state's rows and a warm
+    search's first pass folded into the sums pass) starts every tensor's bracket.
 ``segment_histogram(x, blocks, state, bins)``
     int64 ``[T, bins + 2]`` counts of ``b = bits(|x_i|)`` per active tensor: column 0
     counts ``0 < b <= lo`` (nonzero, below the bracket), column ``bins + 1`` counts
@@ -27,16 +25,10 @@ pointer (no host-side row views per launch).  The kernels:
     few columns: a coarse pass) counts each block in its own histogram
     (``tl.histogram``) and adds the non-empty columns, an atomic each.
 ``histogram_pick(hist, state, k, slack, bins)``
-    one program per tensor: the suffix sums, the last edge whose count reaches ``k``,
-    the new bracket and counts, ``ACTIVE`` and ``QUOTA`` -- the search's decision made
-    on the device, no host round trip; it zeroes ``hist`` for the next pass.
-``histogram_step(x, blocks, state, bins, k, slack)``
-    one pass: the histogram, then the pick; with ``FOLD_PICK`` in one launch, where each
-    tensor's last block to finish counting (a counter per tensor: after a barrier, a
-    release/acquire atomic per block) makes the pick, reading its row from L2.
-``band_select(x, blocks, state)`` (in :mod:`.band_compact`)
-    the selection the state decided, written out: every tensor's entries above its
-    bracket and the first ``QUOTA`` of its band, with the one host synchronisation.
+    one program per tensor: the search's step from its row, on the device (no host round
+    trip): the new bracket and counts, ``ACTIVE`` and ``QUOTA``; ``hist`` zeroed.
+``histogram_step``: the two as one pass (one launch with ``FOLD_PICK``); then
+:func:`.band_compact.band_select` writes the selection out (the one host sync).
 
 All walk ``blocks`` (:func:`.segmented.block_table`): blocks that never straddle two
 tensors, so a program reads one tensor's bracket once and the number of launches does
@@ -53,13 +45,16 @@ import torch
 
 from ._backend import count_launch, pick_backend, program_chunk
 from ._launch import cached
+from .search_state import (ACTIVE, C_HI, C_LO, FINITE, HI, INF_BITS, LO,  # noqa: F401
+                           QUOTA, check_warm, search_from_fit, search_from_fit_reference,
+                           search_start)  # (the search's state and start, re-exported)
 from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
-    global _pick        # a helper of two kernels: Triton's interpreter looks it up there
+    global _pick        # a helper of three kernels: Triton's interpreter looks it up there
     import triton
     import triton.language as tl
 
@@ -174,50 +169,11 @@ def _kernels():
                 _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS, BINS + 2)
 
     @triton.jit
-    def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr, spread,
-                      TB: tl.constexpr, CHUNKS: tl.constexpr, WARM: tl.constexpr):
-        # one program: the bucket's finiteness, then every tensor's bracket from its
-        # Laplace fit, (bits(sum|x| / n * factor), bits(max|x|)], or (-1, -1] when not finite
-        # (CHUNKS = cdiv(T, TB), a constexpr: Triton 3.6's interpreter takes no loop over a
-        # runtime count); WARM: (lo - spread, min(hi + spread, bits(max|x|))] where the
-        # warm [2, T] bracket's lo >= 0
-        bad = tl.zeros([TB], dtype=tl.int32)
-        for c in range(CHUNKS):
-            t = c * TB + tl.arange(0, TB)
-            m = t < T
-            a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
-            a_max = tl.load(max_ptr + t, mask=m, other=0.0)
-            bad |= ((a_sum != a_sum) | (tl.abs(a_max) == float("inf")) | (a_max != a_max)).to(tl.int32)
-        finite = (tl.max(bad, axis=0) == 0).to(tl.int64)
-        for c in range(CHUNKS):
-            t = c * TB + tl.arange(0, TB)
-            m = t < T
-            a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
-            a_max = tl.load(max_ptr + t, mask=m, other=0.0)
-            fit = tl.math.div_rn(a_sum, tl.load(n_ptr + t, mask=m, other=1.0)) * factor
-            lo = fit.to(tl.int32, bitcast=True).to(tl.int64)
-            hi = a_max.to(tl.int32, bitcast=True).to(tl.int64)
-            if WARM:
-                w_lo = tl.load(warm_ptr + t, mask=m, other=-1)
-                lo = tl.where(w_lo >= 0, tl.maximum(w_lo - spread, 0), lo)
-                hi = tl.where(w_lo >= 0, tl.minimum(tl.load(warm_ptr + T + t, mask=m, other=0)
-                                                    + spread, hi), hi)
-            zero = tl.zeros([TB], dtype=tl.int64)
-            tl.store(state_ptr + t, tl.where(finite != 0, lo, zero - 1), mask=m)
-            tl.store(state_ptr + T + t, tl.where(finite != 0, hi, zero - 1), mask=m)
-            tl.store(state_ptr + 2 * T + t, zero, mask=m)
-            tl.store(state_ptr + 3 * T + t, zero, mask=m)
-            tl.store(state_ptr + 4 * T + t, zero + finite, mask=m)
-            tl.store(state_ptr + 5 * T + t, zero, mask=m)
-            tl.store(state_ptr + 6 * T + t, zero + finite, mask=m)
-
-    @triton.jit
     def _pick_kernel(hist_ptr, state_ptr, k_ptr, slack_ptr, T, BINS: tl.constexpr,
                      ROW: tl.constexpr):
         _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, tl.program_id(0), BINS, ROW)
 
-    return types.SimpleNamespace(histogram=cached(_histogram_kernel), pick=cached(_pick_kernel),
-                                 start=cached(_start_kernel))
+    return types.SimpleNamespace(histogram=cached(_histogram_kernel), pick=cached(_pick_kernel))
 
 
 def _magnitude_bits(x):
@@ -231,65 +187,6 @@ def _entry_segments(blocks, n):
     lengths = torch.diff(torch.cat([blocks.starts[blocks.first],
                                     torch.tensor([n], device=blocks.starts.device)]))
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-
-
-# -- the search's state ----------------------------------------------------------------
-
-#: rows of the search state (int64 ``[7, T]``)
-LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE = range(7)
-INF_BITS = 0x7F800000      #: bits of +Inf: the top of a bracket above a warm start's
-
-
-def search_start(lo, hi, abs_sum, abs_max):
-    """The state of a search with brackets ``(lo, hi]`` (bits, int64 ``[T]``): every
-    tensor active, counts unknown.  A NaN or Inf in the bucket (``sum|x|`` NaN -- a sum of
-    magnitudes is NaN only with a NaN in it -- or ``max|x|`` infinite; a finite sum past
-    float32's range is not one): no tensor is searched and every entry is selected
-    (``lo = hi = -1``); ``FINITE`` records it."""
-    finite = ~torch.isnan(abs_sum).any() & torch.isfinite(abs_max).all()
-    state = torch.zeros(7, lo.numel(), dtype=torch.int64, device=lo.device)
-    state[LO] = torch.where(finite, lo, -1)
-    state[HI] = torch.where(finite, hi, -1)
-    state[ACTIVE] = finite.long()
-    state[FINITE] = finite.long()
-    return state
-
-
-def search_from_fit_reference(abs_sum, abs_max, n, factor, warm=None, spread=0):
-    """:func:`search_from_fit` in torch."""
-    fit = abs_sum.float() / n.float() * torch.tensor(factor, dtype=torch.float32)
-    lo = fit.view(torch.int32).to(torch.int64)
-    hi = abs_max.float().view(torch.int32).to(torch.int64)
-    if warm is not None:
-        use = warm[0] >= 0
-        lo = torch.where(use, torch.clamp(warm[0] - spread, min=0), lo)
-        hi = torch.where(use, torch.minimum(warm[1] + spread, hi), hi)
-    return search_start(lo, hi, abs_sum, abs_max)
-
-
-def search_from_fit(abs_sum, abs_max, n, factor, warm=None, spread=0, backend=None):
-    """The state of a search that starts every tensor at ``(bits(sum|x| / n * factor),
-    bits(max|x|)]`` (float32 ``[T]`` each; ``factor`` a float, rounded to float32; an
-    IEEE division), with :func:`search_start`'s NaN/Inf rule: one launch of one program
-    where the kernels run, instead of some 35 framework ops.  ``warm``: int64 ``[2, T]``,
-    brackets ``(lo, hi]`` in bits (a previous search's final ones); a tensor whose ``lo``
-    is not negative starts at ``(lo - spread, min(hi + spread, bits(max|x|))]`` instead
-    (``lo - spread`` at least 0)."""
-    if warm is not None and (warm.dtype != torch.int64 or warm.shape != (2, abs_sum.numel())
-                             or not warm.is_contiguous()):
-        raise ValueError(f"warm must be a contiguous int64 [2, {abs_sum.numel()}] tensor, "
-                         f"got {warm.dtype} {tuple(warm.shape)}")
-    if pick_backend(abs_sum, backend) == "torch":
-        return search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread)
-    T = abs_sum.numel()
-    state = torch.empty(7, T, dtype=torch.int64, device=abs_sum.device)
-    count_launch("search_from_fit")
-    tb = max(16, min(1024, 1 << max(T - 1, 1).bit_length()))
-    _kernels().start[(1,)](abs_sum.float().contiguous(), abs_max.float().contiguous(),
-                           n.float().contiguous(), state, T, float(factor),
-                           state if warm is None else warm, int(spread), TB=tb,
-                           CHUNKS=-(-T // tb), WARM=warm is not None)
-    return state
 
 
 # -- histogram ------------------------------------------------------------------------

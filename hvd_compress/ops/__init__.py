@@ -60,7 +60,7 @@ in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact
 ``host_all``, and the choice ``segmented_search``); laplace_topk's fused search
 (``fused=1``: ``bucket_blocks``, ``search_start``,
 ``histogram_step``, ``band_select``, ``padded_slots``, and ``warm=1``'s
-``warm_brackets``/``keep_brackets``, all PyTorch only: TensorFlow's
+``warm_brackets``/``keep_brackets``/``warm_search_start``, all PyTorch only: TensorFlow's
 ``histogram_search_supported`` is False and they raise NotImplementedError there);
 bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_segments``,
 ``twobit_pack_fit``,

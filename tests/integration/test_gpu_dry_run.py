@@ -74,6 +74,9 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     for row in breakdown["warm"]:      # within the spread one read, past it three
         assert row["stay_warm_reading_passes"] == 1 and row["past_warm_reading_passes"] == 3
         assert row["stay_warm_ms"] > 0 and abs(row["stay_warm_count"] / row["k"] - 1) <= 0.01
+        # folded into the sums pass: one read fewer either way
+        assert row["stay_fold_reading_passes"] == 0 and row["past_fold_reading_passes"] == 2
+        assert row["stay_fold_ms"] > 0 and abs(row["stay_fold_count"] / row["k"] - 1) <= 0.01
     assert [row["layout"] for row in breakdown["warps"]] == ["gpt2", "one"]
     assert all(row["same_count"] and row["select_8_8_ms"] > 0 for row in breakdown["warps"])
     assert all(row["fold_equal"] and row["select_fold_8_ms"] > 0 for row in breakdown["warps"])

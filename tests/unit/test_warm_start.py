@@ -1,8 +1,9 @@
 """The fused search started at a previous search's brackets (``histogram_search(warm=)``,
-``histogram_select.search_from_fit(warm=)``): the start and the pick past a bracket's top
-against their torch references (kernels under TRITON_INTERPRET=1 on the CPU), how many
-passes read the bucket, and that the selection stays within tolerance, and exact where
-asked, wherever the threshold moved."""
+``histogram_select.search_from_fit(warm=)``), its first pass folded into the sums pass
+or not (``search_state.warm_search``): the start, the folded pass and the pick past a
+bracket's top against their torch references (kernels under TRITON_INTERPRET=1 on the
+CPU), how many passes read the bucket, and that the selection stays within tolerance,
+and exact where asked, wherever the threshold moved."""
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ from hvd_compress.buckets import layout
 from hvd_compress.compressors import fused_search as fs
 from hvd_compress.kernels import band_compact as B
 from hvd_compress.kernels import histogram_select as H
+from hvd_compress.kernels import search_state as S
 from hvd_compress.ops import torch_ops
 from hvd_compress.spec import from_spec
 
@@ -25,23 +27,26 @@ def laplace(seed=0):
     return torch.from_numpy(x.astype(np.float32)).to(DEVICE)
 
 
-def search(spec, x, warm, backend, monkeypatch):
-    """``(state, passes that read the bucket, selected indices)``."""
+def search(spec, x, warm, backend, monkeypatch, fold=True):
+    """``(state, histogram passes that read the bucket, selected indices)``."""
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
     sel = from_spec(spec)
     lay = layout([f"t{i}" for i in range(len(LENGTHS))], [(n,) for n in LENGTHS])
     reading = []
     blocks, state = fs.histogram_search(sel, x.clone(), lay, torch_ops, warm=warm,
-                                        reading=reading)
+                                        reading=reading, fold=fold)
     idx, finite = B.band_select(x, blocks, state, backend=backend)
     passes, entries = fs.reads(reading, LENGTHS)
     assert entries <= passes and (entries > 0) == (passes > 0)
     return state, passes, idx
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_warm_search_reads_once_where_the_threshold_stayed_and_three_times_past_it(
-        backend, monkeypatch):
+        backend, fold, monkeypatch):
+    """Unfolded, the first pass reads the bucket; folded into the sums pass it reads
+    nothing more, within the spread or past it, and the later passes as many entries."""
     spec = "laplace_topk:density=0.01,fused=1"
     x = laplace()
     state0, cold_reads, _ = search(spec, x, None, backend, monkeypatch)
@@ -51,8 +56,8 @@ def test_a_warm_search_reads_once_where_the_threshold_stayed_and_three_times_pas
     k = torch.tensor([max(1, int(0.01 * n)) for n in LENGTHS], device=DEVICE)
     for scale, reads in ((1.05, 1), (1.5, 3), (0.6, 3)):     # within 1.13, above, below
         moved = x * scale
-        state, got, idx = search(spec, moved, warm, backend, monkeypatch)
-        assert got == reads, scale
+        state, got, idx = search(spec, moved, warm, backend, monkeypatch, fold)
+        assert got == reads - fold, scale
         sent = state[H.C_HI] + state[H.QUOTA]
         assert bool(((sent - k).abs() <= torch.floor(0.01 * k.float()).long()).all()), scale
         if scale == 1.5:           # the pick past the warm bracket: (hi, +Inf] first
@@ -73,11 +78,14 @@ def test_an_exact_warm_search_selects_what_a_cold_one_does(backend, monkeypatch)
     spec = "laplace_topk:density=0.02,fused=1,exact=1"
     x = laplace(seed=1)
     state0, _, _ = search(spec, x, None, backend, monkeypatch)
+    warm = fs.warm_brackets(state0)
+    warm[0, 1] = warm[1, 1] = -1                     # one tensor without: from its fit
     for scale in (1.02, 3.0, 0.2):
         moved = x * scale
         _, _, cold = search(spec, moved, None, backend, monkeypatch)
-        _, _, warm = search(spec, moved, fs.warm_brackets(state0), backend, monkeypatch)
-        assert torch.equal(cold, warm), scale
+        for fold in (False, True):
+            _, _, got = search(spec, moved, warm, backend, monkeypatch, fold)
+            assert torch.equal(cold, got), (scale, fold)
 
 
 def test_after_a_nonfinite_bucket_the_next_search_starts_cold(monkeypatch):
@@ -166,3 +174,81 @@ def test_a_malformed_warm_bracket_is_a_clear_error():
                  torch.zeros(3, 2, dtype=torch.int64).t()):
         with pytest.raises(ValueError, match="warm must be a contiguous int64"):
             H.search_from_fit(ones, ones, ones, 1.0, warm.to(DEVICE), 10)
+
+
+def folded_inputs(special=None):
+    """``(x, blocks, warm, add)``: a bucket, brackets around its top 1% for tensors 0 and
+    3, none for 1 (cold), and far below the data for 2; ``special``: a NaN or Inf."""
+    x = laplace(seed=3)
+    if special:
+        x[20003] = float(special)
+    blocks = H.block_table(LENGTHS, x.device)
+    top = [float(torch.topk(p.abs(), max(1, len(p) // 100)).values[-1])
+           for p in torch.split(x, LENGTHS)]
+    bits = lambda v: int(np.float32(v).view(np.int32))                    # noqa: E731
+    warm = torch.tensor([[bits(top[0] * 0.99), -1, 5, bits(top[3] * 1.2)],
+                         [bits(top[0] * 1.01), 0, 9, bits(top[3] * 1.3)]],
+                        dtype=torch.int64, device=DEVICE)
+    add = torch.from_numpy(np.random.default_rng(4).normal(size=x.numel()).astype(
+        np.float32)).to(DEVICE) * 0.1
+    return x, blocks, warm, add
+
+
+@pytest.mark.parametrize("how", ["plain", "add", "source"])
+def test_the_folded_first_pass_matches_its_reference(how):
+    """One read: ``c`` written as the sums pass writes it, the sums and maxima, and the
+    histogram of the tensors with a warm bracket over the uncapped window (the others'
+    rows left zero), on the device as in torch."""
+    x, blocks, warm, add = folded_inputs()
+    out = {}
+    for backend in ("torch", "triton"):
+        flat = x.clone() if how != "source" else torch.zeros_like(x)
+        hist = torch.zeros(len(LENGTHS), 2048, dtype=torch.int64, device=DEVICE)
+        sums = S.warm_first_pass(flat, blocks, warm, fs.WARM_SPREAD_BITS, 2046, hist,
+                                 add=None if how == "plain" else add,
+                                 source=x if how == "source" else None, backend=backend)
+        out[backend] = (flat, *sums, hist)
+    (f0, s0, m0, h0), (f1, s1, m1, h1) = out["torch"], out["triton"]
+    assert torch.equal(f0, f1) and torch.equal(m0, m1) and torch.equal(h0, h1)
+    assert torch.allclose(s0, s1, rtol=1e-5)        # (the sums add in another order)
+    want = x if how == "plain" else x + add
+    assert torch.equal(f0, want)
+    assert h0[0].sum() == LENGTHS[0] - int((want[:LENGTHS[0]] == 0).sum())
+    assert not h0[1].any() and h0[3].sum() > 0
+    assert h0[2, -1] == LENGTHS[2] - int(want[LENGTHS[0] + LENGTHS[1]] == 0)  # all above
+
+
+@pytest.mark.parametrize("special", [None, "nan", "inf"])
+def test_the_warm_start_after_a_folded_pass_matches_its_reference(special):
+    """The start and the counted tensors' step, a program per tensor: the same state as
+    the torch reference from the same counts; the warm tensors' brackets narrowed from
+    the window, the cold one at its fit and still searched; every count left zero; after
+    a NaN/Inf every tensor selects everything."""
+    x, blocks, warm, _ = folded_inputs(special)
+    T = len(LENGTHS)
+    k = torch.tensor([max(1, int(0.01 * n)) for n in LENGTHS], device=DEVICE)
+    slack = torch.floor(0.01 * k.float()).long()
+    n = torch.tensor(LENGTHS, dtype=torch.float32, device=DEVICE)
+    factor = 0.5 * math.log(100)
+    states, hists = [], []
+    for backend in ("torch", "triton"):
+        hist = torch.zeros(T, 2048, dtype=torch.int64, device=DEVICE)
+        sums = S.warm_first_pass(x.clone(), blocks, warm, fs.WARM_SPREAD_BITS, 2046, hist,
+                                 backend="torch")
+        states.append(S.warm_start(hist, *sums, n, factor, warm, fs.WARM_SPREAD_BITS, k,
+                                   slack, 2046, backend=backend))
+        hists.append(hist)
+    assert torch.equal(states[0], states[1])
+    assert not hists[0].any() and not hists[1].any()
+    state = states[0]
+    if special:
+        assert bool((state[H.LO] == -1).all()) and not state[H.ACTIVE].any()
+        return
+    fit = H.search_from_fit_reference(*S.segment_abs_sum_max_reference(
+        x, LENGTHS), n, factor)
+    assert state[H.LO, 1] == fit[H.LO, 1] and state[H.HI, 1] == fit[H.HI, 1]
+    assert state[H.ACTIVE, 1] == 1                   # cold: searched by the next passes
+    window_lo = torch.clamp(warm[0] - fs.WARM_SPREAD_BITS, min=0)
+    assert state[H.LO, 0] >= window_lo[0] and state[H.C_LO, 0] >= k[0] >= state[H.C_HI, 0]
+    assert state[H.LO, 3] == 0 and state[H.HI, 3] == window_lo[3]   # fewer than k above
+    assert state[H.HI, 2] == H.INF_BITS and state[H.LO, 2] == warm[1, 2] + fs.WARM_SPREAD_BITS

@@ -113,4 +113,4 @@ def _torch_only(*_args, **_kw):
 
 bucket_blocks = search_start = _torch_only
 histogram_step = band_select = padded_slots = _torch_only
-warm_brackets = keep_brackets = _torch_only
+warm_brackets = keep_brackets = warm_search_start = _torch_only

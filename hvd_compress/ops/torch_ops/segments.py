@@ -217,17 +217,37 @@ def search_start(abs_sum, abs_max, n, factor, warm=None, spread=0):
     bucket holds a NaN or Inf (from its ``sum|x|`` and ``max|x|``).  Where the kernels do
     not run (CPU tensors), a warning once per process: the search is then its torch
     references."""
-    from ...kernels import histogram_select, pick_backend
-    if not _SAID_REFERENCE and pick_backend(abs_sum) == "torch":
+    from ...kernels import search_state
+    _say_reference(abs_sum)
+    return search_state.search_from_fit(abs_sum, abs_max, n, factor, warm, spread)
+
+
+def _say_reference(like):
+    """A warning, once per process, where the fused search runs its torch references."""
+    from ...kernels import pick_backend
+    if not _SAID_REFERENCE and pick_backend(like) == "torch":
         from ...log import logger
         _SAID_REFERENCE.append(True)
         logger.warning("hvd_compress: fused=1/padded=1 on %s tensors runs the fused search's "
                        "torch references, many times slower than the default search there "
                        "(55-1,400 ms against 1.9-14 ms at 1M-4M values on 2 CPU cores); it "
                        "is for CUDA's kernels: leave fused and padded unset where they do "
-                       "not run (CPU tensors, HVD_COMPRESS_BACKEND=torch)",
-                       abs_sum.device.type)
-    return histogram_select.search_from_fit(abs_sum, abs_max, n, factor, warm, spread)
+                       "not run (CPU tensors, HVD_COMPRESS_BACKEND=torch)", like.device.type)
+
+
+def warm_search_start(flat, layout, blocks, warm, k, slack, n, factor, spread, bins, buffers,
+                      add=None, source=None):
+    """A warm fused search's state after its first pass (``laplace_topk:warm=1``): the
+    sums pass (``flat + add`` written over ``flat``, or ``source + add`` into it, as
+    :func:`segment_abs_sum_max`'s) also counts the histogram of every tensor with a warm
+    bracket (``warm``) over a window around it, then one launch starts every tensor and
+    makes those tensors' step: one read of the bucket fewer than :func:`search_start` and
+    a first :func:`histogram_step` (``kernels.search_state.warm_search``)."""
+    from ...kernels import pick_backend, search_state
+    flat, add, source = _add_unless(pick_backend(flat) == "triton", flat, add, source)
+    _say_reference(flat)
+    return search_state.warm_search(flat, blocks, warm, k, slack, n, factor, spread, bins,
+                                    buffers, add, source)
 
 
 def warm_brackets(store, key, T, like):

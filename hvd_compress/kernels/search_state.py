@@ -1,0 +1,349 @@
+"""How laplace_topk's fused search starts (``fused=1``; the algorithm in
+:func:`hvd_compress.compressors.fused_search.select_histogram`, the passes in
+:mod:`.histogram_select`): its state, every tensor's first bracket, and a warm search's
+first pass folded into the pass that every search makes anyway.
+
+The state is int64 ``[7, T]``, rows ``LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE``: tensor
+``s``'s bracket ``(lo, hi]`` of magnitudes as float32 *bit patterns*, the counts above its
+ends, whether it is still searched, how many band entries to take, and whether the
+bucket is finite.  The kernels:
+
+``search_from_fit(abs_sum, abs_max, n, factor, warm, spread)``
+    one program: every tensor at its Laplace fit's bracket ``(bits(sum|x| / n * factor),
+    bits(max|x|)]``, or around a previous search's (``warm``), or every entry selected
+    after a NaN/Inf (:func:`search_start`'s rule).
+``warm_first_pass(x, blocks, warm, spread, bins, hist)``
+    a warm search's first pass and the sums pass in one read of the bucket: error
+    feedback's ``c = g + r`` written (``add``, ``source``: as
+    :func:`.segmented.segment_abs_sum_max`), each block's ``sum|c|`` and ``max|c|`` (the
+    partials reduced per tensor in a fixed order), and for every tensor with a warm
+    bracket (``warm[0, s] >= 0``) the histogram of
+    :func:`.histogram_select.segment_histogram` over the window ``(max(lo - spread, 0),
+    min(hi + spread, +Inf)]``.  The previous search's brackets bound that window, so it
+    is known before the pass; the unfolded start caps it at ``bits(max|c|)`` instead,
+    known only after.
+``warm_start(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins)``
+    one program per tensor: its column of the state (``search_from_fit(cap=False)``'s),
+    then, in a finite bucket, the step of the search from its counted row
+    (:func:`.histogram_select.histogram_pick`'s) where it has a warm bracket; a tensor
+    without (the first step, or after a NaN/Inf) keeps its Laplace fit's bracket, still
+    searched by the passes that follow; a bucket that is not finite has its rows zeroed.
+
+A warm search so reads the bucket once less than the sums pass and then a first
+histogram pass: in its steady state (87% of a GPT-2's tensor-steps stayed within the
+window, ``benchmarks/threshold_drift.py``), one read and the write pass.
+
+Imports: the standard library, torch; on first use, Triton; and modules of its own
+package (:mod:`.histogram_select` inside functions: it imports this module).
+"""
+import functools
+import types
+
+import torch
+
+from ._backend import count_launch, pick_backend, program_chunk
+from ._launch import cached
+from .segmented import add_into, check_addends, segment_abs_sum_max_reference
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """Import Triton and define the kernels (once, on first launch)."""
+    global _pick, _bucket_finite, _start_columns   # helpers of several kernels: Triton's
+    import triton                                  # interpreter looks them up here
+    import triton.language as tl
+
+    from . import histogram_select
+    histogram_select._kernels()
+    _pick = histogram_select._pick
+
+    @triton.jit
+    def _bucket_finite(sum_ptr, max_ptr, T, TB: tl.constexpr, CHUNKS: tl.constexpr):
+        # 1 where no tensor's sum|x| is NaN nor its max|x| Inf or NaN (CHUNKS = cdiv(T,
+        # TB), a constexpr: Triton 3.6's interpreter takes no loop over a runtime count)
+        bad = tl.zeros([TB], dtype=tl.int32)
+        for c in range(CHUNKS):
+            t = c * TB + tl.arange(0, TB)
+            m = t < T
+            a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
+            a_max = tl.load(max_ptr + t, mask=m, other=0.0)
+            bad |= ((a_sum != a_sum) | (tl.abs(a_max) == float("inf")) | (a_max != a_max)).to(tl.int32)
+        return (tl.max(bad, axis=0) == 0).to(tl.int64)
+
+    @triton.jit
+    def _start_columns(t, m, sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr, spread,
+                       finite, WARM: tl.constexpr, CAP: tl.constexpr):
+        # the state of tensors t (where m): the Laplace fit's bracket, or (-1, -1] when not
+        # finite; WARM: (lo - spread, min(hi + spread, cap)] where the warm [2, T] bracket's
+        # lo >= 0, cap bits(max|x|) (CAP) or +Inf
+        a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
+        a_max = tl.load(max_ptr + t, mask=m, other=0.0)
+        fit = tl.math.div_rn(a_sum, tl.load(n_ptr + t, mask=m, other=1.0)) * factor
+        lo = fit.to(tl.int32, bitcast=True).to(tl.int64)
+        hi = a_max.to(tl.int32, bitcast=True).to(tl.int64)
+        if WARM:
+            if CAP:
+                cap = hi
+            else:
+                cap = tl.zeros_like(hi) + 0x7F800000
+            w_lo = tl.load(warm_ptr + t, mask=m, other=-1)
+            lo = tl.where(w_lo >= 0, tl.maximum(w_lo - spread, 0), lo)
+            hi = tl.where(w_lo >= 0, tl.minimum(tl.load(warm_ptr + T + t, mask=m, other=0)
+                                                + spread, cap), hi)
+        zero = tl.zeros_like(lo)
+        tl.store(state_ptr + t, tl.where(finite != 0, lo, zero - 1), mask=m)
+        tl.store(state_ptr + T + t, tl.where(finite != 0, hi, zero - 1), mask=m)
+        tl.store(state_ptr + 2 * T + t, zero, mask=m)
+        tl.store(state_ptr + 3 * T + t, zero, mask=m)
+        tl.store(state_ptr + 4 * T + t, zero + finite, mask=m)
+        tl.store(state_ptr + 5 * T + t, zero, mask=m)
+        tl.store(state_ptr + 6 * T + t, zero + finite, mask=m)
+
+    @triton.jit
+    def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr, spread,
+                      TB: tl.constexpr, CHUNKS: tl.constexpr, WARM: tl.constexpr,
+                      CAP: tl.constexpr):
+        # one program: the bucket's finiteness, then every tensor's bracket
+        finite = _bucket_finite(sum_ptr, max_ptr, T, TB, CHUNKS)
+        for c in range(CHUNKS):
+            t = c * TB + tl.arange(0, TB)
+            _start_columns(t, t < T, sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr,
+                           spread, finite, WARM, CAP)
+
+    @triton.jit
+    def _first_pass_kernel(x_ptr, add_ptr, src_ptr, starts_ptr, stops_ptr, segs_ptr,
+                           warm_ptr, T, spread, hist_ptr, part_sum_ptr, part_max_ptr,
+                           BINS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                           ADD: tl.constexpr, CHUNK: tl.constexpr):
+        # segmented.py's sums pass (ADD: src + add written into x first) and, where the
+        # block's tensor has a warm bracket, histogram_select.py's fine histogram over the
+        # window around it, CHUNK entries at a time (its bin arithmetic: see there)
+        pid = tl.program_id(0)
+        start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
+        count = (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
+        s = tl.load(segs_ptr + pid)
+        w_lo = tl.load(warm_ptr + s)
+        counted = tl.where(w_lo >= 0, count, 0)          # entries counted: all, or none
+        lo64 = tl.maximum(w_lo - spread, 0)
+        width = tl.maximum(tl.minimum(tl.load(warm_ptr + T + s) + spread, 0x7F800000) - lo64, 1)
+        lo = lo64.to(tl.int32)
+        hi = tl.minimum(lo64 + width, 0x7FFFFFFF).to(tl.int32)
+        scale = BINS / width.to(tl.float64)
+        row = hist_ptr + s * (BINS + 2)
+        total = tl.zeros([CHUNK], dtype=tl.float32)
+        top = tl.zeros([CHUNK], dtype=tl.float32)
+        below = tl.zeros([CHUNK], dtype=tl.int32)
+        above = tl.zeros([CHUNK], dtype=tl.int32)
+        for c0 in range(0, BLOCK, CHUNK):
+            local = tl.multiple_of(c0, CHUNK) + tl.arange(0, CHUNK)
+            valid = local < count
+            seen = local < counted
+            x = tl.load(src_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
+            if ADD:
+                x = x + tl.load(add_ptr + start + local, mask=valid, other=0.0)
+                tl.store(x_ptr + start + local, x, mask=valid)
+            a = tl.abs(x)
+            total += a
+            top = tl.maximum(top, a)
+            b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
+            off = b - lo - 1
+            q = tl.where(off >= 0, off, 0).to(tl.float64) * scale
+            j = 1 + tl.minimum(q + 1.4551915228366852e-11, BINS).to(tl.int32)
+            inside = seen & (b > lo) & (b <= hi)
+            tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside,
+                          sem="relaxed")
+            below += (seen & (b > 0) & (b <= lo)).to(tl.int32)
+            above += (seen & (b > hi)).to(tl.int32)
+        tl.store(part_sum_ptr + pid, tl.sum(total, axis=0))
+        tl.store(part_max_ptr + pid, tl.max(top, axis=0))
+        below_n = tl.sum(below, axis=0).to(tl.int64)
+        above_n = tl.sum(above, axis=0).to(tl.int64)
+        tl.atomic_add(row, below_n, mask=below_n > 0, sem="relaxed")
+        tl.atomic_add(row + BINS + 1, above_n, mask=above_n > 0, sem="relaxed")
+
+    @triton.jit
+    def _warm_start_kernel(hist_ptr, sum_ptr, max_ptr, n_ptr, state_ptr, warm_ptr, k_ptr,
+                           slack_ptr, T, factor, spread, BINS: tl.constexpr,
+                           ROW: tl.constexpr, TB: tl.constexpr, CHUNKS: tl.constexpr):
+        # tensor s's column of the state (every program reads the T sums for the bucket's
+        # finiteness: T^2 small reads, from L2), then its step where its row was counted
+        s = tl.program_id(0)
+        finite = _bucket_finite(sum_ptr, max_ptr, T, TB, CHUNKS)
+        lane = tl.arange(0, 16)
+        _start_columns(s + lane, lane < 1, sum_ptr, max_ptr, n_ptr, state_ptr, T, factor,
+                       warm_ptr, spread, finite, True, False)
+        if tl.load(warm_ptr + s) >= 0:
+            if finite != 0:
+                tl.debug_barrier()          # the column stored, then read by the pick
+                _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS, ROW)
+            else:
+                cols = tl.arange(0, ROW)
+                tl.store(hist_ptr + s * ROW + cols, tl.zeros([ROW], dtype=tl.int64))
+
+    return types.SimpleNamespace(start=cached(_start_kernel), first=cached(_first_pass_kernel),
+                                 warm=cached(_warm_start_kernel))
+
+
+# -- the search's state ----------------------------------------------------------------
+
+#: rows of the search state (int64 ``[7, T]``)
+LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE = range(7)
+INF_BITS = 0x7F800000      #: bits of +Inf: the top of a bracket above a warm start's
+
+
+def search_start(lo, hi, abs_sum, abs_max):
+    """The state of a search with brackets ``(lo, hi]`` (bits, int64 ``[T]``): every
+    tensor active, counts unknown.  A NaN or Inf in the bucket (``sum|x|`` NaN -- a sum of
+    magnitudes is NaN only with a NaN in it -- or ``max|x|`` infinite; a finite sum past
+    float32's range is not one): no tensor is searched and every entry is selected
+    (``lo = hi = -1``); ``FINITE`` records it."""
+    finite = ~torch.isnan(abs_sum).any() & torch.isfinite(abs_max).all()
+    state = torch.zeros(7, lo.numel(), dtype=torch.int64, device=lo.device)
+    state[LO] = torch.where(finite, lo, -1)
+    state[HI] = torch.where(finite, hi, -1)
+    state[ACTIVE] = finite.long()
+    state[FINITE] = finite.long()
+    return state
+
+
+def search_from_fit_reference(abs_sum, abs_max, n, factor, warm=None, spread=0, cap=True):
+    """:func:`search_from_fit` in torch."""
+    fit = abs_sum.float() / n.float() * torch.tensor(factor, dtype=torch.float32)
+    lo = fit.view(torch.int32).to(torch.int64)
+    hi = abs_max.float().view(torch.int32).to(torch.int64)
+    if warm is not None:
+        use = warm[0] >= 0
+        lo = torch.where(use, torch.clamp(warm[0] - spread, min=0), lo)
+        hi = torch.where(use, torch.clamp(warm[1] + spread, max=hi if cap else INF_BITS), hi)
+    return search_start(lo, hi, abs_sum, abs_max)
+
+
+def check_warm(warm, T):
+    """A ValueError unless ``warm`` is None or a contiguous int64 ``[2, T]`` tensor."""
+    if warm is not None and (warm.dtype != torch.int64 or warm.shape != (2, T)
+                             or not warm.is_contiguous()):
+        raise ValueError(f"warm must be a contiguous int64 [2, {T}] tensor, "
+                         f"got {warm.dtype} {tuple(warm.shape)}")
+
+
+def _programs_of(T):
+    """``(TB, CHUNKS)``: tensors a program reads at once, and how many times."""
+    tb = max(16, min(1024, 1 << max(T - 1, 1).bit_length()))
+    return tb, -(-T // tb)
+
+
+def search_from_fit(abs_sum, abs_max, n, factor, warm=None, spread=0, backend=None, cap=True):
+    """The state of a search that starts every tensor at ``(bits(sum|x| / n * factor),
+    bits(max|x|)]`` (float32 ``[T]`` each; ``factor`` a float, rounded to float32; an
+    IEEE division), with :func:`search_start`'s NaN/Inf rule: one launch of one program
+    where the kernels run, instead of some 35 framework ops.  ``warm``: int64 ``[2, T]``,
+    brackets ``(lo, hi]`` in bits (a previous search's final ones); a tensor whose ``lo``
+    is not negative starts at ``(lo - spread, min(hi + spread, bits(max|x|))]`` instead
+    (``lo - spread`` at least 0; ``cap=False``: ``+Inf`` for ``bits(max|x|)``)."""
+    check_warm(warm, abs_sum.numel())
+    if pick_backend(abs_sum, backend) == "torch":
+        return search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread, cap)
+    T = abs_sum.numel()
+    state = torch.empty(7, T, dtype=torch.int64, device=abs_sum.device)
+    count_launch("search_from_fit")
+    tb, chunks = _programs_of(T)
+    _kernels().start[(1,)](abs_sum.float().contiguous(), abs_max.float().contiguous(),
+                           n.float().contiguous(), state, T, float(factor),
+                           state if warm is None else warm, int(spread), TB=tb,
+                           CHUNKS=chunks, WARM=warm is not None, CAP=bool(cap))
+    return state
+
+
+# -- a warm search's first pass, folded into the sums ------------------------------------
+
+def warm_first_pass_reference(x, blocks, warm, spread, bins, hist, add=None, source=None):
+    """:func:`warm_first_pass` in torch (``hist`` added to in place)."""
+    from . import histogram_select as H
+    if add is not None:
+        add_into(x, add, source)
+    seg = H._entry_segments(blocks, x.numel())
+    abs_sum, abs_max = segment_abs_sum_max_reference(x, blocks.counts, seg)
+    ones = torch.ones_like(abs_sum)
+    window = search_start(torch.clamp(warm[0] - spread, min=0),
+                          torch.clamp(warm[1] + spread, max=INF_BITS), ones, ones)
+    window[ACTIVE] = (warm[0] >= 0).long()
+    hist += H.segment_histogram_reference(x, blocks, window, bins)
+    return abs_sum, abs_max
+
+
+def warm_first_pass(x, blocks, warm, spread, bins, hist, add=None, source=None, backend=None):
+    """float32 ``(sum|c|, max|c|)`` per tensor of the bucket ``x`` (:class:`.Blocks`
+    ``blocks``) and, counted into ``hist`` (int64 ``[T, bins + 2]``, zeroed), the
+    histogram of every tensor with a warm bracket (``warm``, int64 ``[2, T]``; ``lo >=
+    0``) over ``(max(lo - spread, 0), min(hi + spread, +Inf)]``: one read of the bucket
+    (module docstring).  ``add``/``source``: error feedback's ``c`` written first, as
+    :func:`.segmented.segment_abs_sum_max`'s."""
+    T = blocks.first.numel()
+    check_warm(warm, T)
+    if add is not None or source is not None:
+        check_addends("warm_first_pass", x, add, source)
+    if pick_backend(x, backend) == "torch" or x.numel() == 0:
+        return warm_first_pass_reference(x, blocks, warm, spread, bins, hist, add, source)
+    from . import histogram_select as H
+    x = x.reshape(-1)
+    programs = blocks.starts.numel()
+    part_sum = torch.empty(programs, dtype=torch.float32, device=x.device)
+    part_max = torch.empty(programs, dtype=torch.float32, device=x.device)
+    count_launch("warm_first_pass")
+    _kernels().first[(programs,)](
+        x, x if add is None else add, x if source is None else source, blocks.starts,
+        blocks.stops, blocks.segs, warm, T, int(spread), hist, part_sum, part_max, BINS=bins,
+        BLOCK=blocks.block, ALIGN=blocks.align, ADD=add is not None,
+        CHUNK=program_chunk(H.HISTOGRAM_CHUNK, blocks.block, x), num_warps=H.HISTOGRAM_WARPS)
+    # unsafe=True: the lengths are the package's own block table (segmented.py)
+    return (torch.segment_reduce(part_sum, "sum", lengths=blocks.counts, unsafe=True),
+            torch.segment_reduce(part_max, "max", lengths=blocks.counts, unsafe=True))
+
+
+def warm_start_reference(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins):
+    """:func:`warm_start` in torch (``hist`` zeroed)."""
+    from . import histogram_select as H
+    state = search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread, cap=False)
+    counted = (warm[0] >= 0) & (state[ACTIVE] != 0)
+    stepped = state.clone()
+    stepped[ACTIVE] = counted.long()
+    H.histogram_pick_reference(hist, stepped, k, slack, bins)
+    return torch.where(counted[None, :], stepped, state)
+
+
+def warm_start(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins, backend=None):
+    """The state of a warm search after :func:`warm_first_pass` counted ``hist``: every
+    tensor's start (:func:`search_from_fit` with ``cap=False``: the window counted), then
+    the step of those with a warm bracket in a finite bucket
+    (:func:`.histogram_select.histogram_pick`); the others keep their start.  One launch,
+    a program per tensor; ``hist`` is left zero."""
+    T = abs_sum.numel()
+    check_warm(warm, T)
+    if pick_backend(abs_sum, backend) == "torch":
+        return warm_start_reference(hist, abs_sum, abs_max, n, factor, warm, spread, k,
+                                    slack, bins)
+    state = torch.empty(7, T, dtype=torch.int64, device=abs_sum.device)
+    count_launch("warm_start")
+    tb, chunks = _programs_of(T)
+    _kernels().warm[(T,)](hist, abs_sum.float().contiguous(), abs_max.float().contiguous(),
+                          n.float().contiguous(), state, warm, k, slack, T, float(factor),
+                          int(spread), BINS=bins, ROW=bins + 2, TB=tb, CHUNKS=chunks)
+    return state
+
+
+def warm_search(x, blocks, warm, k, slack, n, factor, spread, bins, buffers=None, add=None,
+                source=None, backend=None):
+    """The state of a warm search once its first pass is made: :func:`warm_first_pass`,
+    then :func:`warm_start` (two launches), the counts in ``buffers``' shared zeroed buffer
+    (:func:`.histogram_select.histogram_step`'s)."""
+    from . import histogram_select as H
+    T = blocks.first.numel()
+    if pick_backend(x, backend) == "torch" or x.numel() == 0:
+        hist = torch.zeros(T, bins + 2, dtype=torch.int64, device=x.device)
+        backend = "torch"
+    else:
+        hist = H._zeroed_counts({} if buffers is None else buffers, T, bins, x.device)
+    abs_sum, abs_max = warm_first_pass(x, blocks, warm, spread, bins, hist, add, source,
+                                       backend)
+    return warm_start(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins,
+                      backend)
