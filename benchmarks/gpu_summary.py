@@ -73,7 +73,7 @@ def select_figures(select, peak):
             row["exact_ms"] = 1e3 * m["laplace_topk_exact"]["seconds"]
             row["exact_speedup_vs_topk"] = m["laplace_topk_exact"].get("speedup_vs_topk")
         for fused in ("laplace_topk_fused", "laplace_topk_fused_exact", "laplace_topk_padded",
-                      "laplace_topk_padded_cached"):
+                      "laplace_topk_padded_cached", "laplace_topk_padded_warm"):
             if fused in m:
                 row[f"{fused}_ms"] = 1e3 * m[fused]["seconds"]
                 row[f"{fused}_speedup_vs_topk"] = m[fused].get("speedup_vs_topk")
@@ -84,10 +84,11 @@ def select_figures(select, peak):
                 row[f"{other}_speedup_vs_topk"] = m[other].get("speedup_vs_topk")
                 row[f"{other}_count_over_k"] = m[other]["count_over_k"]
         rows.append(row)
-        for name in ("laplace_topk_fused", "laplace_topk_padded_cached"):
+        for name, label in (("laplace_topk_fused", "fused"),
+                            ("laplace_topk_padded_cached", "padded, launch cache"),
+                            ("laplace_topk_padded_warm", "padded, warm")):
             fused = m.get(name)
             if fused and r["n"] == 25_000_000:
-                label = "fused" if name == "laplace_topk_fused" else "padded, launch cache"
                 targets[f"{label} {r['input']} 25M density {r['density']}"] = {
                     "speedup_vs_topk": fused.get("speedup_vs_topk"),
                     "count_over_k": fused["count_over_k"],

@@ -64,6 +64,10 @@ METHODS = {
     # "_cached": with the launch cache (HVD_COMPRESS_LAUNCH_CACHE=1) during its calls
     "laplace_topk_padded": "laplace_topk:density={d},padded=1,ef=0",
     "laplace_topk_padded_cached": "laplace_topk:density={d},padded=1,ef=0",
+    # warm=1: each call's search starts at the brackets of the call before it, on the
+    # same input (the steady state: a GPT-2's threshold stayed within the window 87% of
+    # tensor-steps, benchmarks/threshold_drift.py), its first pass folded into the sums
+    "laplace_topk_padded_warm": "laplace_topk:density={d},padded=1,warm=1,ef=0",
     "dgc": "dgc:density={d},ef=0",
     "gaussian_k": "gaussian_k:density={d},ef=0",
     "sidco_exp": "sidco_exp:density={d},ef=0",

@@ -218,7 +218,7 @@ if [ "$HAVE_CUDA" = 1 ] || [ "$DEVICE" = cpu ]; then
   run_step "codec time" 60 "$PY" benchmarks/codec_time.py --device "$DEVICE" --sizes "$PROF" \
     --repeat $(( REPEAT * 2 )) --out "$RESULTS"                # the peer baselines beside ours
   run_step "select $HUGE" 90 "${SELECT[@]}" --sizes "$HUGE" --inputs laplace,gaussian \
-    --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,laplace_topk_padded,laplace_topk_padded_cached,dgc,gaussian_k,sidco_exp \
+    --methods topk,laplace_topk,laplace_topk_exact,laplace_topk_fused,laplace_topk_padded,laplace_topk_padded_cached,laplace_topk_padded_warm,dgc,gaussian_k,sidco_exp \
     --out "$RESULTS/.select_3_100M.json"
 else
   for s in "select 25M" codecs models "gpu step" breakdown "bucket ops" "select 1M,4M + real" \

@@ -40,6 +40,9 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert all(0.5 <= row["laplace_topk_fused_count_over_k"] <= 2 for row in fused), fused
     padded = [row for row in figures["select"] if "laplace_topk_padded_cached_ms" in row]
     assert {row["n"] for row in padded} >= {4000, 8000}     # (the launch cache's column)
+    warm = [row for row in figures["select"] if "laplace_topk_padded_warm_ms" in row]
+    assert {row["n"] for row in warm} >= {4000, 8000}        # (warm=1, its first pass folded)
+    assert all(0.98 <= row["laplace_topk_padded_warm_count_over_k"] <= 1.02 for row in warm)
     ops = {row["op"] for row in figures["codecs"]}
     assert {"laplace_topk:density=0.01,fused=1,values=rangefloat8 compress",
             "rangefloat8 decode", "block DCT 64", "twobit pack"} <= ops
