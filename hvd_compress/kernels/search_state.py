@@ -23,7 +23,8 @@ bucket is finite.  The kernels:
     is known before the pass; the unfolded start caps it at ``bits(max|c|)`` instead,
     known only after.
 ``warm_start(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins)``
-    one program per tensor: its column of the state (``search_from_fit(cap=False)``'s),
+    one program per tensor: its column of the state (``search_from_fit``'s, the warm
+    window's top not capped at ``bits(max|c|)``),
     then, in a finite bucket, the step of the search from its counted row
     (:func:`.histogram_select.histogram_pick`'s) where it has a warm bracket; a tensor
     without (the first step, or after a NaN/Inf) keeps its Laplace fit's bracket, still
@@ -101,14 +102,13 @@ def _kernels():
 
     @triton.jit
     def _start_kernel(sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr, spread,
-                      TB: tl.constexpr, CHUNKS: tl.constexpr, WARM: tl.constexpr,
-                      CAP: tl.constexpr):
+                      TB: tl.constexpr, CHUNKS: tl.constexpr, WARM: tl.constexpr):
         # one program: the bucket's finiteness, then every tensor's bracket
         finite = _bucket_finite(sum_ptr, max_ptr, T, TB, CHUNKS)
         for c in range(CHUNKS):
             t = c * TB + tl.arange(0, TB)
             _start_columns(t, t < T, sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr,
-                           spread, finite, WARM, CAP)
+                           spread, finite, WARM, True)
 
     @triton.jit
     def _first_pass_kernel(x_ptr, add_ptr, src_ptr, starts_ptr, stops_ptr, segs_ptr,
@@ -207,7 +207,8 @@ def search_start(lo, hi, abs_sum, abs_max):
 
 
 def search_from_fit_reference(abs_sum, abs_max, n, factor, warm=None, spread=0, cap=True):
-    """:func:`search_from_fit` in torch."""
+    """:func:`search_from_fit` in torch; ``cap=False``: a warm bracket's top is ``hi +
+    spread`` at most ``+Inf``, not ``bits(max|x|)`` (:func:`warm_start`'s)."""
     fit = abs_sum.float() / n.float() * torch.tensor(factor, dtype=torch.float32)
     lo = fit.view(torch.int32).to(torch.int64)
     hi = abs_max.float().view(torch.int32).to(torch.int64)
@@ -232,17 +233,17 @@ def _programs_of(T):
     return tb, -(-T // tb)
 
 
-def search_from_fit(abs_sum, abs_max, n, factor, warm=None, spread=0, backend=None, cap=True):
+def search_from_fit(abs_sum, abs_max, n, factor, warm=None, spread=0, backend=None):
     """The state of a search that starts every tensor at ``(bits(sum|x| / n * factor),
     bits(max|x|)]`` (float32 ``[T]`` each; ``factor`` a float, rounded to float32; an
     IEEE division), with :func:`search_start`'s NaN/Inf rule: one launch of one program
     where the kernels run, instead of some 35 framework ops.  ``warm``: int64 ``[2, T]``,
     brackets ``(lo, hi]`` in bits (a previous search's final ones); a tensor whose ``lo``
     is not negative starts at ``(lo - spread, min(hi + spread, bits(max|x|))]`` instead
-    (``lo - spread`` at least 0; ``cap=False``: ``+Inf`` for ``bits(max|x|)``)."""
+    (``lo - spread`` at least 0; :func:`warm_start` leaves ``hi + spread`` uncapped)."""
     check_warm(warm, abs_sum.numel())
     if pick_backend(abs_sum, backend) == "torch":
-        return search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread, cap)
+        return search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread)
     T = abs_sum.numel()
     state = torch.empty(7, T, dtype=torch.int64, device=abs_sum.device)
     count_launch("search_from_fit")
@@ -250,7 +251,7 @@ def search_from_fit(abs_sum, abs_max, n, factor, warm=None, spread=0, backend=No
     _kernels().start[(1,)](abs_sum.float().contiguous(), abs_max.float().contiguous(),
                            n.float().contiguous(), state, T, float(factor),
                            state if warm is None else warm, int(spread), TB=tb,
-                           CHUNKS=chunks, WARM=warm is not None, CAP=bool(cap))
+                           CHUNKS=chunks, WARM=warm is not None)
     return state
 
 
