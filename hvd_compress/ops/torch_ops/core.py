@@ -160,10 +160,20 @@ def gather(t, idx):
 
 
 def scatter_sum(n, idx, values, dtype=float32):
-    """``values`` added into ``n`` zeros at ``idx`` (:func:`_index_vector`)."""
+    """``values`` added into ``n`` zeros at ``idx`` (:func:`_index_vector`), the values of
+    an index in their order: ``((0 + v_a) + v_b) + ...``, the same bits on every device
+    and every run.  On the CPU ``index_add_`` adds in index order.  On CUDA
+    ``index_add_`` adds with atomics in no fixed order: where three or more ranks'
+    payloads share an index (an allgathered aggregate of 3+ ranks) two ranks could round
+    its sum differently and their replicas drift apart; ``index_put_(accumulate=True)``
+    sorts the indices (a stable radix sort) and adds each index's values in order there,
+    with no atomic (so no flush of subnormals either)."""
     out = _torch.zeros(n, dtype=dtype, device=values.device)
     if idx.numel():
-        out.index_add_(0, _index_vector(idx), values.reshape(-1).to(dtype))
+        if out.is_cuda:
+            out.index_put_((_index_vector(idx),), values.reshape(-1).to(dtype), accumulate=True)
+        else:
+            out.index_add_(0, _index_vector(idx), values.reshape(-1).to(dtype))
     return out
 
 
@@ -253,7 +263,7 @@ def subtract_at(a, idx, values, inplace=False):
     zeros and rounding included), so it is one ``index_add_`` of ``0.0 + v`` with
     ``alpha=-1`` (two ops).  On CUDA a
     float32 add is an atomic, which flushes subnormal inputs and results to zero (PTX
-    ``atom.add.f32``, as in the decompress's ``scatter_sum``): there a sent entry's
+    ``atom.add.f32``; :func:`scatter_sum` adds without atomics there): a sent entry's
     float32 residual below 1.2e-38 in magnitude becomes 0, and so does a padded tensor's
     unsent first entry's."""
     out = a if inplace else a.clone()

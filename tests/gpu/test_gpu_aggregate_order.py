@@ -1,0 +1,60 @@
+"""A sparse aggregate of 8 ranks on CUDA: every rank's decompress of the allgathered
+payload holds the same bits, every time, and the CPU's.  Each rank sums the ranks'
+(value, index) pairs itself, so where three or more ranks sent an index, the order of
+the additions decides the last bit of its sum; ``index_add_`` on CUDA adds with atomics
+in no fixed order, and replicas whose gradients differ in a bit drift apart.
+``ops.scatter_sum`` adds each index's values in rank order there
+(``index_put_(accumulate=True)``: a stable sort, then a sequential sum per index).
+Eight simulated ranks (``aggregation.in_process``: the allgather is the concatenation
+in rank order, as the glue's), gradients sharing most of their largest entries."""
+import pytest
+import torch
+
+import hvd_compress
+from hvd_compress.compressors.aggregation import in_process
+from gpu_helpers import CUDA_ONLY, DEV, GPU, assert_same_bits, laplace
+
+pytestmark = GPU
+
+RANKS, N = 8, 1 << 18
+
+
+def grads(device):
+    """Rank ``r``'s gradient: a shared Laplace part and a small one of its own (the top 1%
+    of each rank mostly the same indices), values of many scales (sums that round)."""
+    shared = laplace(N, seed=7).to(device)
+    return [shared * (1 + 0.01 * r) + 0.05 * laplace(N, seed=100 + r).to(device)
+            for r in range(RANKS)]
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.01", "laplace_topk:density=0.01,fused=1"])
+def test_eight_ranks_decompress_the_same_bits_as_the_cpu(spec):
+    outs, info = in_process([hvd_compress.from_spec(spec) for _ in range(RANKS)],
+                            grads(DEV), "g")
+    assert info["union"] < RANKS * info["k"] // 2          # indices shared by many ranks
+    for r in range(1, RANKS):
+        assert_same_bits(outs[0], outs[r], f"{spec}: rank 0 against rank {r}")
+    cpu, _ = in_process([hvd_compress.from_spec(spec) for _ in range(RANKS)],
+                        grads("cpu"), "g")
+    if spec.startswith("topk"):                  # the same selection on both devices
+        assert_same_bits(cpu[0], outs[0], f"{spec}: CPU against {DEV}")
+
+
+@CUDA_ONLY
+def test_scatter_sum_adds_in_rank_order_every_time(record):
+    """The same gathered pairs summed 20 times: ``scatter_sum``'s bits each time, equal to
+    the CPU's sequential sum; how often ``index_add_``'s atomics gave other bits is
+    recorded (the reason for the sorted sum), not asserted."""
+    from hvd_compress.ops import torch_ops
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 4096, (RANKS * 4096,), generator=g, dtype=torch.int64)
+    values = (torch.randn(idx.numel(), generator=g) * torch.logspace(-3, 3, idx.numel())
+              [torch.randperm(idx.numel(), generator=g)]).float()
+    want = torch_ops.scatter_sum(4096, idx, values)                   # CPU: in order
+    ic, vc = idx.cuda(), values.cuda()
+    atomics = 0
+    for _ in range(20):
+        assert_same_bits(want, torch_ops.scatter_sum(4096, ic, vc), "scatter_sum on CUDA")
+        plain = torch.zeros(4096, device="cuda").index_add_(0, ic, vc)
+        atomics += not torch.equal(plain.cpu().view(torch.int32), want.view(torch.int32))
+    record("aggregate_order", "index_add_trials_off_the_ordered_sum_of_20", atomics)
