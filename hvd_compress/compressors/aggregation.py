@@ -213,8 +213,10 @@ def _record_hint(sp, rnd, mags):
         # per tensor (segment) sums, the same additions for a tensor alone or in a bucket
         T = len(dparts)
         seg = 0 * union if T == 1 else ops.gather(ops.segment_ids(rnd.ctx.segments, mags), union)
-        sums = ops.scatter_sum(T, seg, mags, ops.float32)
-        counts = ops.scatter_sum(T, seg, ops.ones_like(mags, ops.float32), ops.float32)
+        # (this rank's own hint: no rank needs another's bits, so the fast unordered sum)
+        sums = ops.scatter_sum(T, seg, mags, ops.float32, ordered=False)
+        counts = ops.scatter_sum(T, seg, ops.ones_like(mags, ops.float32), ops.float32,
+                                 ordered=False)
         means = sums / ops.where(counts > 0, counts, 0 * counts + 1)
         picked = ops.gather(union, ops.mask_indices(mags >= ops.gather(means, seg)))
     boost = ops.scatter_sum(rnd.dctx.numel, picked,

@@ -54,7 +54,9 @@ from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
-    global _pick        # a helper of three kernels: Triton's interpreter looks it up there
+    # _pick: a helper of three kernels (one in search_state.py), and tl, which it uses:
+    # Triton's interpreter looks both up in this module, whichever kernel calls first
+    global _pick, tl
     import triton
     import triton.language as tl
 

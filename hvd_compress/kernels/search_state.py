@@ -30,9 +30,10 @@ bucket is finite.  The kernels:
     without (the first step, or after a NaN/Inf) keeps its Laplace fit's bracket, still
     searched by the passes that follow; a bucket that is not finite has its rows zeroed.
 
-A warm search so reads the bucket once less than the sums pass and then a first
-histogram pass: in its steady state (87% of a GPT-2's tensor-steps stayed within the
-window, ``benchmarks/threshold_drift.py``), one read and the write pass.
+A warm search so reads the bucket once fewer than the sums pass and then a first
+histogram pass.  In its steady state (87% of a GPT-2's tensor-steps stayed within the
+window, ``benchmarks/threshold_drift.py``) and in tolerance mode, that one read and the
+selection's passes (``band_compact``); ``exact=1`` usually needs another pass.
 
 Imports: the standard library, torch; on first use, Triton; and modules of its own
 package (:mod:`.histogram_select` inside functions: it imports this module).
@@ -50,8 +51,9 @@ from .segmented import add_into, check_addends, segment_abs_sum_max_reference
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
-    global _pick, _bucket_finite, _start_columns   # helpers of several kernels: Triton's
-    import triton                                  # interpreter looks them up here
+    # helpers of several kernels, and tl: Triton's interpreter looks them up here
+    global _pick, _bucket_finite, _start_columns, tl
+    import triton
     import triton.language as tl
 
     from . import histogram_select
@@ -68,7 +70,8 @@ def _kernels():
             m = t < T
             a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
             a_max = tl.load(max_ptr + t, mask=m, other=0.0)
-            bad |= ((a_sum != a_sum) | (tl.abs(a_max) == float("inf")) | (a_max != a_max)).to(tl.int32)
+            bad |= ((a_sum != a_sum) | (tl.abs(a_max) == float("inf"))
+                    | (a_max != a_max)).to(tl.int32)
         return (tl.max(bad, axis=0) == 0).to(tl.int64)
 
     @triton.jit

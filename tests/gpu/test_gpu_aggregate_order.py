@@ -3,8 +3,8 @@ payload holds the same bits, every time, and the CPU's.  Each rank sums the rank
 (value, index) pairs itself, so where three or more ranks sent an index, the order of
 the additions decides the last bit of its sum; ``index_add_`` on CUDA adds with atomics
 in no fixed order, and replicas whose gradients differ in a bit drift apart.
-``ops.scatter_sum`` adds each index's values in rank order there
-(``index_put_(accumulate=True)``: a stable sort, then a sequential sum per index).
+``ops.scatter_sum`` adds each index's values in rank order there (``index_put_``'s
+accumulation: a stable sort, then a sequential sum per index below 32 values).
 Eight simulated ranks (``aggregation.in_process``: the allgather is the concatenation
 in rank order, as the glue's), gradients sharing most of their largest entries."""
 import pytest
@@ -40,16 +40,23 @@ def test_eight_ranks_decompress_the_same_bits_as_the_cpu(spec):
         assert_same_bits(cpu[0], outs[0], f"{spec}: CPU against {DEV}")
 
 
+def pairs(n_idx, per_index, seed):
+    """``(indices, values)``: about ``per_index`` values at each of ``n_idx`` indices, in
+    random order, of magnitudes 1e-3 to 1e3 (sums that round)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n_idx, (per_index * n_idx,), generator=g, dtype=torch.int64)
+    scale = torch.logspace(-3, 3, idx.numel())[torch.randperm(idx.numel(), generator=g)]
+    return idx, (torch.randn(idx.numel(), generator=g) * scale).float()
+
+
 @CUDA_ONLY
 def test_scatter_sum_adds_in_rank_order_every_time(record):
-    """The same gathered pairs summed 20 times: ``scatter_sum``'s bits each time, equal to
-    the CPU's sequential sum; how often ``index_add_``'s atomics gave other bits is
-    recorded (the reason for the sorted sum), not asserted."""
+    """The same gathered pairs (8 a index on average, at most some 20) summed 20 times:
+    ``scatter_sum``'s bits each time, the CPU's sequential sum; how often
+    ``index_add_``'s atomics gave other bits is recorded (the reason for the sorted sum),
+    not asserted."""
     from hvd_compress.ops import torch_ops
-    g = torch.Generator().manual_seed(3)
-    idx = torch.randint(0, 4096, (RANKS * 4096,), generator=g, dtype=torch.int64)
-    values = (torch.randn(idx.numel(), generator=g) * torch.logspace(-3, 3, idx.numel())
-              [torch.randperm(idx.numel(), generator=g)]).float()
+    idx, values = pairs(4096, RANKS, seed=3)
     want = torch_ops.scatter_sum(4096, idx, values)                   # CPU: in order
     ic, vc = idx.cuda(), values.cuda()
     atomics = 0
@@ -58,3 +65,15 @@ def test_scatter_sum_adds_in_rank_order_every_time(record):
         plain = torch.zeros(4096, device="cuda").index_add_(0, ic, vc)
         atomics += not torch.equal(plain.cpu().view(torch.int32), want.view(torch.int32))
     record("aggregate_order", "index_add_trials_off_the_ordered_sum_of_20", atomics)
+
+
+@CUDA_ONLY
+def test_scatter_sum_of_many_values_at_an_index_is_the_same_every_time():
+    """64 values a index on average (past a warp: ``index_put_`` sums a run of 32 or more
+    in a fixed tree, not the CPU's order): the same bits in 10 runs."""
+    from hvd_compress.ops import torch_ops
+    idx, values = pairs(256, 64, seed=4)
+    ic, vc = idx.cuda(), values.cuda()
+    first = torch_ops.scatter_sum(256, ic, vc)
+    for _ in range(9):
+        assert_same_bits(first, torch_ops.scatter_sum(256, ic, vc), "64 a index")

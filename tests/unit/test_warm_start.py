@@ -252,3 +252,28 @@ def test_the_warm_start_after_a_folded_pass_matches_its_reference(special):
     assert state[H.LO, 0] >= window_lo[0] and state[H.C_LO, 0] >= k[0] >= state[H.C_HI, 0]
     assert state[H.LO, 3] == 0 and state[H.HI, 3] == window_lo[3]   # fewer than k above
     assert state[H.HI, 2] == H.INF_BITS and state[H.LO, 2] == warm[1, 2] + fs.WARM_SPREAD_BITS
+
+
+def test_a_warm_search_as_the_first_kernel_of_a_process_runs_in_the_interpreter():
+    """The warm start's kernel calls ``histogram_select._pick``: in a fresh process where
+    no other kernel ran first (a run restored warm from a checkpoint), Triton's
+    interpreter finds what ``_pick`` uses (it found no ``tl`` once)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import torch\n"
+        "from hvd_compress.kernels import search_state as S, segmented\n"
+        "x = torch.arange(1, 5001, dtype=torch.float32)\n"
+        "blocks = segmented.block_table([5000], x.device)\n"
+        "warm = torch.tensor([[0x45000000], [0x45100000]], dtype=torch.int64)\n"
+        "k, slack = torch.tensor([50]), torch.tensor([0])\n"
+        "state = S.warm_search(x, blocks, warm, k, slack, torch.tensor([5000.0]), 2.3,\n"
+        "                      100000, 2046, backend='triton')\n"
+        "print(int(state[S.C_LO, 0]), int(state[S.C_HI, 0]))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c_lo, c_hi = map(int, r.stdout.split())
+    assert c_lo >= 50 >= c_hi

@@ -94,7 +94,9 @@ def _eager_on_cpu(t):
     return _tf.executing_eagerly() and "CPU" in t.device
 
 
-def scatter_sum(n, idx, values, dtype=float32):
+def scatter_sum(n, idx, values, dtype=float32, ordered=True):
+    """``values`` summed into ``n`` zeros at ``idx`` (``ordered``: PyTorch's choice on CUDA;
+    TensorFlow's segment sum on a GPU is not ordered, see docs/gpu.md)."""
     return _tf.math.unsorted_segment_sum(_tf.cast(values, dtype), idx, n)
 
 

@@ -159,21 +159,25 @@ def gather(t, idx):
     return t[idx.long()]
 
 
-def scatter_sum(n, idx, values, dtype=float32):
-    """``values`` added into ``n`` zeros at ``idx`` (:func:`_index_vector`), the values of
-    an index in their order: ``((0 + v_a) + v_b) + ...``, the same bits on every device
-    and every run.  On the CPU ``index_add_`` adds in index order.  On CUDA
-    ``index_add_`` adds with atomics in no fixed order: where three or more ranks'
-    payloads share an index (an allgathered aggregate of 3+ ranks) two ranks could round
-    its sum differently and their replicas drift apart; ``index_put_(accumulate=True)``
-    sorts the indices (a stable radix sort) and adds each index's values in order there,
-    with no atomic (so no flush of subnormals either)."""
+def scatter_sum(n, idx, values, dtype=float32, ordered=True):
+    """``values`` added into ``n`` zeros at ``idx`` (:func:`_index_vector`; indices checked
+    or clamped by the caller), an index's values in a fixed order: the same bits on
+    every rank and every run.  On the CPU ``index_add_`` adds them in index order.  On
+    CUDA ``index_add_`` adds with atomics in no fixed order, so where three or more
+    ranks' payloads share an index (an allgathered aggregate of 3+ ranks) two ranks
+    could round its sum differently and their replicas drift apart; there the values
+    are sorted by index (a stable radix sort) and each index's added in their order
+    (``index_put_``'s accumulation, without its range check: no host read-back), the
+    CPU's bits for fewer than 32 values at an index, a fixed tree beyond.
+    ``ordered=False``: ``index_add_`` on CUDA too (a rank's own statistics, many values
+    at an index: the sorted sum adds those one after another)."""
     out = _torch.zeros(n, dtype=dtype, device=values.device)
     if idx.numel():
-        if out.is_cuda:
-            out.index_put_((_index_vector(idx),), values.reshape(-1).to(dtype), accumulate=True)
+        idx, values = _index_vector(idx), values.reshape(-1).to(dtype)
+        if out.is_cuda and ordered:
+            _torch.ops.aten._index_put_impl_(out, [idx], values, True, True)
         else:
-            out.index_add_(0, _index_vector(idx), values.reshape(-1).to(dtype))
+            out.index_add_(0, idx, values)
     return out
 
 
