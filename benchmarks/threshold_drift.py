@@ -21,6 +21,7 @@ benchmarks/results/threshold_drift_<date>.json and .png (the distribution of
 ``log2(t_s / t_(s-1))`` per step range).  CPU only; no timing.
 
     python benchmarks/threshold_drift.py               # 300 steps, ~2 minutes
+    python benchmarks/threshold_drift.py --fold        # warm=1's search (~4 minutes)
 """
 import sys
 from pathlib import Path
@@ -42,12 +43,13 @@ from gpt2_text import corpus, make_model, train_batch  # noqa: E402
 WINDOWS = (0.05, 0.10, 0.13, 0.20, 0.50)
 
 
-def search_passes(grads, density, warm=None):
+def search_passes(grads, density, warm=None, fold=False):
     """The fused search over the bucket of ``grads`` (name -> flat c), started cold (at
     each tensor's Laplace fit) or ``warm`` (a previous search's brackets): how many of its
     passes read the bucket (some tensor still searched before it), the largest relative
     distance of a tensor's count from k after the search, the tensors, and the brackets
-    for the next warm start."""
+    for the next warm start.  ``fold``: a warm search's first pass counted by the sums
+    pass (``laplace_topk:warm=1``'s), not a read of its own."""
     from hvd_compress.buckets import layout
     from hvd_compress.compressors import fused_search as fs
     from hvd_compress.kernels.histogram_select import C_HI, QUOTA
@@ -59,10 +61,8 @@ def search_passes(grads, density, warm=None):
     sel = from_spec(f"laplace_topk:density={density},fused=1")
     k_t = fs.bucket_constants(sel, lay, sel.tol, ops, flat)[0]
     reading = []
-    # (fold=False: the warm search's first pass counted apart, as a read of its own;
-    # laplace_topk:warm=1 folds it into the sums pass, which saves that whole read)
     state = fs.histogram_search(sel, flat, lay, ops, warm=warm, reading=reading,
-                                fold=False)[1]
+                                fold=fold)[1]
     sent = state[C_HI] + state[QUOTA]
     off = ((sent - k_t).abs().float() / k_t.float()).max()
     passes, entries = fs.reads(reading, lay.numels)
@@ -100,6 +100,9 @@ def main():
     p.add_argument("--no-warm", dest="warm", action="store_false",
                    help="leave out the search started at the previous step's brackets "
                         "(every step)")
+    p.add_argument("--fold", action="store_true",
+                   help="the warm search's first pass folded into the sums pass, as "
+                        "laplace_topk:warm=1 makes it (default: a pass of its own)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -138,7 +141,7 @@ def main():
                              "worst_count_off_k": off, "tensors": tensors})
         if args.warm:          # every step, from the previous step's warm search
             reading, entries, off, _, brackets = search_passes(compensated, args.density,
-                                                               brackets)
+                                                               brackets, args.fold)
             warm_reads.append({"step": step, "reading_passes": reading,
                                "bucket_reads": entries, "worst_count_off_k": off})
         opt.step()
@@ -167,8 +170,9 @@ def main():
     cold_passes = sum(s["reading_passes"] for s in searches) / len(searches)
     cold_reads = sum(s["bucket_reads"] for s in searches) / len(searches)
     if warm:
-        print("warm start (the previous step's brackets widened by a factor 1.13): passes "
-              "that read the bucket, share of steps after the first: " + ", ".join(
+        print("warm start (the previous step's brackets widened by a factor 1.13"
+              + ("; its first pass folded into the sums pass" if args.fold else "")
+              + "): passes that read the bucket, share of steps after the first: " + ", ".join(
                   f"{p}: {share:.1%}" for p, share in warm["share_by_passes"].items())
               + f"; mean {warm['mean_passes']:.2f} (cold: {cold_passes:.2f}); the bucket's "
               f"entries read {warm['mean_bucket_reads']:.2f} times a search (cold: "
@@ -176,7 +180,7 @@ def main():
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"threshold_drift_{date}.json"
+    path = out / f"threshold_drift{'_fold' if args.fold else ''}_{date}.json"
     path.write_text(json.dumps({"date": date, "args": vars(args), "windows": rows, **q,
                                 "searches": searches, "warm": warm, "warm_steps": warm_reads,
                                 "torch": torch.__version__}, indent=1))
