@@ -54,11 +54,54 @@ from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
-    # _pick: a helper of three kernels (one in search_state.py), and tl, which it uses:
-    # Triton's interpreter looks both up in this module, whichever kernel calls first
-    global _pick, tl
+    # helpers of this module's kernels and search_state.py's (_pick, and the fine count),
+    # and tl, which they use: Triton's interpreter looks them up in this module,
+    # whichever kernel calls first
+    global _pick, _window, _column, _count_fine, _add_outside, tl
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _window(lo64, top64, BINS: tl.constexpr):
+        # the bracket (lo64, top64] as the histogram counts it: int32 ends (-1 <= lo <
+        # 2^31), the top read as lo + W, W = max(top - lo, 1) (an empty bracket is one bit
+        # wide; no |x| lies above 2^31 - 1), and BINS / W in float64
+        width = tl.maximum(top64 - lo64, 1)
+        return (lo64.to(tl.int32), tl.minimum(lo64 + width, 0x7FFFFFFF).to(tl.int32),
+                BINS / width.to(tl.float64))
+
+    @triton.jit
+    def _column(b, lo, scale, BINS: tl.constexpr):
+        # the window bin floor((b - lo - 1) * BINS / W) of an entry inside the bracket,
+        # plus 1: b - lo - 1 < 2^31 is exact in float64, its product with BINS / W is
+        # within 2^-41 of the quotient q < 2^11, whose fractional part is 0 or at least
+        # 1 / W >= 2^-31, so adding 2^-36 (the literal) and truncating gives floor(q);
+        # entries outside get 0 (below) or BINS (above), so the conversion is in range.
+        # Per entry only int32 and one float64 multiply, no 64-bit integer division
+        # (sm_90 has no divider)
+        off = b - lo - 1
+        q = tl.where(off >= 0, off, 0).to(tl.float64) * scale
+        return 1 + tl.minimum(q + 1.4551915228366852e-11, BINS).to(tl.int32)
+
+    @triton.jit
+    def _count_fine(row, b, j, seen, lo, hi, below, above):
+        # a fine pass's count of the entries seen: an atomic per entry inside the bracket
+        # (column j), those below (nonzero) and above it added to the block's tallies
+        inside = seen & (b > lo) & (b <= hi)
+        tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside,
+                      sem="relaxed")
+        return (below + (seen & (b > 0) & (b <= lo)).to(tl.int32),
+                above + (seen & (b > hi)).to(tl.int32))
+
+    @triton.jit
+    def _add_outside(row, below, above, BINS: tl.constexpr):
+        # the block's tallies into its tensor's columns 0 and BINS + 1: every block of a
+        # tensor adds to these two counters, so no atomic that adds 0 (an inactive
+        # tensor's blocks, or nothing above hi), as they queue on one address
+        below_n = tl.sum(below, axis=0).to(tl.int64)
+        above_n = tl.sum(above, axis=0).to(tl.int64)
+        tl.atomic_add(row, below_n, mask=below_n > 0, sem="relaxed")
+        tl.atomic_add(row + BINS + 1, above_n, mask=above_n > 0, sem="relaxed")
 
     @triton.jit
     def _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS: tl.constexpr,
@@ -104,20 +147,15 @@ def _kernels():
                           counts_ptr, done_ptr, k_ptr, slack_ptr,
                           BINS: tl.constexpr, BLOCK: tl.constexpr, LOCAL: tl.constexpr,
                           ALIGN: tl.constexpr, PICK: tl.constexpr, CHUNK: tl.constexpr):
-        # per entry only int32 and one float64 multiply (bits of |x| are below 2^31), no
-        # 64-bit integer division (sm_90 has no divider); the state's rows read here:
-        # LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every start and stop (16-byte loads).
-        # The block is read CHUNK entries at a time: fewer registers a thread
+        # the state's rows read here: LO = 0, HI = 1, ACTIVE = 4.  ALIGN divides every
+        # start and stop (16-byte loads).  The block is read CHUNK entries at a time:
+        # fewer registers a thread
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         s = tl.load(segs_ptr + pid)
         count = tl.where(tl.load(state_ptr + 4 * T + s) != 0,
                          tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start, 0).to(tl.int32)
-        lo64 = tl.load(state_ptr + s)
-        width = tl.maximum(tl.load(state_ptr + T + s) - lo64, 1)
-        lo = lo64.to(tl.int32)                                   # -1 <= lo < 2^31
-        hi = tl.minimum(lo64 + width, 0x7FFFFFFF).to(tl.int32)   # no |x| lies above that
-        scale = BINS / width.to(tl.float64)
+        lo, hi, scale = _window(tl.load(state_ptr + s), tl.load(state_ptr + T + s), BINS)
         row = hist_ptr + s * (BINS + 2)
         if LOCAL:
             h = tl.zeros([BINS + 2], dtype=tl.int32)
@@ -129,15 +167,7 @@ def _kernels():
             valid = local < count                            # inactive tensor: nothing read
             x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
             b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
-            # the window bin floor((b - lo - 1) * BINS / W) of an entry inside the
-            # bracket: b - lo - 1 < 2^31 is exact in float64, its product with BINS / W is
-            # within 2^-41 of the quotient q < 2^11, whose fractional part is 0 or at
-            # least 1 / W >= 2^-31, so adding 2^-36 (the literal) and truncating gives
-            # floor(q); entries outside get 0 (below) or BINS (above), so the conversion
-            # is in range
-            off = b - lo - 1
-            q = tl.where(off >= 0, off, 0).to(tl.float64) * scale
-            j = 1 + tl.minimum(q + 1.4551915228366852e-11, BINS).to(tl.int32)
+            j = _column(b, lo, scale, BINS)
             if LOCAL:
                 # the block's own histogram (tl.histogram: BINS + 2 columns, few), then one
                 # atomic per non-empty column: for a coarse pass, where most entries of a
@@ -145,21 +175,12 @@ def _kernels():
                 col = tl.where(b > hi, BINS + 1, tl.where(b > lo, j, 0))
                 h += tl.histogram(col, BINS + 2, mask=valid & ((b > 0) | (b > lo)))
             else:
-                inside = valid & (b > lo) & (b <= hi)
-                tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside,
-                              sem="relaxed")
-                below += (valid & (b > 0) & (b <= lo)).to(tl.int32)
-                above += (valid & (b > hi)).to(tl.int32)
+                below, above = _count_fine(row, b, j, valid, lo, hi, below, above)
         if LOCAL:
             cols = tl.arange(0, BINS + 2)
             tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0, sem="relaxed")
         else:
-            # every block of a tensor adds to these two counters: no atomic that adds 0 (an
-            # inactive tensor's blocks, or nothing above hi), as they queue on one address
-            below_n = tl.sum(below, axis=0).to(tl.int64)
-            above_n = tl.sum(above, axis=0).to(tl.int64)
-            tl.atomic_add(row, below_n, mask=below_n > 0, sem="relaxed")
-            tl.atomic_add(row + BINS + 1, above_n, mask=above_n > 0, sem="relaxed")
+            _add_outside(row, below, above, BINS)
         if PICK:
             # the tensor's last block to finish counting makes its step: every thread's
             # atomics before the block's count (the barrier, then a release), the row read

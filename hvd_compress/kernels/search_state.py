@@ -45,20 +45,24 @@ import torch
 
 from ._backend import count_launch, pick_backend, program_chunk
 from ._launch import cached
-from .segmented import add_into, check_addends, segment_abs_sum_max_reference
+from .segmented import (add_into, check_addends, reduce_partials,
+                        segment_abs_sum_max_reference)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
-    # helpers of several kernels, and tl: Triton's interpreter looks them up here
-    global _pick, _bucket_finite, _start_columns, tl
+    # helpers of several kernels (histogram_select.py's too), and tl: Triton's
+    # interpreter looks them up here
+    global _pick, _window, _column, _count_fine, _add_outside, _bucket_finite
+    global _start_columns, tl
     import triton
     import triton.language as tl
 
-    from . import histogram_select
-    histogram_select._kernels()
-    _pick = histogram_select._pick
+    from . import histogram_select as H
+    H._kernels()
+    _pick, _window, _column = H._pick, H._window, H._column
+    _count_fine, _add_outside = H._count_fine, H._add_outside
 
     @triton.jit
     def _bucket_finite(sum_ptr, max_ptr, T, TB: tl.constexpr, CHUNKS: tl.constexpr):
@@ -119,19 +123,17 @@ def _kernels():
                            BINS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                            ADD: tl.constexpr, CHUNK: tl.constexpr):
         # segmented.py's sums pass (ADD: src + add written into x first) and, where the
-        # block's tensor has a warm bracket, histogram_select.py's fine histogram over the
-        # window around it, CHUNK entries at a time (its bin arithmetic: see there)
+        # block's tensor has a warm bracket, histogram_select.py's fine count over the
+        # window around it (its helpers), CHUNK entries at a time
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         count = (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
         s = tl.load(segs_ptr + pid)
         w_lo = tl.load(warm_ptr + s)
         counted = tl.where(w_lo >= 0, count, 0)          # entries counted: all, or none
-        lo64 = tl.maximum(w_lo - spread, 0)
-        width = tl.maximum(tl.minimum(tl.load(warm_ptr + T + s) + spread, 0x7F800000) - lo64, 1)
-        lo = lo64.to(tl.int32)
-        hi = tl.minimum(lo64 + width, 0x7FFFFFFF).to(tl.int32)
-        scale = BINS / width.to(tl.float64)
+        lo, hi, scale = _window(tl.maximum(w_lo - spread, 0),
+                                tl.minimum(tl.load(warm_ptr + T + s) + spread, 0x7F800000),
+                                BINS)
         row = hist_ptr + s * (BINS + 2)
         total = tl.zeros([CHUNK], dtype=tl.float32)
         top = tl.zeros([CHUNK], dtype=tl.float32)
@@ -149,20 +151,11 @@ def _kernels():
             total += a
             top = tl.maximum(top, a)
             b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
-            off = b - lo - 1
-            q = tl.where(off >= 0, off, 0).to(tl.float64) * scale
-            j = 1 + tl.minimum(q + 1.4551915228366852e-11, BINS).to(tl.int32)
-            inside = seen & (b > lo) & (b <= hi)
-            tl.atomic_add(row + tl.where(inside, j, 0), inside.to(tl.int64), mask=inside,
-                          sem="relaxed")
-            below += (seen & (b > 0) & (b <= lo)).to(tl.int32)
-            above += (seen & (b > hi)).to(tl.int32)
+            below, above = _count_fine(row, b, _column(b, lo, scale, BINS), seen, lo, hi,
+                                       below, above)
         tl.store(part_sum_ptr + pid, tl.sum(total, axis=0))
         tl.store(part_max_ptr + pid, tl.max(top, axis=0))
-        below_n = tl.sum(below, axis=0).to(tl.int64)
-        above_n = tl.sum(above, axis=0).to(tl.int64)
-        tl.atomic_add(row, below_n, mask=below_n > 0, sem="relaxed")
-        tl.atomic_add(row + BINS + 1, above_n, mask=above_n > 0, sem="relaxed")
+        _add_outside(row, below, above, BINS)
 
     @triton.jit
     def _warm_start_kernel(hist_ptr, sum_ptr, max_ptr, n_ptr, state_ptr, warm_ptr, k_ptr,
@@ -299,9 +292,7 @@ def warm_first_pass(x, blocks, warm, spread, bins, hist, add=None, source=None, 
         blocks.stops, blocks.segs, warm, T, int(spread), hist, part_sum, part_max, BINS=bins,
         BLOCK=blocks.block, ALIGN=blocks.align, ADD=add is not None,
         CHUNK=program_chunk(H.HISTOGRAM_CHUNK, blocks.block, x), num_warps=H.HISTOGRAM_WARPS)
-    # unsafe=True: the lengths are the package's own block table (segmented.py)
-    return (torch.segment_reduce(part_sum, "sum", lengths=blocks.counts, unsafe=True),
-            torch.segment_reduce(part_max, "max", lengths=blocks.counts, unsafe=True))
+    return reduce_partials(part_sum, part_max, blocks)
 
 
 def warm_start_reference(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins):

@@ -299,8 +299,14 @@ def segment_abs_sum_max(x, lengths, backend=None, block=4096, add=None, source=N
     kernel[(programs,)](x, x if add is None else add, x if source is None else source,
                         blocks.starts, blocks.stops, part_sum, part_max, BLOCK=block,
                         ALIGN=blocks.align, ADD=add is not None)
-    # unsafe=True: the lengths are the package's own block table (the default checks
-    # them with two host synchronisations per call)
+    return reduce_partials(part_sum, part_max, blocks)
+
+
+def reduce_partials(part_sum, part_max, blocks):
+    """Per tensor ``(sum, max)`` of its blocks' partial sums and maxima (one each per block
+    of :class:`Blocks` ``blocks``), in a fixed order.  ``unsafe=True``: the lengths are
+    the package's own block table (the default checks them with two host
+    synchronisations per call)."""
     return (torch.segment_reduce(part_sum, "sum", lengths=blocks.counts, unsafe=True),
             torch.segment_reduce(part_max, "max", lengths=blocks.counts, unsafe=True))
 
