@@ -2,13 +2,16 @@
 on CUDA: every kernel family's bucket compress, decompress and error feedback, three
 steps, give the same bits through the cache as through Triton's own dispatch, and the
 cache is used (hits).  On CPU tensors (HVD_COMPRESS_GPU_TESTS_ON_CPU=1) the cache passes
-every launch through: the same comparison, no hits."""
+every launch through: the same comparison, no hits.  A spec whose CUDA path launches no
+Triton kernel at these sizes (plain ``laplace_topk``: torch.topk below 2^27 values) needs
+no hit; the H200 run of 2026-11-30 found that this test had asked it for one."""
 import pytest
 import torch
 
 import hvd_compress
 from hvd_compress.buckets import layout
 from hvd_compress.kernels import _launch
+from hvd_compress.kernels._backend import counting_launches
 from gpu_helpers import DEV, GPU, assert_same_steps, laplace
 
 pytestmark = GPU
@@ -45,10 +48,11 @@ def steps(spec, cache, monkeypatch):
 def test_the_launch_cache_gives_the_bits_of_tritons_dispatch(spec, monkeypatch):
     plain = steps(spec, False, monkeypatch)
     before = dict(_launch.STATS)
-    through = steps(spec, True, monkeypatch)
+    with counting_launches() as launched:
+        through = steps(spec, True, monkeypatch)
     assert_same_steps(spec, SIZES, plain, through)
     hits = _launch.STATS["hits"] - before["hits"]
-    if DEV == "cuda":
+    if DEV == "cuda" and sum(launched.values()):
         assert hits > 0, f"{spec}: no launch went through the cache ({_launch.STATS})"
     else:
         assert hits == 0 and _launch.STATS["misses"] == before["misses"]
