@@ -63,8 +63,10 @@ tensor.  ``--tiny`` divides every size by 1000.
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
    kernel's own launcher (what our launchers would save by calling it directly).
+11. **scatter**: a sparse decompress's sum of 2 and 8 ranks' pairs, sorted or with
+   atomics (``gpu_variants.scatter_rows``): wall and device time, the CPU's bits or not.
 
-They run in the order launch, compress, graph, search, passes, twobit, warm, top-k,
+They run in the order launch, compress, graph, search, passes, twobit, warm, scatter, top-k,
 aligned, warps (the JSON is written after each), so that a time limit stops the least
 decisive.  Writes ``--out``/gpu_breakdown_<date>.json and .png and prints tables;
 wall-clock times on a CPU dry run are no GPU figures.
@@ -433,13 +435,12 @@ def main():
              ("passes", lambda: variants.passes_rows(args, make_layout, DENSITY)),
              ("twobit", lambda: variants.twobit_rows(args, make_layout)),
              ("warm", lambda: variants.warm_rows(args, make_layout, DENSITY)),
+             ("scatter", lambda: variants.scatter_rows(args, make_layout, DENSITY)),
              ("topk", lambda: topk_rows(args)),
              ("aligned", lambda: variants.aligned_rows(args, make_layout, DENSITY)),
              ("warps", lambda: variants.warps_rows(args, make_layout, DENSITY))]
     for name, rows in steps:
         result[name] = rows()
-        # written after every step: what ran is kept if make gpu-test's time limit
-        # stops the rest
         common.write_json(out.with_suffix(".json"), result)
     plot(result["compress"], title, out.with_suffix(".png"))
     print(f"wrote {out}.json and .png")

@@ -5,7 +5,8 @@ histogram and band-write warps and its pick folded into the histogram's launch
 (``warps`` rows), and its kernels one by one with each program's block read whole or
 in chunks (``passes`` rows); twobit's compress with its pack programs of 256, 128 and 64
 words, and with error feedback's add folded into the first pass or not (``twobit``
-rows); the fused selection started cold or warm (``warm`` rows).  Each function takes
+rows); the fused selection started cold or warm (``warm`` rows); the sparse
+decompress's sum sorted or with atomics (``scatter`` rows).  Each function takes
 the script's arguments, its ``make_layout`` and its density, and returns the rows.
 Loaded by gpu_breakdown.py, which loads gpu_common first.
 """
@@ -253,4 +254,45 @@ def warm_rows(args, make_layout, density):
                 f"reads, {row[f'{move}_{s}_count'] / k - 1:+.3%} off k"
                 for s in ("cold", "warm", "fold")),
                 flush=True)
+    return rows
+
+
+def scatter_rows(args, make_layout, density):
+    """The aggregate's sum in a sparse decompress (``ops.scatter_sum``): ``P`` ranks'
+    (value, index) pairs, ``density`` of GPT-2's block and of a 25M-value tensor each,
+    their indices mostly the same, summed sorted (``index_put_``'s accumulation: what
+    ``scatter_sum`` does where more than two values can meet at an index), with
+    ``index_add_``'s atomics (at most two: the same bits; ``summing_ranks``), at 2 and 8
+    ranks: wall time, device time (the kernels' sum) and whether each gives the CPU's
+    bits.  (The H200 run of 2026-11-30 drew a rank's indices with repeats, so its atomic
+    rows at 2 ranks did not give the CPU's bits: 3 values met at some indices.)"""
+    from hvd_compress.ops import torch_ops
+    cuda, rows = args.device == "cuda", []
+    for lname in ("gpt2", "one"):
+        n = make_layout(lname, args.tiny).total
+        k = max(1, int(density * n))
+        for ranks in (2, 8):
+            # each rank's k distinct indices: 80% of them the ranks' shared ones (a
+            # selection sends an index once: with duplicates, index_add_ would add 3+)
+            shared = torch.randperm(n, device=args.device)[:k * 4 // 5]
+            own = [torch.randperm(n, device=args.device)[:2 * k] for _ in range(ranks)]
+            idx = torch.cat([torch.cat([shared, o[~torch.isin(o, shared)][:k - shared.numel()]])
+                             for o in own])
+            values = common.laplace(torch, idx.numel(), args.device, seed=12)
+            want = torch_ops.scatter_sum(n, idx.cpu(), values.cpu())            # in order
+            row = {"layout": lname, "numel": n, "k": k, "ranks": ranks}
+            for name, meeting in (("sorted", ranks if ranks > 2 else 3), ("atomic", 2)):
+                fn = (lambda m=meeting:                                           # noqa: E731
+                      torch_ops.scatter_sum(n, idx, values, meeting=m))
+                row[f"{name}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
+                row[f"{name}_device_us"] = (sum(e["us"] for e in launch_order(fn)) if cuda
+                                            else None)
+                row[f"{name}_cpu_bits"] = bool(torch.equal(fn().cpu().view(torch.int32),
+                                                           want.view(torch.int32)))
+            rows.append(row)
+            dev = lambda s: ("" if row[f"{s}_device_us"] is None  # noqa: E731
+                             else f" (device {row[f'{s}_device_us']:.0f} us)")
+            print(f"scatter {lname:5s} {ranks} ranks  " + "  ".join(
+                f"{s} {row[f'{s}_ms']:7.3f} ms{dev(s)}, CPU bits {row[f'{s}_cpu_bits']}"
+                for s in ("sorted", "atomic")), flush=True)
     return rows

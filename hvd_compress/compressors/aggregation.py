@@ -172,7 +172,7 @@ def finish(sp, summed, rnd):
     if isinstance(n, int) and n != ops.length(rnd.union):
         raise ValueError(f"{sp.name} agg={sp.agg}: {n} summed values for a union of "
                          f"{ops.length(rnd.union)} indices")
-    coefs = ops.scatter_sum(rnd.dctx.numel, rnd.union, summed, ops.float32)
+    coefs = ops.scatter_sum(rnd.dctx.numel, rnd.union, summed, ops.float32, meeting=1)
     if sp.agg == "hint":
         _record_hint(sp, rnd, ops.abs(ops.to_float32(summed)))
     return sp.from_domain(coefs, rnd.ctx, ops)
@@ -219,8 +219,8 @@ def _record_hint(sp, rnd, mags):
                                  ordered=False)
         means = sums / ops.where(counts > 0, counts, 0 * counts + 1)
         picked = ops.gather(union, ops.mask_indices(mags >= ops.gather(means, seg)))
-    boost = ops.scatter_sum(rnd.dctx.numel, picked,
-                            ops.ones_like(picked, ops.float32) * sp.hint_beta, ops.float32) + 1.0
+    boost = ops.scatter_sum(rnd.dctx.numel, picked, ops.ones_like(picked, ops.float32)
+                            * sp.hint_beta, ops.float32, meeting=1) + 1.0
     state = sp._state(ops)
     pieces = [boost] if len(dparts) == 1 else ops.split(boost, [n for _, n in dparts])
     for (name, n), piece in zip(dparts, pieces):

@@ -230,7 +230,9 @@ def decompress_bucket(c, payload, ctx, capture=None):
     if b.off is not None or sink is None:
         return _eager(eager)
     c.check_aggregate(payload, ctx)                # what the eager decompress checks first
-    key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+    # (and whether the sum sorts: the exchange's ranks, torch_ops.summing_ranks)
+    key = (tuple((tuple(t.shape), t.dtype) for t in tensors),
+           torch_ops.sorted_sum(tensors[0].device))
     hit = b.graphs.pop(key, None)
     if hit is None:
         if key not in b.seen:

@@ -248,8 +248,8 @@ class DensitySparsifier(Sparsifier):
         ops = rnd.ops
         if self.sparse_residual:
             return ops.subtract_at(compensated, union, values, inplace)
-        sent = self.from_domain(ops.scatter_sum(rnd.dctx.numel, union, values, ops.float32),
-                                rnd.ctx, ops)
+        sent = self.from_domain(ops.scatter_sum(rnd.dctx.numel, union, values, ops.float32,
+                                                meeting=1), rnd.ctx, ops)
         return ops.subtract(compensated, ops.cast(sent, compensated.dtype), inplace)
 
 

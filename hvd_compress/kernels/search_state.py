@@ -26,7 +26,11 @@ bucket is finite.  The kernels:
     one program per tensor: its column of the state (``search_from_fit``'s, the warm
     window's top not capped at ``bits(max|c|)``),
     then, in a finite bucket, the step of the search from its counted row
-    (:func:`.histogram_select.histogram_pick`'s) where it has a warm bracket; a tensor
+    (:func:`.histogram_select.histogram_pick`'s) where it has a warm bracket, a miss
+    above (k or more entries past the window: ``(hi, +Inf]``) narrowed to ``(hi,
+    bits(max|c|)]``, which holds the same entries (the next pass's 2046 parts of
+    ``(hi, +Inf]`` put them in a few: per-entry atomics queued on those, 478 us for a
+    25M-value tensor whose threshold grew 1.5x, H200 2026-11-30); a tensor
     without (the first step, or after a NaN/Inf) keeps its Laplace fit's bracket, still
     searched by the passes that follow; a bucket that is not finite has its rows zeroed.
 
@@ -172,6 +176,14 @@ def _kernels():
             if finite != 0:
                 tl.debug_barrier()          # the column stored, then read by the pick
                 _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS, ROW)
+                # a miss above, (hi, +Inf]: (hi, bits(max|c|)], the same entries (module
+                # docstring)
+                tl.debug_barrier()
+                lo = tl.load(state_ptr + s)
+                hi = tl.load(state_ptr + T + s)
+                top = tl.load(max_ptr + s).to(tl.int32, bitcast=True).to(tl.int64)
+                tl.store(state_ptr + T + s,
+                         tl.where((hi == 0x7F800000) & (top > lo), top, hi))
             else:
                 cols = tl.arange(0, ROW)
                 tl.store(hist_ptr + s * ROW + cols, tl.zeros([ROW], dtype=tl.int64))
@@ -303,6 +315,9 @@ def warm_start_reference(hist, abs_sum, abs_max, n, factor, warm, spread, k, sla
     stepped = state.clone()
     stepped[ACTIVE] = counted.long()
     H.histogram_pick_reference(hist, stepped, k, slack, bins)
+    top = abs_max.float().view(torch.int32).to(torch.int64)
+    capped = (stepped[HI] == INF_BITS) & (top > stepped[LO])
+    stepped[HI] = torch.where(capped, top, stepped[HI])
     return torch.where(counted[None, :], stepped, state)
 
 

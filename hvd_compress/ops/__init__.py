@@ -21,7 +21,10 @@ The primitives (both modules define all of them, with the same meaning):
 ``random_indices_segments(numels, ks, seed, steps)``  the same for every tensor of a
                         bucket (PyTorch: a fixed number of ops)
 ``gather(t, idx)``      ``t[idx]``
-``scatter_sum(n, idx, v, dtype, ordered)``  zeros(n) with ``v`` summed in at ``idx``
+``scatter_sum(n, idx, v, dtype, ordered, meeting)``  zeros(n) with ``v`` summed in at
+                        ``idx``, an index's values in a fixed order (PyTorch)
+``summing_ranks(P)``    context: the decompresses inside sum P ranks' payloads (at most
+                        P values meet at an index; PyTorch)
 ``check_indices(idx, n, what)``    raise ValueError when an index is outside [0, n)
 ``index_check(idx, n, what)``     the same check, ``finish()``-ed later, which returns
                                   the indices to scatter (PyTorch: read back with a

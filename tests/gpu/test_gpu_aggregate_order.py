@@ -6,7 +6,8 @@ in no fixed order, and replicas whose gradients differ in a bit drift apart.
 ``ops.scatter_sum`` adds each index's values in rank order there (``index_put_``'s
 accumulation: a stable sort, then a sequential sum per index below 32 values).
 Eight simulated ranks (``aggregation.in_process``: the allgather is the concatenation
-in rank order, as the glue's), gradients sharing most of their largest entries."""
+in rank order, as the glue's), gradients sharing most of their largest entries; two
+ranks sum with atomics (at most two values at an index: the same float either way)."""
 import pytest
 import torch
 
@@ -38,6 +39,21 @@ def test_eight_ranks_decompress_the_same_bits_as_the_cpu(spec):
                         grads("cpu"), "g")
     if spec.startswith("topk"):                  # the same selection on both devices
         assert_same_bits(cpu[0], outs[0], f"{spec}: CPU against {DEV}")
+
+
+def test_two_ranks_sum_with_atomics_and_the_cpus_bits():
+    """Two ranks (the exchange's ``summing_ranks(2)``): no sort, ``index_add_``'s
+    atomics, and still the CPU's bits every time (``0 + a + b`` is ``0 + b + a``)."""
+    from hvd_compress.ops import torch_ops
+    with torch_ops.summing_ranks(2):
+        assert not torch_ops.sorted_sum(torch.device(DEV))
+    cpu, _ = in_process([hvd_compress.from_spec("topk:density=0.01") for _ in range(2)],
+                        grads("cpu")[:2], "g")
+    for _ in range(5):
+        outs, _ = in_process([hvd_compress.from_spec("topk:density=0.01") for _ in range(2)],
+                             grads(DEV)[:2], "g")
+        assert_same_bits(outs[0], outs[1], "rank 0 against rank 1")
+        assert_same_bits(cpu[0], outs[0], f"CPU against {DEV}")
 
 
 def pairs(n_idx, per_index, seed):

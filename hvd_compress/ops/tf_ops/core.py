@@ -5,6 +5,8 @@ and small tensor helpers.
 May import: tensorflow; lazily, :mod:`hvd_compress.memory` (``new_store``).  Not the
 other families of this package (they import this one).
 """
+import contextlib as _contextlib
+
 import tensorflow as _tf
 
 
@@ -94,9 +96,20 @@ def _eager_on_cpu(t):
     return _tf.executing_eagerly() and "CPU" in t.device
 
 
-def scatter_sum(n, idx, values, dtype=float32, ordered=True):
-    """``values`` summed into ``n`` zeros at ``idx`` (``ordered``: PyTorch's choice on CUDA;
-    TensorFlow's segment sum on a GPU is not ordered, see docs/gpu.md)."""
+def summing_ranks(ranks):
+    """PyTorch's bound on the values meeting at an index (:func:`scatter_sum` takes none
+    here)."""
+    return _contextlib.nullcontext()
+
+
+def sorted_sum(device, ordered=True, meeting=None):
+    """False: :func:`scatter_sum` never sorts here (PyTorch's choice on CUDA)."""
+    return False
+
+
+def scatter_sum(n, idx, values, dtype=float32, ordered=True, meeting=None):
+    """``values`` summed into ``n`` zeros at ``idx`` (``ordered``, ``meeting``: PyTorch's
+    choice on CUDA; TensorFlow's segment sum on a GPU is not ordered, see docs/gpu.md)."""
     return _tf.math.unsorted_segment_sum(_tf.cast(values, dtype), idx, n)
 
 
