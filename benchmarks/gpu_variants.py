@@ -214,8 +214,9 @@ MOVES = (("stay", 1.05), ("past", 1.5))
 
 def warm_rows(args, make_layout, density):
     """The fused selection started cold (at each tensor's Laplace fit, ``HISTOGRAM_PASSES``)
-    and warm (within a factor 1.13 of a previous search's brackets, ``WARM_PASSES``), its
-    first pass apart (``warm``) or folded into the sums pass (``fold``: ``warm=1``'s) on
+    and warm (within a factor 1.13 of a previous search's brackets), its first pass apart
+    (``warm``, ``WARM_PASSES``) or folded into the sums pass (``fold``: ``warm=1``'s,
+    ``WARM_FOLDED_PASSES``) on
     data whose threshold moved by a factor within that spread and past it: wall time,
     each kernel's device time in launch order, the passes that read the bucket (counted
     in a run of their own: a host read each) and the count sent against k."""

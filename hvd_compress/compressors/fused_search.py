@@ -73,8 +73,14 @@ WARM_SPREAD_BITS = round(math.log2(1 + WARM_SPREAD) * 2 ** 23)
 #: its passes: fine from the first (a part of the warm bracket spans a factor 1.0001,
 #: finer than the gap between entries near a top-1% threshold for k up to some 2,000, so
 #: a tensor with ``floor(tol * k) = 0`` lands on k too; 62 parts span 1.004, about 2% of
-#: k on Laplace data); after a miss, ``(0, lo]`` or ``(hi, +Inf]``, 3 collapse either
+#: k on Laplace data); after a miss, ``(0, lo]`` or ``(hi, +Inf]``, 3 collapse either;
+#: unfolded (``fold=False``), a tensor without a warm bracket starts at its Laplace fit,
+#: whose first pass may miss: 4
 WARM_PASSES = (HISTOGRAM_BINS,) * 4
+#: the folded start's (``fold=True``, the compressors'): its first pass steps every
+#: tensor, a cold one from ``(0, +Inf]`` in 62 parts (``search_state.COLD_BINS``), so 3
+#: passes collapse any bracket left: a pass (2 launches) fewer
+WARM_FOLDED_PASSES = (HISTOGRAM_BINS,) * 3
 
 
 #: where ``warm=1`` keeps a bucket's brackets in its compressor's state (int64 ``[2, T]``:
@@ -163,13 +169,14 @@ def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, w
     a previous search's final brackets (:func:`warm_brackets`): a tensor starts within a
     factor ``1 + WARM_SPREAD`` of its own instead of at its Laplace fit; ``fold``: its
     first pass is counted by the sums pass (``ops.warm_search_start``: a read of the
-    bucket fewer), then ``WARM_PASSES`` still (a tensor without a warm bracket, started
-    at its fit, has them all).  ``passes``: default ``HISTOGRAM_PASSES``, ``WARM_PASSES``
-    from ``warm``.  ``reading``: a list that gets, per histogram pass, which tensors it
+    bucket fewer, a tensor without a warm bracket counted over ``(0, +Inf]``), then
+    ``WARM_FOLDED_PASSES``.  ``passes``: default ``HISTOGRAM_PASSES``, from ``warm``
+    ``WARM_FOLDED_PASSES`` (``WARM_PASSES`` unfolded).  ``reading``: a list that gets, per histogram pass, which tensors it
     reads (a list of bools: those still searched; a host read each, for benchmarks:
     :func:`reads`)."""
     if passes is None:
-        passes = HISTOGRAM_PASSES if warm is None else WARM_PASSES
+        passes = (HISTOGRAM_PASSES if warm is None else WARM_FOLDED_PASSES if fold
+                  else WARM_PASSES)
     k_t, slack, n_t = bucket_constants(self, lay, 0.0 if self.exact else self.tol, ops, flat)
     blocks = ops.bucket_blocks(lay, flat)
     factor, buffers = 0.5 * math.log(1.0 / self.density), {}

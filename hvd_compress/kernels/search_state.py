@@ -16,25 +16,28 @@ bucket is finite.  The kernels:
     a warm search's first pass and the sums pass in one read of the bucket: error
     feedback's ``c = g + r`` written (``add``, ``source``: as
     :func:`.segmented.segment_abs_sum_max`), each block's ``sum|c|`` and ``max|c|`` (the
-    partials reduced per tensor in a fixed order), and for every tensor with a warm
-    bracket (``warm[0, s] >= 0``) the histogram of
-    :func:`.histogram_select.segment_histogram` over the window ``(max(lo - spread, 0),
-    min(hi + spread, +Inf)]``.  The previous search's brackets bound that window, so it
-    is known before the pass; the unfolded start caps it at ``bits(max|c|)`` instead,
-    known only after.
+    partials reduced per tensor in a fixed order), and the histogram of every tensor:
+    with a warm bracket (``warm[0, s] >= 0``), :func:`.histogram_select.segment_histogram`'s
+    over the window ``(max(lo - spread, 0), min(hi + spread, +Inf)]``; without (the
+    first step, or after a NaN/Inf), over ``(0, +Inf]`` in ``COLD_BINS`` parts, counted
+    per block as the cold search's coarse pass is.  The previous search's brackets bound
+    the window, so it is known before the pass; the unfolded start caps it at
+    ``bits(max|c|)`` instead, known only after.
 ``warm_start(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins)``
-    one program per tensor: its column of the state (``search_from_fit``'s, the warm
-    window's top not capped at ``bits(max|c|)``),
-    then, in a finite bucket, the step of the search from its counted row
-    (:func:`.histogram_select.histogram_pick`'s) where it has a warm bracket, a miss
-    above (k or more entries past the window: ``(hi, +Inf]``) narrowed to ``(hi,
+    one program per tensor: its column of the state (the window counted), then, in a
+    finite bucket, the step of the search from its counted row
+    (:func:`.histogram_select.histogram_pick`'s); with a warm bracket, a miss above (k
+    or more entries past the window: ``(hi, +Inf]``) narrowed to ``(hi,
     bits(max|c|)]``, which holds the same entries (the next pass's 2046 parts of
     ``(hi, +Inf]`` put them in a few: per-entry atomics queued on those, 478 us for a
-    25M-value tensor whose threshold grew 1.5x, H200 2026-11-30); a tensor
-    without (the first step, or after a NaN/Inf) keeps its Laplace fit's bracket, still
-    searched by the passes that follow; a bucket that is not finite has its rows zeroed.
+    25M-value tensor whose threshold grew 1.5x, H200 2026-11-30); a bucket that is not
+    finite has its rows zeroed.
 
-A warm search so reads the bucket once fewer than the sums pass and then a first
+Every tensor is so stepped once by the first pass, and three passes of 2046 parts
+collapse whatever bracket it leaves (at most 2^31 bit patterns wide after a miss, 2^31 /
+62 for a cold tensor's part; 2046^3 > 2^31): a folded warm search makes three histogram
+passes after its start, where the unfolded one and the cold one make four.  A warm
+search so reads the bucket once fewer than the sums pass and then a first
 histogram pass.  In its steady state (87% of a GPT-2's tensor-steps stayed within the
 window, ``benchmarks/threshold_drift.py``) and in tolerance mode, that one read and the
 selection's passes (``band_compact``); ``exact=1`` usually needs another pass.
@@ -84,21 +87,24 @@ def _kernels():
 
     @triton.jit
     def _start_columns(t, m, sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr, spread,
-                       finite, WARM: tl.constexpr, CAP: tl.constexpr):
+                       finite, WARM: tl.constexpr, FOLDED: tl.constexpr):
         # the state of tensors t (where m): the Laplace fit's bracket, or (-1, -1] when not
         # finite; WARM: (lo - spread, min(hi + spread, cap)] where the warm [2, T] bracket's
-        # lo >= 0, cap bits(max|x|) (CAP) or +Inf
+        # lo >= 0, cap bits(max|x|), or +Inf where FOLDED (the window the first pass
+        # counted), and where FOLDED a tensor without one at (0, +Inf], as counted too
         a_sum = tl.load(sum_ptr + t, mask=m, other=0.0)
         a_max = tl.load(max_ptr + t, mask=m, other=0.0)
         fit = tl.math.div_rn(a_sum, tl.load(n_ptr + t, mask=m, other=1.0)) * factor
         lo = fit.to(tl.int32, bitcast=True).to(tl.int64)
         hi = a_max.to(tl.int32, bitcast=True).to(tl.int64)
         if WARM:
-            if CAP:
-                cap = hi
-            else:
-                cap = tl.zeros_like(hi) + 0x7F800000
             w_lo = tl.load(warm_ptr + t, mask=m, other=-1)
+            if FOLDED:
+                cap = tl.zeros_like(hi) + 0x7F800000
+                lo = tl.where(w_lo >= 0, lo, 0)
+                hi = tl.where(w_lo >= 0, hi, cap)
+            else:
+                cap = hi
             lo = tl.where(w_lo >= 0, tl.maximum(w_lo - spread, 0), lo)
             hi = tl.where(w_lo >= 0, tl.minimum(tl.load(warm_ptr + T + t, mask=m, other=0)
                                                 + spread, cap), hi)
@@ -119,34 +125,41 @@ def _kernels():
         for c in range(CHUNKS):
             t = c * TB + tl.arange(0, TB)
             _start_columns(t, t < T, sum_ptr, max_ptr, n_ptr, state_ptr, T, factor, warm_ptr,
-                           spread, finite, WARM, True)
+                           spread, finite, WARM, False)
 
     @triton.jit
     def _first_pass_kernel(x_ptr, add_ptr, src_ptr, starts_ptr, stops_ptr, segs_ptr,
                            warm_ptr, T, spread, hist_ptr, part_sum_ptr, part_max_ptr,
-                           BINS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                           ADD: tl.constexpr, CHUNK: tl.constexpr):
-        # segmented.py's sums pass (ADD: src + add written into x first) and, where the
-        # block's tensor has a warm bracket, histogram_select.py's fine count over the
-        # window around it (its helpers), CHUNK entries at a time
+                           BINS: tl.constexpr, COLD: tl.constexpr, BLOCK: tl.constexpr,
+                           ALIGN: tl.constexpr, ADD: tl.constexpr, CHUNK: tl.constexpr):
+        # segmented.py's sums pass (ADD: src + add written into x first) and the count of
+        # the block's tensor: with a warm bracket, histogram_select.py's fine count over
+        # the window around it (its helpers); without, (0, +Inf] in COLD parts, counted
+        # in the block's own histogram (as the cold search's coarse pass: per-entry
+        # atomics would queue on the few parts that hold a tensor's entries), into the
+        # first COLD + 2 columns of its row.  CHUNK entries at a time
         pid = tl.program_id(0)
         start = tl.multiple_of(tl.load(starts_ptr + pid), ALIGN)
         count = (tl.multiple_of(tl.load(stops_ptr + pid), ALIGN) - start).to(tl.int32)
         s = tl.load(segs_ptr + pid)
         w_lo = tl.load(warm_ptr + s)
-        counted = tl.where(w_lo >= 0, count, 0)          # entries counted: all, or none
+        cold = w_lo < 0
         lo, hi, scale = _window(tl.maximum(w_lo - spread, 0),
                                 tl.minimum(tl.load(warm_ptr + T + s) + spread, 0x7F800000),
                                 BINS)
+        c_lo, c_hi, c_scale = _window(w_lo * 0, w_lo * 0 + 0x7F800000, COLD)
+        lo = tl.where(cold, c_lo, lo)
+        hi = tl.where(cold, c_hi, hi)
+        scale = tl.where(cold, c_scale, scale)
         row = hist_ptr + s * (BINS + 2)
         total = tl.zeros([CHUNK], dtype=tl.float32)
         top = tl.zeros([CHUNK], dtype=tl.float32)
         below = tl.zeros([CHUNK], dtype=tl.int32)
         above = tl.zeros([CHUNK], dtype=tl.int32)
+        h = tl.zeros([COLD + 2], dtype=tl.int32)
         for c0 in range(0, BLOCK, CHUNK):
             local = tl.multiple_of(c0, CHUNK) + tl.arange(0, CHUNK)
             valid = local < count
-            seen = local < counted
             x = tl.load(src_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
             if ADD:
                 x = x + tl.load(add_ptr + start + local, mask=valid, other=0.0)
@@ -155,26 +168,35 @@ def _kernels():
             total += a
             top = tl.maximum(top, a)
             b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
-            below, above = _count_fine(row, b, _column(b, lo, scale, BINS), seen, lo, hi,
-                                       below, above)
+            j = _column(b, lo, scale, BINS)
+            if cold:
+                col = tl.where(b > hi, COLD + 1, tl.where(b > lo, j, 0))
+                h += tl.histogram(col, COLD + 2, mask=valid & (b > 0))
+            else:
+                below, above = _count_fine(row, b, j, valid, lo, hi, below, above)
         tl.store(part_sum_ptr + pid, tl.sum(total, axis=0))
         tl.store(part_max_ptr + pid, tl.max(top, axis=0))
-        _add_outside(row, below, above, BINS)
+        if cold:
+            cols = tl.arange(0, COLD + 2)
+            tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0, sem="relaxed")
+        else:
+            _add_outside(row, below, above, BINS)
 
     @triton.jit
     def _warm_start_kernel(hist_ptr, sum_ptr, max_ptr, n_ptr, state_ptr, warm_ptr, k_ptr,
                            slack_ptr, T, factor, spread, BINS: tl.constexpr,
-                           ROW: tl.constexpr, TB: tl.constexpr, CHUNKS: tl.constexpr):
+                           ROW: tl.constexpr, COLD: tl.constexpr, TB: tl.constexpr,
+                           CHUNKS: tl.constexpr):
         # tensor s's column of the state (every program reads the T sums for the bucket's
-        # finiteness: T^2 small reads, from L2), then its step where its row was counted
+        # finiteness: T^2 small reads, from L2), then its step from its counted row
         s = tl.program_id(0)
         finite = _bucket_finite(sum_ptr, max_ptr, T, TB, CHUNKS)
         lane = tl.arange(0, 16)
         _start_columns(s + lane, lane < 1, sum_ptr, max_ptr, n_ptr, state_ptr, T, factor,
-                       warm_ptr, spread, finite, True, False)
-        if tl.load(warm_ptr + s) >= 0:
-            if finite != 0:
-                tl.debug_barrier()          # the column stored, then read by the pick
+                       warm_ptr, spread, finite, True, True)
+        if finite != 0:
+            tl.debug_barrier()              # the column stored, then read by the pick
+            if tl.load(warm_ptr + s) >= 0:
                 _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS, ROW)
                 # a miss above, (hi, +Inf]: (hi, bits(max|c|)], the same entries (module
                 # docstring)
@@ -185,8 +207,13 @@ def _kernels():
                 tl.store(state_ptr + T + s,
                          tl.where((hi == 0x7F800000) & (top > lo), top, hi))
             else:
-                cols = tl.arange(0, ROW)
-                tl.store(hist_ptr + s * ROW + cols, tl.zeros([ROW], dtype=tl.int64))
+                # (0, +Inf] in COLD parts: the first COLD + 2 columns of its row, read as a
+                # row of that width (_pick's rows are ROW apart: its base moved back)
+                _pick(hist_ptr + s * (ROW - COLD - 2), state_ptr, k_ptr, slack_ptr, T, s,
+                      COLD, COLD + 2)
+        else:
+            cols = tl.arange(0, ROW)
+            tl.store(hist_ptr + s * ROW + cols, tl.zeros([ROW], dtype=tl.int64))
 
     return types.SimpleNamespace(start=cached(_start_kernel), first=cached(_first_pass_kernel),
                                  warm=cached(_warm_start_kernel))
@@ -197,6 +224,10 @@ def _kernels():
 #: rows of the search state (int64 ``[7, T]``)
 LO, HI, C_LO, C_HI, ACTIVE, QUOTA, FINITE = range(7)
 INF_BITS = 0x7F800000      #: bits of +Inf: the top of a bracket above a warm start's
+#: parts of ``(0, +Inf]`` in which a warm search's first pass counts a tensor without a
+#: warm bracket (the cold search's coarse pass's 62: a part spans 2^31 / 62 bit patterns,
+#: about 4 octaves, and three passes of 2046 parts collapse it)
+COLD_BINS = 62
 
 
 def search_start(lo, hi, abs_sum, abs_max):
@@ -214,16 +245,20 @@ def search_start(lo, hi, abs_sum, abs_max):
     return state
 
 
-def search_from_fit_reference(abs_sum, abs_max, n, factor, warm=None, spread=0, cap=True):
-    """:func:`search_from_fit` in torch; ``cap=False``: a warm bracket's top is ``hi +
-    spread`` at most ``+Inf``, not ``bits(max|x|)`` (:func:`warm_start`'s)."""
+def search_from_fit_reference(abs_sum, abs_max, n, factor, warm=None, spread=0,
+                              folded=False):
+    """:func:`search_from_fit` in torch; ``folded=True`` (:func:`warm_start`'s): a warm
+    bracket's top is ``hi + spread`` at most ``+Inf``, not ``bits(max|x|)``, and a tensor
+    without one starts at ``(0, +Inf]`` (what the folded first pass counted)."""
     fit = abs_sum.float() / n.float() * torch.tensor(factor, dtype=torch.float32)
     lo = fit.view(torch.int32).to(torch.int64)
     hi = abs_max.float().view(torch.int32).to(torch.int64)
     if warm is not None:
         use = warm[0] >= 0
+        if folded:            # the windows the first pass counted: a cold one (0, +Inf]
+            lo, hi = torch.zeros_like(lo), torch.full_like(hi, INF_BITS)
         lo = torch.where(use, torch.clamp(warm[0] - spread, min=0), lo)
-        hi = torch.where(use, torch.clamp(warm[1] + spread, max=hi if cap else INF_BITS), hi)
+        hi = torch.where(use, torch.clamp(warm[1] + spread, max=hi), hi)
     return search_start(lo, hi, abs_sum, abs_max)
 
 
@@ -273,10 +308,15 @@ def warm_first_pass_reference(x, blocks, warm, spread, bins, hist, add=None, sou
     seg = H._entry_segments(blocks, x.numel())
     abs_sum, abs_max = segment_abs_sum_max_reference(x, blocks.counts, seg)
     ones = torch.ones_like(abs_sum)
+    use = warm[0] >= 0
     window = search_start(torch.clamp(warm[0] - spread, min=0),
                           torch.clamp(warm[1] + spread, max=INF_BITS), ones, ones)
-    window[ACTIVE] = (warm[0] >= 0).long()
+    window[ACTIVE] = use.long()
     hist += H.segment_histogram_reference(x, blocks, window, bins)
+    whole = search_start(torch.zeros_like(warm[0]), torch.full_like(warm[1], INF_BITS), ones,
+                         ones)
+    whole[ACTIVE] = (~use).long()
+    hist[:, :COLD_BINS + 2] += H.segment_histogram_reference(x, blocks, whole, COLD_BINS)
     return abs_sum, abs_max
 
 
@@ -284,8 +324,9 @@ def warm_first_pass(x, blocks, warm, spread, bins, hist, add=None, source=None, 
     """float32 ``(sum|c|, max|c|)`` per tensor of the bucket ``x`` (:class:`.Blocks`
     ``blocks``) and, counted into ``hist`` (int64 ``[T, bins + 2]``, zeroed), the
     histogram of every tensor with a warm bracket (``warm``, int64 ``[2, T]``; ``lo >=
-    0``) over ``(max(lo - spread, 0), min(hi + spread, +Inf)]``: one read of the bucket
-    (module docstring).  ``add``/``source``: error feedback's ``c`` written first, as
+    0``) over ``(max(lo - spread, 0), min(hi + spread, +Inf)]``, and of every other
+    tensor over ``(0, +Inf]`` in ``COLD_BINS`` parts (the first ``COLD_BINS + 2``
+    columns of its row): one read of the bucket (module docstring).  ``add``/``source``: error feedback's ``c`` written first, as
     :func:`.segmented.segment_abs_sum_max`'s."""
     T = blocks.first.numel()
     check_warm(warm, T)
@@ -302,7 +343,7 @@ def warm_first_pass(x, blocks, warm, spread, bins, hist, add=None, source=None, 
     _kernels().first[(programs,)](
         x, x if add is None else add, x if source is None else source, blocks.starts,
         blocks.stops, blocks.segs, warm, T, int(spread), hist, part_sum, part_max, BINS=bins,
-        BLOCK=blocks.block, ALIGN=blocks.align, ADD=add is not None,
+        COLD=COLD_BINS, BLOCK=blocks.block, ALIGN=blocks.align, ADD=add is not None,
         CHUNK=program_chunk(H.HISTOGRAM_CHUNK, blocks.block, x), num_warps=H.HISTOGRAM_WARPS)
     return reduce_partials(part_sum, part_max, blocks)
 
@@ -310,22 +351,26 @@ def warm_first_pass(x, blocks, warm, spread, bins, hist, add=None, source=None, 
 def warm_start_reference(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins):
     """:func:`warm_start` in torch (``hist`` zeroed)."""
     from . import histogram_select as H
-    state = search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread, cap=False)
-    counted = (warm[0] >= 0) & (state[ACTIVE] != 0)
-    stepped = state.clone()
-    stepped[ACTIVE] = counted.long()
+    state = search_from_fit_reference(abs_sum, abs_max, n, factor, warm, spread, folded=True)
+    finite = state[ACTIVE] != 0
+    counted, whole = (warm[0] >= 0) & finite, (warm[0] < 0) & finite
+    coarse = hist[:, :COLD_BINS + 2].clone()             # a cold tensor's row
+    stepped, cold = state.clone(), state.clone()
+    stepped[ACTIVE], cold[ACTIVE] = counted.long(), whole.long()
     H.histogram_pick_reference(hist, stepped, k, slack, bins)
+    H.histogram_pick_reference(coarse, cold, k, slack, COLD_BINS)
     top = abs_max.float().view(torch.int32).to(torch.int64)
     capped = (stepped[HI] == INF_BITS) & (top > stepped[LO])
     stepped[HI] = torch.where(capped, top, stepped[HI])
-    return torch.where(counted[None, :], stepped, state)
+    return torch.where(counted[None, :], stepped, torch.where(whole[None, :], cold, state))
 
 
 def warm_start(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins, backend=None):
     """The state of a warm search after :func:`warm_first_pass` counted ``hist``: every
-    tensor's start (:func:`search_from_fit` with ``cap=False``: the window counted), then
-    the step of those with a warm bracket in a finite bucket
-    (:func:`.histogram_select.histogram_pick`); the others keep their start.  One launch,
+    tensor's start at the window that pass counted (:func:`search_from_fit_reference`
+    with ``folded=True``), then in a finite bucket every tensor's step
+    (:func:`.histogram_select.histogram_pick`'s): from its row's 2046 parts where it has
+    a warm bracket, from the ``COLD_BINS`` parts of ``(0, +Inf]`` where not.  One launch,
     a program per tensor; ``hist`` is left zero."""
     T = abs_sum.numel()
     check_warm(warm, T)
@@ -337,7 +382,8 @@ def warm_start(hist, abs_sum, abs_max, n, factor, warm, spread, k, slack, bins, 
     tb, chunks = _programs_of(T)
     _kernels().warm[(T,)](hist, abs_sum.float().contiguous(), abs_max.float().contiguous(),
                           n.float().contiguous(), state, warm, k, slack, T, float(factor),
-                          int(spread), BINS=bins, ROW=bins + 2, TB=tb, CHUNKS=chunks)
+                          int(spread), BINS=bins, ROW=bins + 2, COLD=COLD_BINS, TB=tb,
+                          CHUNKS=chunks)
     return state
 
 

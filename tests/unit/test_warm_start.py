@@ -90,6 +90,40 @@ def test_an_exact_warm_search_selects_what_a_cold_one_does(backend, monkeypatch)
             assert torch.equal(cold, got), (scale, fold)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_three_passes_after_a_folded_start_collapse_any_bracket(backend, monkeypatch):
+    """The folded start steps every tensor once, a cold one from ``(0, +Inf]`` in 62
+    parts: its three passes (one fewer than unfolded) leave no tensor searched and the
+    k largest magnitudes sent, even where the bracket left is widest and the entries
+    densest (some 20 an ulp: no count lands on k by chance): a first search, and
+    thresholds moved by 1e5 and 1e-6 past their warm brackets.  (Two passes left the
+    first search's tensors still searched.)"""
+    spec = "laplace_topk:density=0.01,fused=1,exact=1"
+    monkeypatch.setenv("HVD_COMPRESS_BACKEND", backend)
+    lay = layout([f"t{i}" for i in range(len(LENGTHS))], [(n,) for n in LENGTHS])
+    offsets = np.cumsum([0] + LENGTHS[:-1]).tolist()
+    g = np.random.default_rng(7)
+    u, sign = g.uniform(size=sum(LENGTHS)), g.choice([-1, 1], sum(LENGTHS))
+    state0, _, _ = search(spec, laplace(seed=2), None, backend, monkeypatch)
+    none = torch.full((2, len(LENGTHS)), -1, dtype=torch.int64, device=DEVICE)
+    for scale, warm in ((1.0, none), (1e5, fs.warm_brackets(state0)),
+                        (1e-6, fs.warm_brackets(state0))):
+        x = torch.from_numpy((sign * scale * (1 + u * 2.0 ** -13)).astype(np.float32))
+        x = x.to(DEVICE)
+        reading = []
+        _, state = fs.histogram_search(from_spec(spec), x.clone(), lay, torch_ops, warm=warm,
+                                       reading=reading)
+        assert len(reading) == len(fs.WARM_FOLDED_PASSES) == 3
+        assert not state[H.ACTIVE].any(), scale
+        _, _, idx = search(spec, x, warm, backend, monkeypatch)
+        for o, n in zip(offsets, LENGTHS):
+            kk = max(1, int(0.01 * n))
+            mine = idx[(idx >= o) & (idx < o + n)]
+            assert mine.numel() == kk
+            assert torch.equal(torch.sort(x[mine].abs()).values,
+                               torch.sort(torch.topk(x[o:o + n].abs(), kk).values).values)
+
+
 def test_after_a_nonfinite_bucket_the_next_search_starts_cold(monkeypatch):
     spec = "laplace_topk:density=0.01,fused=1"
     bad = laplace().clone()
@@ -199,8 +233,9 @@ def folded_inputs(special=None):
 @pytest.mark.parametrize("how", ["plain", "add", "source"])
 def test_the_folded_first_pass_matches_its_reference(how):
     """One read: ``c`` written as the sums pass writes it, the sums and maxima, and the
-    histogram of the tensors with a warm bracket over the uncapped window (the others'
-    rows left zero), on the device as in torch."""
+    histogram of the tensors with a warm bracket over the uncapped window, the one
+    without over ``(0, +Inf]`` in 62 parts (its row's first 64 columns), on the device as
+    in torch."""
     x, blocks, warm, add = folded_inputs()
     out = {}
     for backend in ("torch", "triton"):
@@ -216,7 +251,9 @@ def test_the_folded_first_pass_matches_its_reference(how):
     want = x if how == "plain" else x + add
     assert torch.equal(f0, want)
     assert h0[0].sum() == LENGTHS[0] - int((want[:LENGTHS[0]] == 0).sum())
-    assert not h0[1].any() and h0[3].sum() > 0
+    cold = want[LENGTHS[0]:LENGTHS[0] + LENGTHS[1]]
+    assert h0[1, :S.COLD_BINS + 2].sum() == int((cold != 0).sum()) and h0[3].sum() > 0
+    assert not h0[1, S.COLD_BINS + 2:].any() and h0[1, [0, S.COLD_BINS + 1]].sum() == 0
     assert h0[2, -1] == LENGTHS[2] - int(want[LENGTHS[0] + LENGTHS[1]] == 0)  # all above
 
 
@@ -224,7 +261,7 @@ def test_the_folded_first_pass_matches_its_reference(how):
 def test_the_warm_start_after_a_folded_pass_matches_its_reference(special):
     """The start and the counted tensors' step, a program per tensor: the same state as
     the torch reference from the same counts; the warm tensors' brackets narrowed from
-    the window, the cold one at its fit and still searched; every count left zero; after
+    the window, the cold one's to a 62nd of ``(0, +Inf]``; every count left zero; after
     a NaN/Inf every tensor selects everything."""
     x, blocks, warm, _ = folded_inputs(special)
     T = len(LENGTHS)
@@ -249,9 +286,11 @@ def test_the_warm_start_after_a_folded_pass_matches_its_reference(special):
     if special:
         assert bool((state[H.LO] == -1).all()) and not state[H.ACTIVE].any()
         return
-    fit = H.search_from_fit_reference(*sums, n, factor)
-    assert state[H.LO, 1] == fit[H.LO, 1] and state[H.HI, 1] == fit[H.HI, 1]
-    assert state[H.ACTIVE, 1] == 1                   # cold: searched by the next passes
+    # cold: the part of (0, +Inf] where the count crosses k, searched by the next passes
+    assert state[H.C_LO, 1] >= k[1] >= state[H.C_HI, 1] and state[H.ACTIVE, 1] == 1
+    assert 0 < state[H.HI, 1] - state[H.LO, 1] <= -(-H.INF_BITS // S.COLD_BINS)
+    cold = x[LENGTHS[0]:LENGTHS[0] + LENGTHS[1]].abs().view(torch.int32)
+    assert state[H.C_HI, 1] == int((cold > state[H.HI, 1]).sum())
     window_lo = torch.clamp(warm[0] - fs.WARM_SPREAD_BITS, min=0)
     assert state[H.LO, 0] >= window_lo[0] and state[H.C_LO, 0] >= k[0] >= state[H.C_HI, 0]
     assert state[H.LO, 3] == 0 and state[H.HI, 3] == window_lo[3]   # fewer than k above
