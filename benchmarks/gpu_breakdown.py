@@ -62,7 +62,9 @@ tensor.  ``--tiny`` divides every size by 1000.
 10. **launch**: microseconds for the host to issue an ATen op (``abs`` of 1K values) and
    one of our Triton launches (the histogram of 1K values), no synchronisation; on CUDA
    also the same kernel through Triton's JIT dispatch alone and through its compiled
-   kernel's own launcher (what our launchers would save by calling it directly).
+   kernel's own launcher (what our launchers would save by calling it directly), and
+   through the launch cache; the cache's own key and arguments, on any device
+   (``gpu_launch.py``).
 11. **scatter**: a sparse decompress's sum of 2 and 8 ranks' pairs, sorted or with
    atomics (``gpu_variants.scatter_rows``): wall and device time, the CPU's bits or not.
 
@@ -80,7 +82,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import math  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -91,6 +92,7 @@ _spec = importlib.util.spec_from_file_location("gpu_common", Path(__file__).with
 common = sys.modules.setdefault("gpu_common", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(common)
 variants = common.sibling("gpu_variants")      # the aligned and warps rows
+launch = common.sibling("gpu_launch")          # the launch row
 
 GPT2_BLOCK = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072,
               3072 * 768, 768]
@@ -320,72 +322,6 @@ def search_rows(args):
     return rows
 
 
-def launch_row(args):
-    """Microseconds for the host to issue an ATen op and one of our Triton launches (the
-    histogram of 1K values, through its launcher); on CUDA also that kernel through
-    Triton's JIT dispatch alone (``kernel[grid](...)``: binding, specialisation key,
-    cache lookup) and through the compiled kernel's own launcher (``compiled[grid]``,
-    what a launch cache of our own would call), whose counts must equal the JIT's; last,
-    our launcher through that cache (``HVD_COMPRESS_LAUNCH_CACHE=1``)."""
-    from hvd_compress.kernels import histogram_select as H
-    x = common.laplace(torch, 1000, args.device)
-    blocks = H.block_table([1000], x.device)
-    state = H.search_start(torch.zeros(1, dtype=torch.int64, device=x.device),
-                           torch.full((1,), 0x7F000000, dtype=torch.int64, device=x.device),
-                           x.abs().sum().reshape(1), x.abs().max().reshape(1))
-    out = torch.zeros(1, 16, dtype=torch.int64, device=x.device)
-    row, n = {}, 20 if args.tiny else 200
-    calls = [("aten_op_us", lambda: x.abs()),
-             ("triton_launch_us", lambda: H.segment_histogram(x, blocks, state, 14, out, "triton"))]
-    if args.device == "cuda":
-        try:
-            calls += direct_launches(H, x, blocks, state, row)
-        except Exception as e:   # noqa: BLE001 - recorded for the next GPU run to read
-            row["direct_error"] = f"{type(e).__name__}: {e}"[:300]
-    # our launcher again with the launch cache (HVD_COMPRESS_LAUNCH_CACHE=1): on CUDA, a
-    # hit calls the compiled kernel's launcher (hvd_compress/kernels/_launch.py)
-    calls.append(("cached_launch_us", calls[1][1]))
-    for name, fn in calls:
-        cache = "1" if name == "cached_launch_us" else "0"
-        with common.environment({"HVD_COMPRESS_LAUNCH_CACHE": cache}):
-            fn()
-            common.sync(torch, args.device)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            row[name] = 1e6 * (time.perf_counter() - t0) / n
-            common.sync(torch, args.device)
-    print("launch: " + ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f} us" for k, v in row.items()
-                                 if k.endswith("_us")) + (f"; {row['direct_error']}"
-                                                          if "direct_error" in row else ""),
-          flush=True)
-    return row
-
-
-def direct_launches(H, x, blocks, state, row):
-    """The histogram kernel issued by Triton's JIT dispatch and by its compiled kernel's
-    launcher (every argument, constexprs included, in the kernel's order), each into its
-    own zeroed counts, compared (``row["direct_equal"]``); the two calls to time."""
-    jit, grid = H._kernels().histogram.jit, (blocks.starts.numel(),)   # not the cache's
-    meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align,
-            "PICK": False, "CHUNK": blocks.block}
-    counts = [torch.zeros(1, 16, dtype=torch.int64, device=x.device) for _ in range(2)]
-
-    def args(out):       # as histogram_select._launch_histogram passes them, without a pick
-        return (x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, blocks.counts,
-                out, out, out)
-
-    def through_jit(out=counts[0]):
-        return jit[grid](*args(out), **meta, num_warps=H.HISTOGRAM_WARPS)
-    runner = through_jit()[(grid[0], 1, 1)]
-
-    def direct(out=counts[1]):
-        runner(*args(out), *meta.values())
-    direct()
-    row["direct_equal"] = bool(torch.equal(*counts))
-    return [("jit_dispatch_us", through_jit), ("compiled_launcher_us", direct)]
-
-
 def plot(rows, title, path):
     try:
         import matplotlib
@@ -430,7 +366,7 @@ def main():
     result = {"info": info, "args": vars(args)}
     # the host's costs first (a second, and what decides between a launch cache and
     # graphs), then the breakdown: what ran is kept if make gpu-test's limit stops the rest
-    steps = [("launch", lambda: launch_row(args)), ("compress", lambda: compress_rows(args, cuda)),
+    steps = [("launch", lambda: launch.launch_row(args)), ("compress", lambda: compress_rows(args, cuda)),
              ("graph", lambda: graph_rows(args, cuda)), ("search", lambda: search_rows(args)),
              ("passes", lambda: variants.passes_rows(args, make_layout, DENSITY)),
              ("twobit", lambda: variants.twobit_rows(args, make_layout)),

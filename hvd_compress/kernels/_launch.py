@@ -70,25 +70,47 @@ def enabled():
     return value == "1"
 
 
+def _tensor_key(v):
+    return (v.dtype, v.data_ptr() % 16 == 0)
+
+
+def _int_key(v):
+    width = 32 if _INT32[0] <= v <= _INT32[1] else 64 if v <= _INT64_MAX else 65
+    return (int, v == 1, v % 16 == 0, width)
+
+
+#: the key of an argument by its exact type: one dict lookup, no isinstance chain (a
+#: tensor's type is added on first use, so this module imports no torch)
+_BY_TYPE = {bool: lambda v: bool, int: _int_key, float: lambda v: float,
+            type(None): lambda v: None}
+
+
 def _arg_key(v):
     """What Triton 3.6 specialises a compiled kernel on, for one runtime argument."""
+    by_type = _BY_TYPE.get(type(v))
+    if by_type is not None:
+        return by_type(v)
     if hasattr(v, "data_ptr"):                                   # a tensor
-        return (v.dtype, v.data_ptr() % 16 == 0)
+        if type(v).__name__ == "Tensor":
+            _BY_TYPE[type(v)] = _tensor_key
+        return _tensor_key(v)
     if isinstance(v, bool):
         return bool
     if isinstance(v, int):
-        width = 32 if _INT32[0] <= v <= _INT32[1] else 64 if v <= _INT64_MAX else 65
-        return (int, v == 1, v % 16 == 0, width)
+        return _int_key(v)
     if isinstance(v, float):
         return float
-    if v is None:
-        return None
     raise TypeError(f"the launch cache has no key for an argument of type {type(v).__name__}")
 
 
 class CachedKernel:
     """A ``triton.jit`` function launched through a cache of its compiled kernels (see the
-    module docstring).  ``jit``: the function itself (for anything but launching)."""
+    module docstring).  ``jit``: the function itself (for anything but launching).
+
+    A hit costs the host the key (:meth:`key`), the launcher's arguments
+    (:meth:`arguments`) and the compiled kernel's launcher, whose runner for a grid is
+    kept too (``compiled[grid]`` makes a new closure each call; the runner picks the
+    current stream when it launches)."""
 
     def __init__(self, jit):
         self.jit = jit
@@ -107,43 +129,71 @@ class CachedKernel:
             import inspect
             sig = inspect.signature(self.jit.fn)
             names = list(sig.parameters)
-            constexprs = {names[i] for i in self.jit.constexprs}
+            at = getattr(self.jit, "constexprs", None)
+            if at is None:            # Triton's interpreter: from the annotations
+                at = [i for i, p in enumerate(sig.parameters.values())
+                      if "constexpr" in str(p.annotation)]
+            constexprs = {names[i] for i in at}
             defaults = {n: p.default for n, p in sig.parameters.items()
                         if p.default is not inspect.Parameter.empty}
             self._params = names, constexprs, defaults
+            # what the hot path reads: the first constexpr's position, and the names a
+            # keyword argument is keyed by value under (constexprs, and launch options:
+            # names that are no parameter)
+            self._first_constexpr = min(at, default=len(names))
+            self._runtime = frozenset(names) - constexprs
         return self._params
 
     def key(self, args, kwargs):
         """The cache key of a call (module docstring): constexprs and launch options by
         value, runtime arguments by what Triton specialises on."""
         names, constexprs, _ = self.params()
-        positional = tuple(("c", a) if names[i] in constexprs else _arg_key(a)
-                           for i, a in enumerate(args))
+        if len(args) <= self._first_constexpr:                 # none given by position
+            positional = tuple(map(_arg_key, args))
+        else:
+            positional = tuple(("c", a) if names[i] in constexprs else _arg_key(a)
+                               for i, a in enumerate(args))
+        if self._runtime.isdisjoint(kwargs):     # constexprs and options: by value, as given
+            return positional, tuple(kwargs.items())
         named = tuple(sorted((k, v if k in constexprs or k not in names else _arg_key(v))
                              for k, v in kwargs.items()))
-        return positional, named
+        return positional, ("sorted",) + named
+
+    def arguments(self, args, kwargs):
+        """Every parameter's value in the kernel's order (constexprs and defaults
+        included): what the compiled kernel's launcher takes."""
+        names, _, defaults = self.params()
+        if len(args) == len(names):
+            return args
+        given = {**defaults, **kwargs}
+        return (*args, *[given[n] for n in names[len(args):]])
 
     def launch(self, grid, *args, **kwargs):
         if not enabled():                   # the default: no scan of the arguments either
             return self.jit[grid](*args, **kwargs)
-        first = next((a for a in args if hasattr(a, "is_cuda")), None)
+        first = args[0] if args and hasattr(args[0], "is_cuda") else next(
+            (a for a in args if hasattr(a, "is_cuda")), None)
         if first is None or not first.is_cuda or not _supported_triton():
             return self.jit[grid](*args, **kwargs)
         key = (first.device.index, self.key(args, kwargs))
-        compiled = self.compiled.get(key)
-        if compiled is None:
+        entry = self.compiled.get(key)
+        if entry is None:
             STATS["misses"] += 1
             compiled = self.jit[grid](*args, **kwargs)         # compiles where needed, launches
             compiled = compiled.result() if hasattr(compiled, "result") else compiled
             if len(self.compiled) > 256:
                 self.compiled.clear()
-            self.compiled[key] = compiled
+            self.compiled[key] = (compiled, {})
             return compiled
         STATS["hits"] += 1
-        names, _, defaults = self.params()
-        values = {**defaults, **dict(zip(names, args)), **kwargs}
+        compiled, runners = entry
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
-        compiled[grid3](*[values[name] for name in names])
+        runner = runners.get(grid3)
+        if runner is None:
+            if len(runners) > 64:
+                runners.clear()
+            runner = runners[grid3] = compiled[grid3]
+        runner(*self.arguments(args, kwargs))
         return compiled
 
 

@@ -52,6 +52,7 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
     assert ("gpt2", "laplace_topk:density=0.01") in steps and ("resnet50", "powersgd:rank=4") in steps
     assert ("gpt2", "laplace_topk:density=0.01,padded=1") in steps
     assert len(figures["breakdown_graph"]) == 7 and figures["breakdown_launch"]["aten_op_us"] > 0
+    assert figures["breakdown_launch"]["cache_key_us"] > 0      # (the cache's host work)
     assert figures["gpu_step_ddp_check"]["status"] == "passed", figures["gpu_step_ddp_check"]
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["run_device"] == "cpu" and len(profile["results"]) >= 9

@@ -30,6 +30,7 @@ class Compiled:
         self.log = log
 
     def __getitem__(self, grid):
+        self.log.append(("runner", grid))
         return lambda *args: self.log.append(("direct", grid, args))
 
 
@@ -62,7 +63,7 @@ def cache(monkeypatch):
 
 
 def kinds(jit):
-    return [entry[0] for entry in jit.log]
+    return [entry[0] for entry in jit.log if entry[0] != "runner"]
 
 
 def test_a_second_launch_of_the_same_specialisation_calls_the_compiled_kernel(cache):
@@ -72,7 +73,43 @@ def test_a_second_launch_of_the_same_specialisation_calls_the_compiled_kernel(ca
     k[(7, 2)](FakeTensor(2048), 999, BLOCK=256)       # another aligned address, another n
     assert kinds(jit) == ["jit", "direct"]
     # every parameter in the kernel's order, the constexpr's default included; 3-D grid
-    assert jit.log[1][1:] == ((7, 2, 1), (jit.log[1][2][0], 999, 256, False))
+    direct = [e for e in jit.log if e[0] == "direct"][0]
+    assert direct[1:] == ((7, 2, 1), (direct[2][0], 999, 256, False))
+
+
+def test_a_hit_keeps_the_compiled_kernels_runner_for_its_grid(cache):
+    """``compiled[grid]`` makes a runner (a closure; it picks the stream when it runs):
+    made once a grid, then reused."""
+    jit, k = cache
+    for grid in [(4,), (4,), (4,), (5,), (4,)]:
+        k[grid](FakeTensor(1024), 1000, BLOCK=256)
+    assert kinds(jit) == ["jit"] + ["direct"] * 4
+    assert [e[1] for e in jit.log if e[0] == "runner"] == [(4, 1, 1), (5, 1, 1)]
+
+
+def test_keywords_given_in_another_order_are_the_same_kernel_or_a_miss(cache):
+    """Constexprs by keyword are keyed as given (no sort): another order may miss once,
+    never hit a kernel compiled for other values."""
+    jit, k = cache
+    k[(1,)](FakeTensor(1024), 1000, BLOCK=256, FLAG=True)
+    k[(1,)](FakeTensor(1024), 1000, FLAG=True, BLOCK=256)
+    k[(1,)](FakeTensor(1024), 1000, FLAG=False, BLOCK=256)
+    k[(1,)](FakeTensor(1024), 1000, FLAG=True, BLOCK=256)
+    assert kinds(jit) == ["jit", "jit", "jit", "direct"]
+    assert jit.log[-1][2][2:] == (256, True)
+
+
+def test_the_key_of_an_interpreted_kernel_takes_its_constexprs_from_the_annotations():
+    """Under Triton's interpreter a kernel has no ``constexprs`` list: the cache reads
+    them from its annotations (benchmarks time the key on the CPU)."""
+    from hvd_compress.kernels import histogram_select as H
+    k = H._kernels().histogram
+    names, constexprs, _ = k.params()
+    assert {"BINS", "BLOCK", "LOCAL", "ALIGN", "PICK", "CHUNK"} <= constexprs
+    assert "x_ptr" in names and "x_ptr" not in constexprs
+    x = torch.zeros(8)
+    kw = {"BINS": 14, "BLOCK": 8}
+    assert k.key((x, 3), kw) == k.key((torch.ones(8), 3), kw) != k.key((x, 1), kw)
 
 
 @pytest.mark.parametrize("change", ["alignment", "dtype", "one", "multiple of 16", "int64",
