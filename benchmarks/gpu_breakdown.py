@@ -39,8 +39,8 @@ tensor.  ``--tiny`` divides every size by 1000.
    warps (``histogram_select.HISTOGRAM_WARPS``, ``band_compact.BAND_WRITE_WARPS``: 4 and
    8 since 2026-11-26's fifth stop, chosen from register counts, not timed), layouts
    ``gpt2`` and ``one``; the counts must not change.  ``fold_4``, ``fold_8``: each pass's
-   step made in the histogram's launch (``histogram_select.FOLD_PICK``, off by default:
-   4 launches fewer, more registers), histogram warps 4 or 8; ``fold_equal``: the same
+   step made in the histogram's launch (``histogram_select.FOLD_PICK``, on by default
+   since 2026-12-01: 4 launches fewer, more registers), histogram warps 4 or 8; ``fold_equal``: the same
    indices as the default.
 7. **passes**: the fused selection's kernels one by one in launch order, each with its
    device time (the coarse pass, the fine ones, the band count, offsets and write), with

@@ -67,7 +67,7 @@ def warps_rows(args, make_layout, density):
     from hvd_compress.kernels import band_compact as B
     from hvd_compress.kernels import histogram_select as H
     from hvd_compress.ops import torch_ops
-    now = (H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS)
+    now, fold_now = (H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS), H.FOLD_PICK
     rows = []
     for lname in ("gpt2", "one"):
         lay = make_layout(lname, args.tiny)
@@ -77,6 +77,7 @@ def warps_rows(args, make_layout, density):
         counts, fold_equal = set(), []
         fn = lambda: select_histogram(search, flat, lay, torch_ops,  # noqa: E731
                                       HISTOGRAM_PASSES)[0]
+        H.FOLD_PICK = False                 # the reference: a pick launch of its own
         want = fn()
         for pair in ((4, 4), (4, 8), (8, 4), (8, 8), ("fold", 4), ("fold", 8)):
             fold = pair[0] == "fold"        # FOLD_PICK, histogram warps 4 or 8
@@ -92,6 +93,7 @@ def warps_rows(args, make_layout, density):
             finally:
                 H.HISTOGRAM_WARPS, B.BAND_WRITE_WARPS = now
                 H.FOLD_PICK = False
+        H.FOLD_PICK = fold_now
         row["same_count"] = len(counts) == 1
         row["fold_equal"] = all(fold_equal)
         rows.append(row)
@@ -110,8 +112,8 @@ CHUNKS = (("whole", 4096, 4096), ("c1024", 1024, 1024), ("default", None, None))
 
 def passes_rows(args, make_layout, density):
     """The fused selection's kernels one by one, in launch order, with the device time of
-    each (torch.profiler: the coarse pass, each fine pass and its pick, the band count,
-    offsets and write apart, where the ``compress`` rows sum them by name), for each
+    each (torch.profiler: the coarse pass, each fine pass with its pick (one kernel with
+    ``histogram_select.FOLD_PICK``, the default), the band count, offsets and write apart, where the ``compress`` rows sum them by name), for each
     ``CHUNKS`` setting, and the whole selection's wall time; the indices must be equal."""
     import hvd_compress
     from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES, select_histogram

@@ -338,9 +338,12 @@ def histogram_pick(hist, state, k, slack, bins, backend=None):
 # -- one pass: the histogram and the step ------------------------------------------------
 
 #: each pass's step in the histogram's launch (each tensor's last block to finish picks:
-#: 4 launches fewer a compress); off: slower on the H200's 25M tensor, mixed on GPT-2's
-#: block (2026-11-29; ``benchmarks/gpu_breakdown.py``'s ``warps`` rows, ``fold``)
-FOLD_PICK = False
+#: a launch fewer a pass, 4 a cold compress, 3 a warm one).  On since 2026-12-01: the
+#: H200's ``gpu_breakdown`` ``warps`` rows, in both calls after the histogram read its
+#: block in chunks (2026-11-30 and 12-01), timed the whole selection at 0.83 and 0.72 ms
+#: against 1.17 and 0.89 (GPT-2's block), 0.86 and 0.78 against 1.35 and 1.55 (25M
+#: values), the same indices; before the chunks (2026-11-29) it had been slower
+FOLD_PICK = True
 
 
 def histogram_step(x, blocks, state, bins, k, slack, buffers=None, local=False, backend=None):
@@ -348,7 +351,7 @@ def histogram_step(x, blocks, state, bins, k, slack, buffers=None, local=False, 
     (``state`` updated in place and returned), in one launch where the kernels run and
     ``FOLD_PICK`` is set.  ``buffers``: a dict that keeps the zeroed counts
     (``"counts"``, one buffer for every pass) and the per-tensor counters (``"done"``,
-    int32, left zero) for the next passes."""
+    its tail, left zero) for the next passes."""
     buffers = {} if buffers is None else buffers
     if pick_backend(x, backend) == "torch" or x.numel() == 0:
         hist = segment_histogram(x, blocks, state, bins, None, backend, local)
@@ -357,8 +360,6 @@ def histogram_step(x, blocks, state, bins, k, slack, buffers=None, local=False, 
     if not FOLD_PICK:
         segment_histogram(x, blocks, state, bins, hist, backend, local)
         return histogram_pick(hist, state, k, slack, bins, backend)
-    if "done" not in buffers:
-        buffers["done"] = torch.zeros(blocks.first.numel(), dtype=torch.int32, device=x.device)
     count_launch("segment_histogram_pick")
     _launch_histogram(x, blocks, state, bins, hist, local, (k, slack, buffers["done"]))
     return state
@@ -367,10 +368,13 @@ def histogram_step(x, blocks, state, bins, k, slack, buffers=None, local=False, 
 def _zeroed_counts(buffers, T, bins, device):
     """The passes' one zeroed int64 counts buffer (``buffers["counts"]``, flat, 2048
     columns a tensor), indexed as ``[T, bins + 2]`` rows from its start: each pick zeroes
-    the rows it counted into, so every later pass finds its rows zero (one allocation)."""
+    the rows it counted into, so every later pass finds its rows zero (one allocation).
+    Its last ``T`` entries, past every row, are ``FOLD_PICK``'s per-tensor counters of
+    the blocks that finished (``buffers["done"]``), which the last block zeroes again."""
     need = T * (bins + 2)
     whole = buffers.get("counts")
     if whole is None or whole.numel() < need:
-        whole = buffers["counts"] = torch.zeros(max(need, T * 2048), dtype=torch.int64,
+        whole = buffers["counts"] = torch.zeros(max(need, T * 2048) + T, dtype=torch.int64,
                                                 device=device)
+        buffers["done"] = whole[whole.numel() - T:]
     return whole

@@ -114,7 +114,7 @@ def test_launches_and_ops_do_not_grow_with_the_tensors_of_a_bucket(monkeypatch):
     # the bucket's DCT, and the aggregate's inverse; error feedback in the coefficient
     # domain inverts no bucket, only its tensors' last blocks (an inverse and a DCT)
     assert l4["dct_segments"] == 2 and l4["idct_segments"] == 2
-    assert l4["segment_histogram"] == len(HISTOGRAM_PASSES)
+    assert l4["segment_histogram_pick"] == len(HISTOGRAM_PASSES)     # (FOLD_PICK, on)
     assert sum(o4.values()) == sum(o40.values()), set(o40.items()) ^ set(o4.items())
 
 
