@@ -40,8 +40,8 @@ tensor.  ``--tiny`` divides every size by 1000.
    8 since 2026-11-26's fifth stop, chosen from register counts, not timed), layouts
    ``gpt2`` and ``one``; the counts must not change.  ``fold_4``, ``fold_8``: each pass's
    step made in the histogram's launch (``histogram_select.FOLD_PICK``, on by default
-   since 2026-12-01: 4 launches fewer, more registers), histogram warps 4 or 8; ``fold_equal``: the same
-   indices as the default.
+   since 2026-12-01: 4 launches fewer, more registers), histogram warps 4 or 8;
+   ``fold_equal``: the same indices as a pick launch of its own.
 7. **passes**: the fused selection's kernels one by one in launch order, each with its
    device time (the coarse pass, the fine ones, the band count, offsets and write), with
    every program reading its block whole (as before 2026-11-30), in chunks of 1024, and
@@ -366,7 +366,8 @@ def main():
     result = {"info": info, "args": vars(args)}
     # the host's costs first (a second, and what decides between a launch cache and
     # graphs), then the breakdown: what ran is kept if make gpu-test's limit stops the rest
-    steps = [("launch", lambda: launch.launch_row(args)), ("compress", lambda: compress_rows(args, cuda)),
+    steps = [("launch", lambda: launch.launch_row(args)),
+             ("compress", lambda: compress_rows(args, cuda)),
              ("graph", lambda: graph_rows(args, cuda)), ("search", lambda: search_rows(args)),
              ("passes", lambda: variants.passes_rows(args, make_layout, DENSITY)),
              ("twobit", lambda: variants.twobit_rows(args, make_layout)),

@@ -113,8 +113,9 @@ CHUNKS = (("whole", 4096, 4096), ("c1024", 1024, 1024), ("default", None, None))
 def passes_rows(args, make_layout, density):
     """The fused selection's kernels one by one, in launch order, with the device time of
     each (torch.profiler: the coarse pass, each fine pass with its pick (one kernel with
-    ``histogram_select.FOLD_PICK``, the default), the band count, offsets and write apart, where the ``compress`` rows sum them by name), for each
-    ``CHUNKS`` setting, and the whole selection's wall time; the indices must be equal."""
+    ``histogram_select.FOLD_PICK``, the default), the band count, offsets and write
+    apart, where the ``compress`` rows sum them by name), for each ``CHUNKS`` setting,
+    and the whole selection's wall time; the indices must be equal."""
     import hvd_compress
     from hvd_compress.compressors.fused_search import HISTOGRAM_PASSES, select_histogram
     from hvd_compress.kernels import band_compact as B

@@ -171,9 +171,9 @@ def histogram_search(self, flat, lay, ops, passes=None, add=None, source=None, w
     first pass is counted by the sums pass (``ops.warm_search_start``: a read of the
     bucket fewer, a tensor without a warm bracket counted over ``(0, +Inf]``), then
     ``WARM_FOLDED_PASSES``.  ``passes``: default ``HISTOGRAM_PASSES``, from ``warm``
-    ``WARM_FOLDED_PASSES`` (``WARM_PASSES`` unfolded).  ``reading``: a list that gets, per histogram pass, which tensors it
-    reads (a list of bools: those still searched; a host read each, for benchmarks:
-    :func:`reads`)."""
+    ``WARM_FOLDED_PASSES`` (``WARM_PASSES`` unfolded).  ``reading``: a list that gets,
+    per histogram pass, which tensors it reads (a list of bools: those still searched; a
+    host read each, for benchmarks: :func:`reads`)."""
     if passes is None:
         passes = (HISTOGRAM_PASSES if warm is None else WARM_FOLDED_PASSES if fold
                   else WARM_PASSES)

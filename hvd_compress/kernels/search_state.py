@@ -326,8 +326,8 @@ def warm_first_pass(x, blocks, warm, spread, bins, hist, add=None, source=None, 
     histogram of every tensor with a warm bracket (``warm``, int64 ``[2, T]``; ``lo >=
     0``) over ``(max(lo - spread, 0), min(hi + spread, +Inf)]``, and of every other
     tensor over ``(0, +Inf]`` in ``COLD_BINS`` parts (the first ``COLD_BINS + 2``
-    columns of its row): one read of the bucket (module docstring).  ``add``/``source``: error feedback's ``c`` written first, as
-    :func:`.segmented.segment_abs_sum_max`'s."""
+    columns of its row): one read of the bucket (module docstring).  ``add``/``source``:
+    error feedback's ``c`` written first, as :func:`.segmented.segment_abs_sum_max`'s."""
     T = blocks.first.numel()
     check_warm(warm, T)
     if add is not None or source is not None:
