@@ -58,25 +58,30 @@ def launch_row(args):
     return row
 
 
+def histogram_call(H, x, blocks, state, out):
+    """``(arguments, constexprs)`` of the histogram launch of 1K values into ``out``, as
+    ``histogram_select._launch_histogram`` passes them without a pick (the calls timed
+    here)."""
+    meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align,
+            "PICK": False, "CHUNK": blocks.block}
+    return (x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, blocks.counts, out,
+            out, out), meta
+
+
 def direct_launches(H, x, blocks, state, row):
     """The histogram kernel issued by Triton's JIT dispatch and by its compiled kernel's
     launcher (every argument, constexprs included, in the kernel's order), each into its
     own zeroed counts, compared (``row["direct_equal"]``); the two calls to time."""
     jit, grid = H._kernels().histogram.jit, (blocks.starts.numel(),)   # not the cache's
-    meta = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align,
-            "PICK": False, "CHUNK": blocks.block}
     counts = [torch.zeros(1, 16, dtype=torch.int64, device=x.device) for _ in range(2)]
+    calls = [histogram_call(H, x, blocks, state, out) for out in counts]
 
-    def args(out):       # as histogram_select._launch_histogram passes them, without a pick
-        return (x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, blocks.counts,
-                out, out, out)
-
-    def through_jit(out=counts[0]):
-        return jit[grid](*args(out), **meta, num_warps=H.HISTOGRAM_WARPS)
+    def through_jit(call=calls[0]):
+        return jit[grid](*call[0], **call[1], num_warps=H.HISTOGRAM_WARPS)
     runner = through_jit()[(grid[0], 1, 1)]
 
-    def direct(out=counts[1]):
-        runner(*args(out), *meta.values())
+    def direct(call=calls[1]):
+        runner(*call[0], *call[1].values())
     direct()
     row["direct_equal"] = bool(torch.equal(*counts))
     return [("jit_dispatch_us", through_jit), ("compiled_launcher_us", direct)]
@@ -88,10 +93,8 @@ def cache_key_us(H, x, blocks, state, out, n):
     (``CachedKernel.key``) and the compiled launcher's arguments
     (``CachedKernel.arguments``), ``n`` times; on the CPU too (no launch)."""
     kernel = H._kernels().histogram
-    args = (x, blocks.starts, blocks.stops, blocks.segs, state, 1, out, blocks.counts, out,
-            out, out)
-    kw = {"BINS": 14, "BLOCK": blocks.block, "LOCAL": False, "ALIGN": blocks.align,
-          "PICK": False, "CHUNK": blocks.block, "num_warps": H.HISTOGRAM_WARPS}
+    args, meta = histogram_call(H, x, blocks, state, out)
+    kw = dict(meta, num_warps=H.HISTOGRAM_WARPS)
     kernel.key(args, kw)
     t0 = time.perf_counter()
     for _ in range(n):
