@@ -54,10 +54,10 @@ from .segmented import Blocks, block_table  # noqa: F401  (the bucket's blocks)
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
-    # helpers of this module's kernels and search_state.py's (_pick, and the fine count),
-    # and tl, which they use: Triton's interpreter looks them up in this module,
-    # whichever kernel calls first
-    global _pick, _window, _column, _count_fine, _add_outside, tl
+    # helpers of this module's kernels and search_state.py's (_pick, and the fine and
+    # local counts), and tl, which they use: Triton's interpreter looks them up in this
+    # module, whichever kernel calls first
+    global _pick, _window, _column, _count_fine, _add_outside, _count_local, _add_local, tl
     import triton
     import triton.language as tl
 
@@ -102,6 +102,20 @@ def _kernels():
         above_n = tl.sum(above, axis=0).to(tl.int64)
         tl.atomic_add(row, below_n, mask=below_n > 0, sem="relaxed")
         tl.atomic_add(row + BINS + 1, above_n, mask=above_n > 0, sem="relaxed")
+
+    @triton.jit
+    def _count_local(h, b, j, valid, lo, hi, BINS: tl.constexpr):
+        # a local count of the entries valid: their columns (0 below the bracket, nonzero;
+        # BINS + 1 above it) in the block's own histogram h (tl.histogram: BINS + 2
+        # columns, few), which _add_local adds with one atomic per non-empty column: where
+        # most entries of a block fall in a few columns, per-entry atomics would queue
+        col = tl.where(b > hi, BINS + 1, tl.where(b > lo, j, 0))
+        return h + tl.histogram(col, BINS + 2, mask=valid & ((b > 0) | (b > lo)))
+
+    @triton.jit
+    def _add_local(row, h, BINS: tl.constexpr):
+        cols = tl.arange(0, BINS + 2)
+        tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0, sem="relaxed")
 
     @triton.jit
     def _pick(hist_ptr, state_ptr, k_ptr, slack_ptr, T, s, BINS: tl.constexpr,
@@ -172,17 +186,12 @@ def _kernels():
                 x = tl.load(x_ptr + start + local, mask=valid, other=0.0).to(tl.float32)
                 b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
                 j = _column(b, lo, scale, BINS)
-                if LOCAL:
-                    # the block's own histogram (tl.histogram: BINS + 2 columns, few), then
-                    # one atomic per non-empty column: for a coarse pass, where most entries
-                    # of a block fall in a few columns and per-entry atomics would queue
-                    col = tl.where(b > hi, BINS + 1, tl.where(b > lo, j, 0))
-                    h += tl.histogram(col, BINS + 2, mask=valid & ((b > 0) | (b > lo)))
+                if LOCAL:                                    # a coarse pass
+                    h = _count_local(h, b, j, valid, lo, hi, BINS)
                 else:
                     below, above = _count_fine(row, b, j, valid, lo, hi, below, above)
         if LOCAL:
-            cols = tl.arange(0, BINS + 2)
-            tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0, sem="relaxed")
+            _add_local(row, h, BINS)
         else:
             _add_outside(row, below, above, BINS)
         if PICK:

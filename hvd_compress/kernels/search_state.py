@@ -61,8 +61,8 @@ def _kernels():
     """Import Triton and define the kernels (once, on first launch)."""
     # helpers of several kernels (histogram_select.py's too), and tl: Triton's
     # interpreter looks them up here
-    global _pick, _window, _column, _count_fine, _add_outside, _bucket_finite
-    global _start_columns, tl
+    global _pick, _window, _column, _count_fine, _add_outside, _count_local, _add_local
+    global _bucket_finite, _start_columns, tl
     import triton
     import triton.language as tl
 
@@ -70,6 +70,7 @@ def _kernels():
     H._kernels()
     _pick, _window, _column = H._pick, H._window, H._column
     _count_fine, _add_outside = H._count_fine, H._add_outside
+    _count_local, _add_local = H._count_local, H._add_local
 
     @triton.jit
     def _bucket_finite(sum_ptr, max_ptr, T, TB: tl.constexpr, CHUNKS: tl.constexpr):
@@ -169,16 +170,14 @@ def _kernels():
             top = tl.maximum(top, a)
             b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF        # bits of |x|
             j = _column(b, lo, scale, BINS)
-            if cold:
-                col = tl.where(b > hi, COLD + 1, tl.where(b > lo, j, 0))
-                h += tl.histogram(col, COLD + 2, mask=valid & (b > 0))
+            if cold:                             # (0, +Inf]: lo = 0, no entry below it
+                h = _count_local(h, b, j, valid, lo, hi, COLD)
             else:
                 below, above = _count_fine(row, b, j, valid, lo, hi, below, above)
         tl.store(part_sum_ptr + pid, tl.sum(total, axis=0))
         tl.store(part_max_ptr + pid, tl.max(top, axis=0))
         if cold:
-            cols = tl.arange(0, COLD + 2)
-            tl.atomic_add(row + cols, h.to(tl.int64), mask=h > 0, sem="relaxed")
+            _add_local(row, h, COLD)
         else:
             _add_outside(row, below, above, BINS)
 
