@@ -79,7 +79,7 @@ WARM_SPREAD_BITS = round(math.log2(1 + WARM_SPREAD) * 2 ** 23)
 WARM_PASSES = (HISTOGRAM_BINS,) * 4
 #: the folded start's (``fold=True``, the compressors'): its first pass steps every
 #: tensor, a cold one from ``(0, +Inf]`` in 62 parts (``search_state.COLD_BINS``), so 3
-#: passes collapse any bracket left: a pass (2 launches) fewer
+#: passes collapse any bracket left: a pass fewer (a launch with ``FOLD_PICK``, 2 without)
 WARM_FOLDED_PASSES = (HISTOGRAM_BINS,) * 3
 
 
