@@ -202,8 +202,8 @@ class TwoBit(CodesAndScales):
         # flat: adds_residual), one pack launch for the
         # bucket, which flags NaN/Inf (the thresholds' formula as in encode_one; the sums'
         # order of additions is the segmented pass's) and may write the residual
-        # (subtract_sent's bits)
-        if not ops.bucket_codec_kernels(flat) or min(lay.numels) < 1:
+        # (subtract_sent's bits); TensorFlow: the same in a fixed number of graph ops
+        if not ops.bucket_codec_kernels(flat, self.name) or min(lay.numels) < 1:
             return None
         if self.threshold is None:               # t and the scales in the pack kernel
             abs_sum, abs_max = ops.segment_abs_sum_max(flat, lay, add=add, source=source)

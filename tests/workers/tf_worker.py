@@ -5,6 +5,7 @@ the command line, eagerly and inside tf.function.  Each rank writes
 import os
 import pickle
 import sys
+import time
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -317,7 +318,10 @@ if __name__ == "__main__":
     tf.config.threading.set_intra_op_parallelism_threads(1)
     for scenario in sys.argv[1:]:
         result = {}
+        start = time.perf_counter()
         SCENARIOS[scenario](result)
+        print(f"SCENARIO {scenario} rank {hvd.rank()}: {time.perf_counter() - start:.1f} s",
+              flush=True)
         np.savez(os.path.join(os.environ["OUT_DIR"], f"tf_{scenario}_rank{hvd.rank()}.npz"),
                  **result)
     print("WORKER_DONE", hvd.rank(), flush=True)

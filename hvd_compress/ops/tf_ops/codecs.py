@@ -14,12 +14,16 @@ from .core import numel
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
 
 def twobit_pack(flat, t):
-    x = _tf.cast(flat, _tf.float32)
+    x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
     n = numel(flat)
-    n_words = -(-n // 16)
+    return _twobit_words(_tf.pad(x, [[0, -(-n // 16) * 16 - n]]), t)
+
+
+def _twobit_words(x, t):
+    """int32 words of the 2-bit codes of float32 ``x`` (a multiple of 16 long) against
+    ``t`` (a scalar or one per value, > 0: a padding 0 codes as 0)."""
     code = _tf.where(x >= t, _tf.constant(1, _tf.int64),
                      _tf.where(x <= -t, _tf.constant(2, _tf.int64), _tf.constant(0, _tf.int64)))
-    code = _tf.pad(code, [[0, n_words * 16 - n]])
     shifts = 2 * _tf.range(16, dtype=_tf.int64)
     words = _tf.reduce_sum(_tf.bitwise.left_shift(_tf.reshape(code, [-1, 16]), shifts), axis=1)
     return _tf.cast(_tf.where(words >= 2**31, words - 2**32, words), _tf.int32)
@@ -48,19 +52,91 @@ def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False, what="ran
     return None
 
 
-def bucket_codec_kernels(flat):
-    """No bucket kernels in TensorFlow: buckets are coded tensor by tensor."""
-    return False
+#: the codecs whose bucket functions below are TensorFlow ops over the whole bucket: a
+#: fixed number of graph ops however many tensors it holds (tensor by tensor, a bucket
+#: of 160 took 20,500 ops and 24 s to trace, 2026-12-01)
+_VECTORISED = frozenset({"twobit"})
+
+
+def bucket_codec_kernels(flat, codec=None):
+    """Is a bucket coded in a fixed number of ops, whatever its number of tensors?  Here
+    for the codecs of :data:`_VECTORISED`, asked by name (``codec``); never for
+    ``codec=None`` (every codec, and the passes that write in place: PyTorch's kernels)."""
+    return codec in _VECTORISED
+
+
+def _padded(x, lengths, per_word):
+    """``x`` (values of tensors of ``lengths`` end to end, on its last axis) with each
+    tensor padded with 0 to whole words of ``per_word`` codes: one split and one concat."""
+    pads = [-n % per_word for n in lengths]
+    if not any(pads):
+        return x
+    parts = _tf.split(x, list(lengths), axis=-1)
+    zeros = {p: _tf.zeros(_tf.concat([_tf.shape(x)[:-1], [p]], 0), x.dtype)
+             for p in set(pads) if p}
+    return _tf.concat([q for part, p in zip(parts, pads)
+                       for q in ((part, zeros[p]) if p else (part,))], axis=-1)
+
+
+def _unpadded(x, lengths, per_word):
+    """:func:`_padded`'s inverse on the last axis: one split and one concat."""
+    pads = [-n % per_word for n in lengths]
+    if not any(pads):
+        return x
+    sizes = [m for n, p in zip(lengths, pads) for m in ((n, p) if p else (n,))]
+    parts = _tf.split(x, sizes, axis=-1)
+    keep, at = [], 0
+    for p in pads:
+        keep.append(parts[at])
+        at += 2 if p else 1
+    return _tf.concat(keep, axis=-1)
+
+
+def _per_slot(values, lengths, per_word):
+    """``values`` (``[..., T]``, one per tensor) repeated over each tensor's padded slots
+    (one broadcast per tensor, no gather: a gather or ``tf.repeat`` of a bucket took 3-5x
+    as long on the CPU, 2026-12-01)."""
+    cols = _tf.split(values, len(lengths), axis=-1)
+    lead = values.shape[:-1]
+    lead = lead.as_list() if lead.is_fully_defined() else _tf.shape(values)[:-1]
+
+    def shape(n):
+        m = -(-n // per_word) * per_word
+        return lead + [m] if isinstance(lead, list) else _tf.concat([lead, [m]], 0)
+    return _tf.concat([_tf.broadcast_to(c, shape(n)) for c, n in zip(cols, lengths)], axis=-1)
+
+
+def _pack_slots(flat, layout, t):
+    x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
+    return _twobit_words(_padded(x, layout.numels, 16), _per_slot(t, layout.numels, 16))
 
 
 def twobit_pack_segments(flat, layout, t, residual=False):
-    """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
-    raise NotImplementedError("twobit_pack_segments runs on PyTorch tensors only")
+    """``(words, bad)`` of a bucket, each tensor against its own ``t[s]`` (> 0), the same
+    words as :func:`twobit_pack` tensor by tensor; ``bad`` int32, 1 where a tensor holds
+    NaN/Inf.  ``residual``: a third element, None (nothing is written in place here)."""
+    from .segments import segment_abs_sum_max
+    abs_sum, abs_max = segment_abs_sum_max(flat, layout)
+    out = (_pack_slots(flat, layout, t), _bad(abs_sum, abs_max))
+    return (*out, None) if residual else out
 
 
 def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale, residual=False):
-    """PyTorch only (a Triton kernel); :func:`bucket_codec_kernels` is False here."""
-    raise NotImplementedError("twobit_pack_fit runs on PyTorch tensors only")
+    """``(words, scales, bad)`` with twobit's adaptive thresholds ``scale * sum|x| / n``
+    per tensor (1 where not > 0), the scales NaN where a tensor holds NaN/Inf, as the
+    PyTorch kernel's (:func:`hvd_compress.kernels.twobit_segments.pack_fit_reference`).
+    ``residual``: as in :func:`twobit_pack_segments`."""
+    n = _tf.constant([max(v, 1) for v in layout.numels], _tf.float32)
+    t = scale * abs_sum / n
+    t = _tf.where(t > 0, t, 0 * t + 1.0)
+    bad = _bad(abs_sum, abs_max)
+    out = (_pack_slots(flat, layout, t), _tf.where(bad > 0, t * float("nan"), t), bad)
+    return (*out, None) if residual else out
+
+
+def _bad(abs_sum, abs_max):
+    """int32 per tensor, 1 where it holds NaN (its sum of magnitudes is NaN) or Inf."""
+    return _tf.cast(_tf.math.is_nan(abs_sum) | (abs_max == float("inf")), _tf.int32)
 
 
 def segment_sign_sums(flat, layout):
@@ -90,8 +166,12 @@ def segment_sum(values, lengths):
 
 
 def twobit_decode_segments(words, scales, lengths):
-    """No bucket fast path in TensorFlow: the 2-bit decoder goes tensor by tensor."""
-    return None
+    """float32 bucket: tensor ``s`` is ``sum_r scales[r, s] * signs_r``, every rank's
+    words ``(ranks, words)`` and ``scales`` ``(ranks, T)`` at once, the same products and
+    sum over the ranks as the decoder's tensor by tensor."""
+    signs = _tf.reshape(twobit_unpack(_tf.reshape(words, [-1])), [_tf.shape(words)[0], -1])
+    slots = _per_slot(_tf.cast(scales, _tf.float32), lengths, 16)
+    return _unpadded(_tf.reduce_sum(signs * slots, axis=0), lengths, 16)
 
 
 # -- range-based float (rangefloat) ------------------------------------------------------

@@ -34,9 +34,13 @@ def layout_constant(what, layout, values, dtype, like):
 def segment_abs_sum_max(flat, layout, add=None, source=None):
     if add is not None or source is not None:   # (error feedback defers it on PyTorch only)
         raise NotImplementedError("segment_abs_sum_max(add=) writes in place: PyTorch only")
-    a = _tf.abs(_tf.cast(flat, _tf.float32))
-    ids = segment_ids(layout, flat)
-    return _tf.math.segment_sum(a, ids), _tf.math.segment_max(a, ids)
+    # each tensor reduced on its own (one op each, as a tensor alone is, so the same
+    # sums): a segment sum took 4-7x as long on the CPU, 2026-12-01
+    parts = _tf.split(_tf.abs(_tf.cast(_tf.reshape(flat, [-1]), _tf.float32)),
+                      list(layout.numels))
+    zero = _tf.constant(0.0)
+    return (_tf.stack([_tf.reduce_sum(p) if n else zero for p, n in zip(parts, layout.numels)]),
+            _tf.stack([_tf.reduce_max(p) if n else zero for p, n in zip(parts, layout.numels)]))
 
 
 def segment_count_above(a, seg, thresholds):
