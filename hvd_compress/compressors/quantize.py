@@ -11,7 +11,8 @@ bytes plus the 4-byte threshold: 16x fewer bytes than float32.
 A bucket where the kernels run (CUDA): the thresholds of all tensors from one segmented
 pass (``sum|r|`` per tensor), one pack launch and one decode launch for every tensor
 and rank (kernels ``twobit_segments.pack_segments`` / ``decode_segments``); the same payload as
-tensor by tensor.  Elsewhere (CPU, TensorFlow) tensor by tensor.
+tensor by tensor.  TensorFlow: one call for the bucket (``tf_ops.twobit_pack_fit``), each tensor
+packed and decoded as alone in fewer ops.  Elsewhere (PyTorch CPU) tensor by tensor.
 
 Threshold: fixed when ``threshold`` is given; otherwise adaptive per layer and step,
 ``t = scale * mean|r|`` (``r`` the compensated gradient, default ``scale=1``): the

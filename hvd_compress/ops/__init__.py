@@ -69,8 +69,10 @@ bucket codecs in one launch per pass (``bucket_codec_kernels``, ``twobit_pack_se
 ``twobit_pack_fit``,
 ``twobit_decode_segments``, ``rangefloat_encode_segments``, ``rangefloat_decode_segments``,
 ``rangefloat_decode_sum``, ``onebit_pack_segments``, ``onebit_decode_segments``, and the
-stochastic quantizers' ``uniform_segments`` and ``segment_sum``: PyTorch's Triton path;
-elsewhere they return None or raise, and the codecs go tensor by tensor);
+stochastic quantizers' ``uniform_segments`` and ``segment_sum``: PyTorch's Triton path,
+and TensorFlow's one call a bucket for twobit (``bucket_codec_kernels(flat,
+codec)`` names the codec); elsewhere they return None or raise, and the codecs go
+tensor by tensor);
 aggregation-aware exchange (``unique_sorted``, ``ones_like``).  ``twobit_decode_sum``,
 ``rangefloat_decode_ranks``, ``segment_abs_topk`` (each tensor's top-k of ``|x|`` and
 the bucket's finiteness from one selection: CPU, and PyTorch CUDA for a bucket of

@@ -52,63 +52,26 @@ def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False, what="ran
     return None
 
 
-#: the codecs whose bucket functions below are TensorFlow ops over the whole bucket: a
-#: fixed number of graph ops however many tensors it holds (tensor by tensor, a bucket
-#: of 160 took 20,500 ops and 24 s to trace, 2026-12-01)
+#: the codecs whose bucket functions below code a bucket in one call: each tensor as
+#: alone, without the generic loop's ops around it (twobit, 160 tensors: 18,493 graph
+#: ops, not 29,478; benchmarks/tf_bucket_ops.py, 2026-12-01)
 _VECTORISED = frozenset({"twobit"})
 
 
 def bucket_codec_kernels(flat, codec=None):
-    """Is a bucket coded in a fixed number of ops, whatever its number of tensors?  Here
-    for the codecs of :data:`_VECTORISED`, asked by name (``codec``); never for
+    """Is a bucket coded by one call of the bucket functions?  Here for the codecs of
+    :data:`_VECTORISED`, asked by name (``codec``); never for
     ``codec=None`` (every codec, and the passes that write in place: PyTorch's kernels)."""
     return codec in _VECTORISED
 
 
-def _padded(x, lengths, per_word):
-    """``x`` (values of tensors of ``lengths`` end to end, on its last axis) with each
-    tensor padded with 0 to whole words of ``per_word`` codes: one split and one concat."""
-    pads = [-n % per_word for n in lengths]
-    if not any(pads):
-        return x
-    parts = _tf.split(x, list(lengths), axis=-1)
-    zeros = {p: _tf.zeros(_tf.concat([_tf.shape(x)[:-1], [p]], 0), x.dtype)
-             for p in set(pads) if p}
-    return _tf.concat([q for part, p in zip(parts, pads)
-                       for q in ((part, zeros[p]) if p else (part,))], axis=-1)
-
-
-def _unpadded(x, lengths, per_word):
-    """:func:`_padded`'s inverse on the last axis: one split and one concat."""
-    pads = [-n % per_word for n in lengths]
-    if not any(pads):
-        return x
-    sizes = [m for n, p in zip(lengths, pads) for m in ((n, p) if p else (n,))]
-    parts = _tf.split(x, sizes, axis=-1)
-    keep, at = [], 0
-    for p in pads:
-        keep.append(parts[at])
-        at += 2 if p else 1
-    return _tf.concat(keep, axis=-1)
-
-
-def _per_slot(values, lengths, per_word):
-    """``values`` (``[..., T]``, one per tensor) repeated over each tensor's padded slots
-    (one broadcast per tensor, no gather: a gather or ``tf.repeat`` of a bucket took 3-5x
-    as long on the CPU, 2026-12-01)."""
-    cols = _tf.split(values, len(lengths), axis=-1)
-    lead = values.shape[:-1]
-    lead = lead.as_list() if lead.is_fully_defined() else _tf.shape(values)[:-1]
-
-    def shape(n):
-        m = -(-n // per_word) * per_word
-        return lead + [m] if isinstance(lead, list) else _tf.concat([lead, [m]], 0)
-    return _tf.concat([_tf.broadcast_to(c, shape(n)) for c, n in zip(cols, lengths)], axis=-1)
-
-
 def _pack_slots(flat, layout, t):
+    # one pack per tensor (a handful of ops, as alone): threshold broadcast over the
+    # bucket, or a gather, made a compress and decompress 1.3-1.9x as long on the CPU
     x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
-    return _twobit_words(_padded(x, layout.numels, 16), _per_slot(t, layout.numels, 16))
+    parts = _tf.split(x, list(layout.numels))
+    ts = _tf.unstack(t, num=len(layout.numels))
+    return _tf.concat([twobit_pack(p, ts[s]) for s, p in enumerate(parts)], 0)
 
 
 def twobit_pack_segments(flat, layout, t, residual=False):
@@ -167,11 +130,18 @@ def segment_sum(values, lengths):
 
 def twobit_decode_segments(words, scales, lengths):
     """float32 bucket: tensor ``s`` is ``sum_r scales[r, s] * signs_r``, every rank's
-    words ``(ranks, words)`` and ``scales`` ``(ranks, T)`` at once, the same products and
-    sum over the ranks as the decoder's tensor by tensor."""
-    signs = _tf.reshape(twobit_unpack(_tf.reshape(words, [-1])), [_tf.shape(words)[0], -1])
-    slots = _per_slot(_tf.cast(scales, _tf.float32), lengths, 16)
-    return _unpadded(_tf.reduce_sum(signs * slots, axis=0), lengths, 16)
+    words ``(ranks, words)`` and ``scales`` ``(ranks, T)``: the decoder's arithmetic
+    tensor by tensor (the same bits), a handful of ops each (unpacking the bucket at once
+    and splitting it took 1.5x as long on the CPU, 2026-12-01)."""
+    ranks = _tf.shape(words)[0]
+    widths = [-(-n // 16) for n in lengths]
+    parts = _tf.split(words, widths, axis=1)
+    cols = _tf.split(_tf.cast(scales, _tf.float32), len(lengths), axis=1)
+    out = []
+    for p, c, n, w in zip(parts, cols, lengths, widths):
+        signs = _tf.reshape(twobit_unpack(_tf.reshape(p, [-1])), [ranks, w * 16])
+        out.append(_tf.reduce_sum((signs[:, :n] if n < w * 16 else signs) * c, axis=0))
+    return _tf.concat(out, 0)
 
 
 # -- range-based float (rangefloat) ------------------------------------------------------
