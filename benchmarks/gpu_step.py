@@ -110,11 +110,13 @@ TARGET = "laplace_topk:density=0.01"          # issue 26: codec <= 10% of GPT-2'
 
 def variant(spec):
     """``(spec, settings)``: the spec without its suffixes (:data:`VARIANTS`), and the
-    environment settings they stand for."""
+    environment settings they stand for; a row without ``+graphs`` runs eagerly (replay
+    is the library's default on CUDA since 2026-12-01)."""
     settings = {}
     while True:
         suffix = next((v for v in VARIANTS if spec.endswith(v)), None)
         if suffix is None:
+            settings.setdefault(VARIANTS["+graphs"][0], "0")
             return spec, settings
         spec = spec[:-len(suffix)]
         settings.setdefault(*VARIANTS[suffix])

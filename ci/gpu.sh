@@ -18,6 +18,9 @@
 #                 exchange (bucket_ops.py)
 #   4. summary    gpu_summary.json: device, versions, date, pass/fail/skip counts, figures
 #
+# Every step runs eagerly unless it asks for CUDA-graph replay (on by default for users:
+# HVD_COMPRESS_CUDA_GRAPHS; gpu_step's +graphs rows and the replay tests set it to 1).
+#
 # Needs python with torch (and triton for the kernels); installs nothing and uses no
 # network.  Horovod and TensorFlow are made unimportable for every step, as on the GPU
 # machine; hvd_compress (its Triton kernels in hvd_compress/kernels/ included) is
@@ -125,6 +128,7 @@ EOF
 export HVD_COMPRESS_BLOCK_IMPORTS=${HVD_COMPRESS_BLOCK_IMPORTS:-horovod,tensorflow,keras,tf_keras}
 export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export HVD_COMPRESS_CUDA_GRAPHS=${HVD_COMPRESS_CUDA_GRAPHS:-0}   # eager rows; +graphs asks for replay
 unset HVD_COMPRESS_BACKEND TRITON_INTERPRET
 unset HVD_COMPRESS_COMPILE_FOR
 if [ "$DEVICE" = cpu ]; then         # the CUDA path's kernels, in Triton's interpreter

@@ -15,6 +15,11 @@ import platform
 if platform.machine() in ("x86_64", "AMD64"):
     os.environ["OPENBLAS_CORETYPE"] = "Nehalem"
 
+# CUDA-graph replay is on by default for CUDA tensors (hvd_compress/compressors/replay.py);
+# the tests run eagerly unless they ask for it (the replay tests set it themselves), so
+# that a GPU test of a kernel's launches or syncs sees them, and so do its subprocesses.
+os.environ.setdefault("HVD_COMPRESS_CUDA_GRAPHS", "0")
+
 import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors.  It must be on

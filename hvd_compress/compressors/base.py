@@ -230,7 +230,7 @@ class Compressor:
         and draws per tensor (``ctx.segments``), a residual per tensor *name* (a
         checkpoint moves between this and :meth:`compress`).  Buckets of several tensors
         need ``segmented``; :meth:`decompress_bucket` decodes the aggregate.  Replayed
-        from CUDA graphs where :mod:`.replay` says (``HVD_COMPRESS_CUDA_GRAPHS=1``)."""
+        from CUDA graphs where :mod:`.replay` says (on CUDA by default)."""
         if replay.wanted(self, flat):
             return replay.compress_bucket(self, flat, layout)
         return self.compress_bucket_eager(flat, layout)
@@ -327,7 +327,7 @@ class Compressor:
     def decompress_bucket(self, payload, ctx):
         """The flat sum (``ctx.dtype``) over ranks of a bucket: tensor ``i`` of the layout
         is ``out[offsets[i]:offsets[i] + numels[i]]`` (:meth:`Layout.split`).  Replayed
-        from CUDA graphs where :mod:`.replay` says (``HVD_COMPRESS_CUDA_GRAPHS=1``)."""
+        from CUDA graphs where :mod:`.replay` says (on CUDA by default)."""
         first = payload[0] if isinstance(payload, (tuple, list)) and payload else payload
         if replay.wanted(self, first):
             return replay.decompress_bucket(self, payload, ctx)

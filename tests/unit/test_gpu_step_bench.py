@@ -156,14 +156,15 @@ def test_once_world_makes_each_aggregate_once():
 
 def test_a_specs_suffixes_are_settings_for_its_row(monkeypatch):
     """``twobit+graphs+cache`` is twobit with graphs and the launch cache on, set for its
-    row only; a setting the process had comes back after."""
+    row only; a row without ``+graphs`` turns replay (the default) off; a setting the
+    process had comes back after."""
     spec = importlib.util.spec_from_file_location("gpu_step_", ROOT / "benchmarks" / "gpu_step.py")
     gpu_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_step)
     assert gpu_step.variant("twobit+graphs+cache") == (
         "twobit", {"HVD_COMPRESS_CUDA_GRAPHS": "1", "HVD_COMPRESS_LAUNCH_CACHE": "1"})
-    assert gpu_step.variant("laplace_topk:density=0.01,padded=1") == (
-        "laplace_topk:density=0.01,padded=1", {})
+    assert gpu_step.variant("laplace_topk:density=0.01,padded=1") == (     # eager rows:
+        "laplace_topk:density=0.01,padded=1", {"HVD_COMPRESS_CUDA_GRAPHS": "0"})  # replay off
     monkeypatch.setenv("HVD_COMPRESS_BACKEND", "triton")
     monkeypatch.delenv("HVD_COMPRESS_CUDA_GRAPHS", raising=False)
     with gpu_step.environment(gpu_step.variant("twobit+aten+graphs")[1]):

@@ -292,6 +292,18 @@ def test_cpu_tensors_are_not_replayed_and_the_setting_is_checked(stats, monkeypa
         replay.wanted(c, grad(0))
 
 
+def test_replay_is_on_unless_turned_off(monkeypatch):
+    """On by default for CUDA tensors (since 2026-12-01); ``0`` turns it off.  (The test
+    session sets ``0`` itself: tests/conftest.py.)"""
+    c = from_spec("twobit")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.delenv(replay.ENV_VAR, raising=False)
+    assert replay.enabled() and replay.wanted(c, grad(0))
+    assert not replay.wanted(from_spec("topk:density=0.1"), grad(0))   # not replayable
+    monkeypatch.setenv(replay.ENV_VAR, "0")
+    assert not replay.enabled() and not replay.wanted(c, grad(0))
+
+
 @pytest.mark.parametrize("spec", REPLAYABLE)
 def test_a_lone_tensor_sends_on_its_own_path_what_a_bucket_of_one_sends(spec):
     """Where bucket exchanges are replayed, the glue sends a lone tensor as a bucket of

@@ -21,20 +21,41 @@ def twobit_pack(flat, t):
 
 def _twobit_words(x, t):
     """int32 words of the 2-bit codes of float32 ``x`` (a multiple of 16 long) against
-    ``t`` (a scalar or one per value, > 0: a padding 0 codes as 0)."""
-    code = _tf.where(x >= t, _tf.constant(1, _tf.int64),
-                     _tf.where(x <= -t, _tf.constant(2, _tf.int64), _tf.constant(0, _tf.int64)))
-    shifts = 2 * _tf.range(16, dtype=_tf.int64)
-    words = _tf.reduce_sum(_tf.bitwise.left_shift(_tf.reshape(code, [-1, 16]), shifts), axis=1)
-    return _tf.cast(_tf.where(words >= 2**31, words - 2**32, words), _tf.int32)
+    ``t`` (> 0: a padding 0 codes as 0), in int32 throughout: the shifted codes share no
+    bit, so their sum is their OR and never overflows (code 2 of the last slot is the
+    sign bit)."""
+    one, two, zero, shifts, _ = _twobit_constants(x)
+    code = _tf.where(x >= t, one, _tf.where(x <= -t, two, zero))
+    return _tf.reduce_sum(_tf.bitwise.left_shift(_tf.reshape(code, [-1, 16]), shifts), axis=1)
 
 
 def twobit_unpack(words):
-    shifts = 2 * _tf.range(16, dtype=_tf.int64)
-    code = _tf.bitwise.bitwise_and(
-        _tf.bitwise.right_shift(_tf.cast(words, _tf.int64)[:, None], shifts), 3)
-    sign = _tf.where(code == 1, 1.0, _tf.where(code == 2, -1.0, 0.0))
-    return _tf.reshape(sign, [-1])
+    """float32 signs (+1, -1, 0) of int32 ``words``' 2-bit codes, 16 a word."""
+    one, two, _, shifts, (plus, minus, nought) = _twobit_constants(words)
+    code = _tf.bitwise.bitwise_and(_tf.bitwise.right_shift(
+        _tf.reshape(_tf.cast(words, _tf.int32), [-1, 1]), shifts), 3)
+    return _tf.reshape(_tf.where(code == one, plus, _tf.where(code == two, minus, nought)),
+                       [-1])
+
+
+_CONSTANTS = {}
+
+
+def _twobit_constants(like):
+    """The 2-bit codec's constants, made once per device of ``like`` (not once per tensor
+    of a bucket: in eager mode converting them was a tenth of a bucket's time)."""
+    if not _tf.executing_eagerly():      # a graph: its own constants
+        return _make_twobit_constants()
+    if like.device not in _CONSTANTS:
+        with _tf.device(like.device):
+            _CONSTANTS[like.device] = _make_twobit_constants()
+    return _CONSTANTS[like.device]
+
+
+def _make_twobit_constants():
+    return (_tf.constant(1, _tf.int32), _tf.constant(2, _tf.int32), _tf.constant(0, _tf.int32),
+            2 * _tf.range(16, dtype=_tf.int32),
+            tuple(_tf.constant(v, _tf.float32) for v in (1.0, -1.0, 0.0)))
 
 
 def twobit_decode_sum(words, thresholds, n):
