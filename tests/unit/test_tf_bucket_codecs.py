@@ -113,8 +113,7 @@ def _graph_ops(spec, n):
     return len(graph.get_operations())
 
 
-@pytest.mark.parametrize("spec", ["twobit", "twobit:threshold=0.5"])
-def test_a_bucket_graph_grows_by_few_ops_a_tensor(spec):
+def test_a_bucket_graph_grows_by_few_ops_a_tensor(spec="twobit"):
     """Tensor by tensor it grew by 184 ops a tensor (2026-12-01); left per tensor now:
     its reductions, its pack and decode, and error feedback's residual variable."""
     few, many = _graph_ops(spec, 4), _graph_ops(spec, 40)
@@ -131,13 +130,13 @@ def test_the_benchmark_writes_its_table(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "tf_bucket_ops.py"),
-                        "--specs", "twobit,rangefloat:bits=8", "--tensors", "2,12",
+                        "--specs", "twobit,rangefloat:bits=8", "--tensors", "2,6",
                         "--values", "2400", "--reps", "1", "--out", str(tmp_path)],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     rows = json.loads(next(tmp_path.glob("tf_bucket_ops_*.json")).read_text())["rows"]
     ops = {(x["spec"], x["tensors"]): x["graph_ops"] for x in rows}
     assert len(rows) == 4 and all(x["eager_ms"] > 0 and x["function_ms"] > 0 for x in rows)
-    grow = {s: (ops[(s, 12)] - ops[(s, 2)]) / 10 for s in ("twobit", "rangefloat:bits=8")}
+    grow = {s: (ops[(s, 6)] - ops[(s, 2)]) / 4 for s in ("twobit", "rangefloat:bits=8")}
     assert grow["twobit"] < 130 and grow["rangefloat:bits=8"] > 100, grow
     assert next(tmp_path.glob("tf_bucket_ops_*.png")).stat().st_size > 0

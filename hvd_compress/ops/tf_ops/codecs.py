@@ -74,7 +74,7 @@ def rangefloat_decode_sum(data, headers, lengths, e, m, trusted=False, what="ran
 
 
 #: the codecs whose bucket functions below code a bucket in one call: each tensor as
-#: alone, without the generic loop's ops around it (twobit, 160 tensors: 18,493 graph
+#: alone, without the generic loop's ops around it (twobit, 160 tensors: 17,373 graph
 #: ops, not 29,478; benchmarks/tf_bucket_ops.py, 2026-12-01)
 _VECTORISED = frozenset({"twobit"})
 
