@@ -128,7 +128,7 @@ EOF
 export HVD_COMPRESS_BLOCK_IMPORTS=${HVD_COMPRESS_BLOCK_IMPORTS:-horovod,tensorflow,keras,tf_keras}
 export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export HVD_COMPRESS_CUDA_GRAPHS=${HVD_COMPRESS_CUDA_GRAPHS:-0}   # eager rows; +graphs asks for replay
+export HVD_COMPRESS_CUDA_GRAPHS=${HVD_COMPRESS_CUDA_GRAPHS:-0}   # eager; +graphs asks replay
 unset HVD_COMPRESS_BACKEND TRITON_INTERPRET
 unset HVD_COMPRESS_COMPILE_FOR
 if [ "$DEVICE" = cpu ]; then         # the CUDA path's kernels, in Triton's interpreter

@@ -11,8 +11,9 @@ bytes plus the 4-byte threshold: 16x fewer bytes than float32.
 A bucket where the kernels run (CUDA): the thresholds of all tensors from one segmented
 pass (``sum|r|`` per tensor), one pack launch and one decode launch for every tensor
 and rank (kernels ``twobit_segments.pack_segments`` / ``decode_segments``); the same payload as
-tensor by tensor.  TensorFlow: one call for the bucket (``tf_ops.twobit_pack_fit``), each tensor
-packed and decoded as alone in fewer ops.  Elsewhere (PyTorch CPU) tensor by tensor.
+tensor by tensor.  TensorFlow: one call for the bucket (``tf_ops.twobit_pack_fit``),
+each tensor packed and decoded as alone in fewer ops.  Elsewhere (PyTorch CPU) tensor by
+tensor.
 
 Threshold: fixed when ``threshold`` is given; otherwise adaptive per layer and step,
 ``t = scale * mean|r|`` (``r`` the compensated gradient, default ``scale=1``): the
@@ -203,7 +204,7 @@ class TwoBit(CodesAndScales):
         # flat: adds_residual), one pack launch for the
         # bucket, which flags NaN/Inf (the thresholds' formula as in encode_one; the sums'
         # order of additions is the segmented pass's) and may write the residual
-        # (subtract_sent's bits); TensorFlow: the same in a fixed number of graph ops
+        # (subtract_sent's bits); TensorFlow: one call for the bucket, no in-place writes
         if not ops.bucket_codec_kernels(flat, self.name) or min(lay.numels) < 1:
             return None
         if self.threshold is None:               # t and the scales in the pack kernel

@@ -14,18 +14,14 @@ from .core import numel
 # -- 2-bit codes (twobit) ----------------------------------------------------------------
 
 def twobit_pack(flat, t):
+    """int32 words of the 2-bit codes of ``flat`` against ``t`` (> 0), 16 a word, the last
+    padded with code 0; in int32 throughout: the shifted codes share no bit, so their sum
+    is their OR and never overflows (code 2 of the last slot is the sign bit)."""
     x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
     n = numel(flat)
-    return _twobit_words(_tf.pad(x, [[0, -(-n // 16) * 16 - n]]), t)
-
-
-def _twobit_words(x, t):
-    """int32 words of the 2-bit codes of float32 ``x`` (a multiple of 16 long) against
-    ``t`` (> 0: a padding 0 codes as 0), in int32 throughout: the shifted codes share no
-    bit, so their sum is their OR and never overflows (code 2 of the last slot is the
-    sign bit)."""
     one, two, zero, shifts, _ = _twobit_constants(x)
-    code = _tf.where(x >= t, one, _tf.where(x <= -t, two, zero))
+    code = _tf.pad(_tf.where(x >= t, one, _tf.where(x <= -t, two, zero)),
+                   [[0, -(-n // 16) * 16 - n]])
     return _tf.reduce_sum(_tf.bitwise.left_shift(_tf.reshape(code, [-1, 16]), shifts), axis=1)
 
 

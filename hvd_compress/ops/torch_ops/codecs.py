@@ -58,8 +58,9 @@ def twobit_subtract_own(c, thresholds, numels, inplace):
 
 def bucket_codec_kernels(flat, codec=None):
     """Do the codecs' bucket kernels run for ``flat`` (Triton: CUDA tensors, or any with
-    ``HVD_COMPRESS_BACKEND=triton``), for every codec (``codec`` is not needed here)?  Then a bucket's 2-bit or range-float codes take a
-    fixed number of launches (:func:`twobit_pack_segments`, :func:`twobit_decode_segments`,
+    ``HVD_COMPRESS_BACKEND=triton``), for every codec (``codec`` is not needed here)?
+    Then a bucket's 2-bit or range-float codes take a fixed number of launches
+    (:func:`twobit_pack_segments`, :func:`twobit_decode_segments`,
     :func:`rangefloat_encode_segments`, :func:`rangefloat_decode_segments`)."""
     from ...kernels import pick_backend
     return pick_backend(flat) == "triton"
