@@ -90,9 +90,10 @@ def bucket_codec_kernels(flat, codec=None):
     return codec in _VECTORISED
 
 
-def _pack_slots(flat, layout, t):
-    # one pack per tensor (a handful of ops, as alone): threshold broadcast over the
-    # bucket, or a gather, made a compress and decompress 1.3-1.9x as long on the CPU
+def _pack_each(flat, layout, t):
+    # one pack per tensor, as alone (a handful of ops each): broadcasting the thresholds
+    # over the bucket, or gathering them, made a compress and decompress 1.3-1.9x as
+    # long on the CPU
     x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
     parts = _tf.split(x, list(layout.numels))
     ts = _tf.unstack(t, num=len(layout.numels))
@@ -105,7 +106,7 @@ def twobit_pack_segments(flat, layout, t, residual=False):
     NaN/Inf.  ``residual``: a third element, None (nothing is written in place here)."""
     from .segments import segment_abs_sum_max
     abs_sum, abs_max = segment_abs_sum_max(flat, layout)
-    out = (_pack_slots(flat, layout, t), _bad(abs_sum, abs_max))
+    out = (_pack_each(flat, layout, t), _bad(abs_sum, abs_max))
     return (*out, None) if residual else out
 
 
@@ -118,7 +119,7 @@ def twobit_pack_fit(flat, layout, abs_sum, abs_max, scale, residual=False):
     t = scale * abs_sum / n
     t = _tf.where(t > 0, t, 0 * t + 1.0)
     bad = _bad(abs_sum, abs_max)
-    out = (_pack_slots(flat, layout, t), _tf.where(bad > 0, t * float("nan"), t), bad)
+    out = (_pack_each(flat, layout, t), _tf.where(bad > 0, t * float("nan"), t), bad)
     return (*out, None) if residual else out
 
 
