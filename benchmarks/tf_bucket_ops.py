@@ -59,7 +59,10 @@ def measure(spec, T, values, reps):
     step, flat = _bucket(spec, T, values)
     eager_ms = _best(step, flat, reps)
     step, flat = _bucket(spec, T, values)
-    graph = tf.function(step)
+    # (autograph off: the glue's entry points are tf.autograph's do_not_convert, so
+    # a model's traced step does not convert the library either; converting it doubled
+    # the trace time, 8.6 against 17.0 s for onebit at 160 tensors, 2026-12-01)
+    graph = tf.function(step, autograph=False)
     start = time.perf_counter()
     concrete = graph.get_concrete_function(flat)
     trace_s = time.perf_counter() - start

@@ -113,8 +113,8 @@ class CodesAndScales(Compressor):
             codes, scales = self.encode_one(flat, ctx.numel, ops, step, ctx.name)
             return codes, _nan_unless(finite, scales, ops)
         codes, scales = [], []
-        for i, (name, off, n) in enumerate(zip(lay.names, lay.offsets, lay.numels)):
-            seg = flat[off:off + n]
+        segs = ops.split(flat, lay.numels)             # (one op, not a slice a tensor)
+        for i, (name, seg, n) in enumerate(zip(lay.names, segs, lay.numels)):
             c, s = self.encode_one(seg, n, ops, step[i] if isinstance(step, list) else step,
                                    name)
             codes.append(c)
@@ -142,11 +142,13 @@ class CodesAndScales(Compressor):
             fast = self.decode_bucket(codes, scales, numels, ops)
             if fast is not None:
                 return fast
-        out, at_c, at_s = [], 0, 0
-        for n, (w, s) in zip(numels, widths):
-            out.append(self.decode_one(codes[:, at_c:at_c + w], scales[:, at_s:at_s + s], n, ops)
-                       if n else ops.zeros(0, ops.float32, codes))
-            at_c, at_s = at_c + w, at_s + s
+        if len(numels) > 1:            # each tensor's columns: one split, not two slices
+            codes = ops.split_cols(codes, [w for w, _ in widths])
+            scales = ops.split_cols(scales, [s for _, s in widths])
+        else:
+            codes, scales = [codes], [scales]
+        out = [self.decode_one(c, s, n, ops) if n else ops.zeros(0, ops.float32, c)
+               for c, s, n in zip(codes, scales, numels)]
         return out[0] if len(out) == 1 else ops.concat(out)
 
 

@@ -56,7 +56,7 @@ on PyTorch); error feedback's buffers
 (``supports_inplace``, ``add_into``, ``subtract``, ``subtract_at``, ``scale``: the
 residual's decay, and ``restore_flagged``: the old residuals kept where device flags say
 NaN/Inf, without reading them on the host); and the size cut-off
-``small_topk_below``; buckets (``concat``, ``split``, ``segment_ids``,
+``small_topk_below``; buckets (``concat``, ``split``, ``split_cols``, ``segment_ids``,
 ``layout_constant`` (a bucket's per-tensor k, n, ...: made once per layout and device
 in PyTorch), ``segment_abs_sum_max``, ``segment_count_above``, ``segment_compact_above``,
 ``segment_counts``, ``segment_sum_int``, ``rows_max``/``rows_min``, ``split_sizes``,

@@ -134,17 +134,31 @@ def _graph_ops(spec, n):
     return len(graph.get_operations())
 
 
-def test_a_bucket_graph_grows_by_few_ops_a_tensor(spec="twobit"):
-    """Tensor by tensor it grew by 184 ops a tensor (2026-12-01); left per tensor now:
-    its reductions, its pack and decode, and error feedback's residual variable."""
+#: graph ops a tensor adds to a bucket's compress and decompress (error feedback on),
+#: at most: what was measured on 2026-12-01 (in brackets) and some room.  Before, in
+#: the same order: 184, 184, 166, 104, 129, 128, 152.
+GROWTH = {"twobit": 60,                  # (53) one call for the bucket: tf_ops.twobit_*
+          "onebit": 110,                 # (98) the generic loop: one split, shared tables
+          "signsgd": 92,                 # (80)
+          "qsgd": 98,                    # (86)
+          "terngrad": 110,               # (97)
+          "rangefloat:bits=8": 62,       # (54) constants made once per graph
+          "dct": 105}                    # (92)
+
+
+@pytest.mark.parametrize("spec", sorted(GROWTH))
+def test_a_bucket_graph_grows_by_few_ops_a_tensor(spec):
+    """Left per tensor: its reductions, its pack and decode, and error feedback's
+    residual variable; not a slice (and its three constants) per tensor and column
+    block, a reshape per part of a concat, or a codec's constants per tensor."""
     few, many = _graph_ops(spec, 4), _graph_ops(spec, 40)
-    assert (many - few) / 36 < 100, (few, many)      # 184 before, 81 now
+    assert (many - few) / 36 <= GROWTH[spec], (few, many)
 
 
 def test_the_benchmark_writes_its_table(tmp_path):
     """benchmarks/tf_bucket_ops.py on a tiny bucket: a row per spec and tensor count,
-    graphs that grow with the tensors (rangefloat's still tensor by tensor), and its JSON
-    and PNG."""
+    graphs that grow with the tensors (each tensor still has ops of its own), and its
+    JSON and PNG."""
     import json
     import subprocess
     import sys
@@ -159,5 +173,5 @@ def test_the_benchmark_writes_its_table(tmp_path):
     ops = {(x["spec"], x["tensors"]): x["graph_ops"] for x in rows}
     assert len(rows) == 4 and all(x["eager_ms"] > 0 and x["function_ms"] > 0 for x in rows)
     grow = {s: (ops[(s, 6)] - ops[(s, 2)]) / 4 for s in ("twobit", "rangefloat:bits=8")}
-    assert grow["twobit"] < 100 < grow["rangefloat:bits=8"], grow
+    assert all(0 < g <= GROWTH[s] for s, g in grow.items()), grow
     assert next(tmp_path.glob("tf_bucket_ops_*.png")).stat().st_size > 0

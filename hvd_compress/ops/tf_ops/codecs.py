@@ -6,6 +6,8 @@ TensorFlow references of the kernels.
 May import: tensorflow, :mod:`.core`; lazily, numpy.  Never torch or
 :mod:`hvd_compress.kernels`.
 """
+import weakref as _weakref
+
 import tensorflow as _tf
 
 from .core import numel
@@ -34,18 +36,28 @@ def twobit_unpack(words):
                        [-1])
 
 
-_CONSTANTS = {}
+_CONSTANTS = {}                               # (what, device) -> eager constants
+_GRAPH_CONSTANTS = _weakref.WeakKeyDictionary()  # graph -> {what: its constants}
+
+
+def _constants(what, make, like):
+    """``make()``'s constants, made once per device of ``like`` in eager mode (not once
+    per tensor of a bucket: converting twobit's was a tenth of a bucket's time) and once
+    per graph inside ``tf.function`` (not a Const node per tensor)."""
+    if not _tf.executing_eagerly():
+        made = _GRAPH_CONSTANTS.setdefault(_tf.compat.v1.get_default_graph(), {})
+        if what not in made:
+            made[what] = make()
+        return made[what]
+    key = (what, like.device)
+    if key not in _CONSTANTS:
+        with _tf.device(like.device):
+            _CONSTANTS[key] = make()
+    return _CONSTANTS[key]
 
 
 def _twobit_constants(like):
-    """The 2-bit codec's constants, made once per device of ``like`` (not once per tensor
-    of a bucket: in eager mode converting them was a tenth of a bucket's time)."""
-    if not _tf.executing_eagerly():      # a graph: its own constants
-        return _make_twobit_constants()
-    if like.device not in _CONSTANTS:
-        with _tf.device(like.device):
-            _CONSTANTS[like.device] = _make_twobit_constants()
-    return _CONSTANTS[like.device]
+    return _constants("twobit", _make_twobit_constants, like)
 
 
 def _make_twobit_constants():
@@ -175,8 +187,14 @@ def twobit_decode_segments(words, scales, lengths):
 def max_exponent(flat):
     a = _tf.abs(_tf.cast(_tf.reshape(flat, [-1]), _tf.float32))
     peak = _tf.reduce_max(_tf.concat([a, [0.0]], 0))      # also for empty, dynamic sizes
-    e = _tf.bitwise.bitwise_and(_tf.bitwise.right_shift(_tf.bitcast(peak, _tf.int32), 23), 0xFF) - 127
-    return _tf.where(_tf.math.is_finite(peak), e, 128)
+    k = _constants("max_exponent", _make_max_exponent_constants, a)
+    e = _tf.bitwise.bitwise_and(_tf.bitwise.right_shift(_tf.bitcast(peak, _tf.int32), k[23]),
+                                k[0xFF]) - k[127]
+    return _tf.where(_tf.math.is_finite(peak), e, k[128])
+
+
+def _make_max_exponent_constants():
+    return {v: _tf.constant(v, _tf.int32) for v in (23, 0xFF, 127, 128)}
 
 
 def _group(bits):
@@ -185,31 +203,51 @@ def _group(bits):
     return lcm // bits, lcm // 8
 
 
+def _make_rangefloat_constants(e, m):
+    """int64 constants of :func:`rangefloat_encode` for ``e`` exponent and ``m`` mantissa
+    bits, by name (made once per graph or device: not a Const node each per tensor)."""
+    g, nb = _group(1 + e + m)
+    shift = 23 - m
+    values = {"one": 1, "sign_at": 31, "exp_at": 23, "exp_mask": 0xFF, "mant_mask": 0x7FFFFF,
+              "shift": shift, "half": 1 << (shift - 1), "m": m, "q_max": (1 << m) - 1,
+              "nan_exp": 255, "zero": 0, "bias": 127, "c_max": (1 << e) - 1, "sign_to": e + m}
+    k = {name: _tf.constant(v, _tf.int64) for name, v in values.items()}
+    k["lanes"] = (1 + e + m) * _tf.range(g, dtype=_tf.int64)
+    k["bytes"] = 8 * _tf.range(nb, dtype=_tf.int64)
+    return k
+
+
 def rangefloat_encode(flat, emax, e, m):
     bits_w = 1 + e + m
     g, nb = _group(bits_w)
     x = _tf.cast(_tf.reshape(flat, [-1]), _tf.float32)
-    n = _tf.size(x)
-    n_groups = (n + g - 1) // g
-    x = _tf.pad(x, [[0, n_groups * g - n]])
+    k = _constants(("rangefloat", e, m), lambda: _make_rangefloat_constants(e, m), x)
+    n = x.shape[0]
+    if n is None:                                  # a dynamic length: pad in the graph
+        n = _tf.size(x)
+        x = _tf.pad(x, [[0, (n + g - 1) // g * g - n]])
+    elif n % g:
+        x = _tf.pad(x, [[0, -n % g]])
     b = _tf.cast(_tf.bitcast(x, _tf.int32), _tf.int64)
-    sh, band = _tf.bitwise.right_shift, _tf.bitwise.bitwise_and
-    sign, expf, mant = band(sh(b, 31), 1), band(sh(b, 23), 0xFF), band(b, 0x7FFFFF)
-    shift = 23 - m
-    q = sh(mant + (1 << (shift - 1)), shift)
-    carry = sh(q, m)
-    q = band(q, (1 << m) - 1)
-    q = _tf.where((expf == 255) & (mant != 0), _tf.constant((1 << m) - 1, _tf.int64), q)
-    c = _tf.cast(emax, _tf.int64) - (expf - 127 + carry) + 1
-    q = _tf.where(c < 1, _tf.constant((1 << m) - 1, _tf.int64), q)
-    c = _tf.maximum(c, 1)
-    zero = (expf == 0) | (c > (1 << e) - 1)
-    ls = _tf.bitwise.left_shift
-    code = _tf.where(zero, _tf.constant(0, _tf.int64),
-                     _tf.bitwise.bitwise_or(_tf.bitwise.bitwise_or(ls(sign, e + m), ls(c, m)), q))
-    word = _tf.reduce_sum(ls(_tf.reshape(code, [-1, g]),
-                             bits_w * _tf.range(g, dtype=_tf.int64)), axis=1)
-    out = band(sh(word[:, None], 8 * _tf.range(nb, dtype=_tf.int64)), 0xFF)
+    sh, band, ls = _tf.bitwise.right_shift, _tf.bitwise.bitwise_and, _tf.bitwise.left_shift
+    sign = band(sh(b, k["sign_at"]), k["one"])
+    expf, mant = band(sh(b, k["exp_at"]), k["exp_mask"]), band(b, k["mant_mask"])
+    q = sh(mant + k["half"], k["shift"])
+    carry = sh(q, k["m"])
+    q = band(q, k["q_max"])
+    q = _tf.where((expf == k["nan_exp"]) & (mant != k["zero"]), k["q_max"], q)
+    c = _tf.cast(emax, _tf.int64) - (expf - k["bias"] + carry) + k["one"]
+    q = _tf.where(c < k["one"], k["q_max"], q)
+    c = _tf.maximum(c, k["one"])
+    zero = (expf == k["zero"]) | (c > k["c_max"])
+    code = _tf.where(zero, k["zero"],
+                     _tf.bitwise.bitwise_or(_tf.bitwise.bitwise_or(ls(sign, k["sign_to"]),
+                                                                   ls(c, k["m"])), q))
+    word = code if g == 1 else _tf.reduce_sum(ls(_tf.reshape(code, [-1, g]), k["lanes"]),
+                                              axis=1)
+    if nb == 1:
+        return _tf.cast(word, _tf.uint8)        # (the low byte: the code fits in it)
+    out = band(sh(_tf.reshape(word, [-1, 1]), k["bytes"]), k["exp_mask"])
     return _tf.cast(_tf.reshape(out, [-1]), _tf.uint8)
 
 
@@ -342,12 +380,18 @@ def onebit_decode_sum(words, scales, n):
     each rank's row of ``words`` (ranks, w) uint8: a table of 256 x 8 values per rank,
     gathered by byte."""
     rows = words if len(words.shape) > 1 else _tf.reshape(words, [1, -1])
-    byte = _tf.range(256, dtype=_tf.int32)[:, None]
-    bits = _tf.bitwise.bitwise_and(
-        _tf.bitwise.right_shift(byte, _tf.constant([7, 6, 5, 4, 3, 2, 1, 0])), 1) > 0
-    tables = _tf.where(bits[None], scales[:, 0, None, None], scales[:, 1, None, None])
+    level = _constants("onebit", _make_onebit_levels, rows)
+    tables = _tf.gather(scales, level, axis=1)             # (ranks, 256, 8): a or b
     values = _tf.gather(tables, _tf.cast(rows, _tf.int32), batch_dims=1)  # (ranks, w, 8)
     return _tf.reduce_sum(_tf.reshape(values, [_tf.shape(rows)[0], -1])[:, :n], 0)
+
+
+def _make_onebit_levels():
+    """(256, 8) int32: for byte ``v`` and bit ``j`` (the high bit first), 0 where the bit
+    is set (the level ``a``) and 1 where it is clear (``b``)."""
+    byte = _tf.range(256, dtype=_tf.int32)[:, None]
+    return 1 - _tf.bitwise.bitwise_and(
+        _tf.bitwise.right_shift(byte, _tf.constant([7, 6, 5, 4, 3, 2, 1, 0])), 1)
 
 
 # -- low-rank products (powersgd) --------------------------------------------------------

@@ -13,11 +13,20 @@ from .core import _eager_on_cpu
 
 
 def concat(ts):
-    return _tf.concat([_tf.reshape(t, [-1]) for t in ts], 0)
+    # (no reshape of what is already flat: a Reshape and a Const a part, in a bucket's
+    # graph some 16 ops a tensor)
+    ts = [t if t.shape.rank == 1 else _tf.reshape(t, [-1]) for t in ts]
+    return ts[0] if len(ts) == 1 else _tf.concat(ts, 0)
 
 
 def split(flat, lengths):
     return _tf.split(flat, list(lengths))
+
+
+def split_cols(t, widths):
+    """``t`` (rows, sum(widths)) cut into column blocks of ``widths``: one op, not a
+    strided slice (and its three constants) a block."""
+    return _tf.split(t, list(widths), axis=1)
 
 
 def segment_ids(layout, like):

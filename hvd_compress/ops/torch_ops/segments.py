@@ -24,6 +24,11 @@ def split(flat, lengths):
     return list(_torch.split(flat, list(lengths)))
 
 
+def split_cols(t, widths):
+    """Views of ``t`` (rows, sum(widths)), column blocks of ``widths``."""
+    return list(_torch.split(t, list(widths), dim=1))
+
+
 def _per_layout(what, layout, device, make):
     """``make()``, computed once per (what, bucket layout, device) and kept (a bounded
     cache: the constants of a model's buckets)."""
