@@ -266,7 +266,9 @@ def scatter_rows(args, make_layout, density):
     (value, index) pairs, ``density`` of GPT-2's block and of a 25M-value tensor each,
     their indices mostly the same, summed sorted (``index_put_``'s accumulation: what
     ``scatter_sum`` does where more than two values can meet at an index), with
-    ``index_add_``'s atomics (at most two: the same bits; ``summing_ranks``), at 2 and 8
+    ``index_add_``'s atomics (at most two: the same bits; ``summing_ranks``), and rank
+    by rank (an ``index_add_`` a rank: what it does since 2026-12-01's thirty-first stop
+    where the exchange knows each rank's number of pairs, ``segments``), at 2, 4 and 8
     ranks: wall time, device time (the kernels' sum) and whether each gives the CPU's
     bits.  (The H200 run of 2026-11-30 drew a rank's indices with repeats, so its atomic
     rows at 2 ranks did not give the CPU's bits: 3 values met at some indices.)"""
@@ -275,7 +277,7 @@ def scatter_rows(args, make_layout, density):
     for lname in ("gpt2", "one"):
         n = make_layout(lname, args.tiny).total
         k = max(1, int(density * n))
-        for ranks in (2, 8):
+        for ranks in (2, 4, 8):
             # each rank's k distinct indices: 80% of them the ranks' shared ones (a
             # selection sends an index once: with duplicates, index_add_ would add 3+)
             shared = torch.randperm(n, device=args.device)[:k * 4 // 5]
@@ -285,9 +287,11 @@ def scatter_rows(args, make_layout, density):
             values = common.laplace(torch, idx.numel(), args.device, seed=12)
             want = torch_ops.scatter_sum(n, idx.cpu(), values.cpu())            # in order
             row = {"layout": lname, "numel": n, "k": k, "ranks": ranks}
-            for name, meeting in (("sorted", ranks if ranks > 2 else 3), ("atomic", 2)):
-                fn = (lambda m=meeting:                                           # noqa: E731
-                      torch_ops.scatter_sum(n, idx, values, meeting=m))
+            ways = (("sorted", max(ranks, 3), None), ("atomic", 2, None),
+                    ("by_rank", max(ranks, 3), [k] * ranks))
+            for name, meeting, segments in ways:
+                fn = (lambda m=meeting, s=segments:                               # noqa: E731
+                      torch_ops.scatter_sum(n, idx, values, meeting=m, segments=s))
                 row[f"{name}_ms"] = 1e3 * common.timeit(torch, fn, args.repeat, args.device)
                 row[f"{name}_device_us"] = (sum(e["us"] for e in launch_order(fn)) if cuda
                                             else None)
@@ -298,5 +302,5 @@ def scatter_rows(args, make_layout, density):
                              else f" (device {row[f'{s}_device_us']:.0f} us)")
             print(f"scatter {lname:5s} {ranks} ranks  " + "  ".join(
                 f"{s} {row[f'{s}_ms']:7.3f} ms{dev(s)}, CPU bits {row[f'{s}_cpu_bits']}"
-                for s in ("sorted", "atomic")), flush=True)
+                for s, _, _ in ways), flush=True)
     return rows

@@ -2,7 +2,7 @@
 ``test_rangefloat_segments.py``): Laplace values on the device the kernels run on (CUDA
 when there is one, else the CPU, where conftest.py sets ``TRITON_INTERPRET=1``), segment
 lengths that no block divides, and a bucket with NaN, Inf, zeros and subnormals in some
-segments only."""
+segments only; and the ranks' pairs of the aggregate-order tests (``shared_pairs``)."""
 import numpy as np
 import torch
 
@@ -42,3 +42,20 @@ def same_bits(a, b):
 def same_values(a, b):
     """Equal, NaN where the other is NaN."""
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def shared_pairs(ranks, k, n, seed, pad=0):
+    """``ranks`` ranks' pairs as an allgather concatenates them: each rank's indices
+    distinct, most shared with the other ranks, magnitudes 1e-3 to 1e3 (sums that
+    round); ``pad`` more a rank at its first index with 0.0, as ``padded=1`` sends."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randperm(n, generator=g)[:k]
+    idx, values = [], []
+    for _ in range(ranks):
+        own = torch.cat([common[:k - k // 4], torch.randperm(n, generator=g)[:k // 4]])
+        own = torch.unique(own)[torch.randperm(torch.unique(own).numel(), generator=g)]
+        v = torch.randn(own.numel(), generator=g) * torch.logspace(-3, 3, own.numel())
+        idx += [own, own[:1].repeat(pad)]
+        values += [v.float(), torch.zeros(pad)]
+    lengths = [int(a.numel() + b.numel()) for a, b in zip(idx[::2], idx[1::2])]
+    return torch.cat(idx), torch.cat(values), lengths

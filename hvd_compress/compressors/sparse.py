@@ -129,7 +129,9 @@ class Sparsifier(Compressor):
         if isinstance(nv, int) and isinstance(ni, int) and nv != ni:
             raise ValueError(f"{self.name}: payload has {nv} values but {ni} indices")
         idx = check.finish()           # clamped where deferred (ops.deferred_checks)
-        return ops.scatter_sum(ctx.numel, idx, values, ops.float32)
+        # (each rank's pairs, where the exchange knows how many: added rank by rank)
+        return ops.scatter_sum(ctx.numel, idx, values, ops.float32,
+                               segments=ops.rank_rows(parts - 1, ni))
 
 
 class DensitySparsifier(Sparsifier):

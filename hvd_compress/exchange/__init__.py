@@ -9,5 +9,5 @@ framework and no Horovod.
 """
 from .hierarchical import HierarchicalExchange, Hierarchy, check_hosts  # noqa: F401
 from .driver import Driver, find_auto, single_layout  # noqa: F401
-from .protocol import (PREFIX, AutoComm, Exchange, ProcessSetTransport, Transport, Wait,  # noqa: F401
-                       finish_all, standard_traffic)
+from .protocol import (PREFIX, AutoComm, Exchange, Gathered, ProcessSetTransport,  # noqa: F401
+                       Transport, Wait, finish_all, standard_traffic)

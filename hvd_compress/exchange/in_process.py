@@ -14,7 +14,7 @@ Imports: the framework-free parts of hvd_compress; tensors go through :mod:`hvd_
 import threading
 
 from .hierarchical import Hierarchy
-from .protocol import Exchange, Transport, Wait, finish_all, standard_traffic
+from .protocol import Exchange, Gathered, Transport, Wait, finish_all, standard_traffic
 
 
 class World:
@@ -70,8 +70,12 @@ class World:
         return out
 
     def concat(self, payloads):
-        """Each payload tensor concatenated in rank order."""
-        return tuple(self.ops.concat([p[i] for p in payloads]) for i in range(len(payloads[0])))
+        """Each payload tensor concatenated in rank order, with each rank's rows (as the
+        DDP hook's transport tells them)."""
+        width = range(len(payloads[0]))
+        return Gathered([self.ops.concat([p[i] for p in payloads]) for i in width],
+                        [[self.ops.length(p[i]) if len(p[i].shape) else 1 for p in payloads]
+                         for i in width])
 
 
 class LocalTransport(Transport):

@@ -157,6 +157,23 @@ def standard_traffic(ops, kind, payload, aggregate, size):
     return sent, payload_bytes(aggregate, ops) - sent
 
 
+class Gathered(tuple):
+    """An allgather's result (each payload tensor concatenated over the ranks) that also
+    says how many rows (first-dimension entries) of each tensor came from each rank:
+    ``rows[i][r]``, host ints, where the transport knows them (the DDP hook gathers
+    the lengths first).  A fixed-size payload's are equal; Horovod's allgather does not
+    tell them.  The decompress of a sparse aggregate adds rank by rank with them
+    (``ops.rank_rows``)."""
+
+    def __new__(cls, parts, rows):
+        out = super().__new__(cls, parts)
+        try:
+            out.rows = tuple(tuple(int(v) for v in r) for r in rows)
+        except (TypeError, ValueError):          # (a length only known inside a graph)
+            out.rows = None
+        return out
+
+
 def _collective(op):
     """``yield from`` a transport's collective, which may complete without yielding."""
     if inspect.isgenerator(op):
@@ -282,8 +299,11 @@ class Exchange:
                 agg, self.sent, self.received = yield from _collective(
                     gather(tuple(payload), wire))
             self.received_local = self.received
-            # (each rank sends an index once: t.size values at most meet at an index)
-            with t.ops.deferred_checks(self.checks), t.ops.summing_ranks(t.size):
+            # (each rank sends an index once: t.size values at most meet at an index;
+            # and each rank's rows of every payload tensor, where they are known)
+            rows = getattr(agg, "rows", None)
+            with t.ops.deferred_checks(self.checks), t.ops.summing_ranks(
+                    t.size, rows, equal=c.collective == "allgather" and c.fixed_size):
                 out = c.decompress_bucket(agg, ctx) if bucket else c.decompress(agg, ctx)
         if self.average:
             out = t.divide(out, t.size)

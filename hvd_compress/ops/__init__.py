@@ -21,10 +21,13 @@ The primitives (both modules define all of them, with the same meaning):
 ``random_indices_segments(numels, ks, seed, steps)``  the same for every tensor of a
                         bucket (PyTorch: a fixed number of ops)
 ``gather(t, idx)``      ``t[idx]``
-``scatter_sum(n, idx, v, dtype, ordered, meeting)``  zeros(n) with ``v`` summed in at
-                        ``idx``, an index's values in a fixed order (PyTorch)
-``summing_ranks(P)``    context: the decompresses inside sum P ranks' payloads (at most
-                        P values meet at an index; PyTorch)
+``scatter_sum(n, idx, v, dtype, ordered, meeting, segments)``  zeros(n) with ``v``
+                        summed in at ``idx``, an index's values in a fixed order
+                        (PyTorch; ``segments``: rank by rank)
+``summing_ranks(P, rows, equal)``  context: the decompresses inside sum P ranks'
+                        payloads (at most P values meet at an index; PyTorch), each
+                        rank's rows of each payload tensor where known
+``rank_rows(part, n)``  those rows of the aggregate's tensor ``part`` (None: unknown)
 ``check_indices(idx, n, what)``    raise ValueError when an index is outside [0, n)
 ``index_check(idx, n, what)``     the same check, ``finish()``-ed later, which returns
                                   the indices to scatter (PyTorch: read back with a

@@ -12,6 +12,7 @@ Imports: torch, ``hvd_compress.buckets``, ``hvd_compress.exchange``,
 """
 import gc
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import buckets
 from ..compressors import payload_bytes
-from ..exchange import Transport, Wait, single_layout
+from ..exchange import Gathered, Transport, Wait, single_layout
 from ..ops import torch_ops
 from ..stats import ring_received
 
@@ -80,15 +81,17 @@ class TorchDistributed(Transport):
         mine = torch.cat(raw + [torch.zeros(longest - own, dtype=torch.uint8, device=device)])
         gathered = [torch.empty_like(mine) for _ in range(size)]
         yield Wait(dist.all_gather(gathered, mine, group=group, async_op=True).wait)
-        out = []
+        out, rows = [], []
         for i, t in enumerate(parts):
             pieces = []
             for r in range(size):
                 at = sum(table[r][:i])
                 pieces.append(gathered[r][at:at + table[r][i]])
             out.append(torch.cat(pieces).view(t.dtype).reshape(-1, *t.shape[1:]))
+            row_bytes = math.prod(t.shape[1:]) * t.element_size()
+            rows.append([table[r][i] // row_bytes for r in range(size)])
         sent = longest + (0 if lengths is None else lengths.numel() * 8)
-        return tuple(out), sent, (size - 1) * sent
+        return Gathered(out, rows), sent, (size - 1) * sent
 
     def divide(self, out, size):
         return out.div_(size)

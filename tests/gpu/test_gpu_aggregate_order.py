@@ -5,9 +5,13 @@ the additions decides the last bit of its sum; ``index_add_`` on CUDA adds with 
 in no fixed order, and replicas whose gradients differ in a bit drift apart.
 ``ops.scatter_sum`` adds each index's values in rank order there (``index_put_``'s
 accumulation: a stable sort, then a sequential sum per index below 32 values).
+Where the exchange knows each rank's number of pairs (the DDP hook's transport, the
+in-process one, any fixed-size payload), it adds rank by rank instead: an ``index_add_``
+a rank, whose atomics never meet (``segments``).
 Eight simulated ranks (``aggregation.in_process``: the allgather is the concatenation
-in rank order, as the glue's), gradients sharing most of their largest entries; two
-ranks sum with atomics (at most two values at an index: the same float either way)."""
+in rank order, as the glue's, with each rank's rows), gradients sharing most of their
+largest entries; two ranks sum with atomics (at most two values at an index: the same
+float either way)."""
 import pytest
 import torch
 
@@ -93,3 +97,20 @@ def test_scatter_sum_of_many_values_at_an_index_is_the_same_every_time():
     first = torch_ops.scatter_sum(256, ic, vc)
     for _ in range(9):
         assert_same_bits(first, torch_ops.scatter_sum(256, ic, vc), "64 a index")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("ranks,pad", [(3, 0), (8, 0), (8, 5)])
+def test_rank_by_rank_sum_is_the_cpus_bits_every_time(ranks, pad):
+    """Each rank's pairs (distinct indices, most shared; ``pad`` zeros at its first index
+    as ``padded=1`` sends) added one ``index_add_`` a rank on CUDA: the CPU's sequential
+    sum's bits in 20 runs, and the sorted sum's."""
+    from hvd_compress.ops import torch_ops
+    from bucket_data import shared_pairs
+    idx, values, lengths = shared_pairs(ranks, 3000, 1 << 16, seed=ranks + pad, pad=pad)
+    want = torch_ops.scatter_sum(1 << 16, idx, values)                 # CPU: in order
+    ic, vc = idx.cuda(), values.cuda()
+    assert_same_bits(want, torch_ops.scatter_sum(1 << 16, ic, vc), "sorted, on CUDA")
+    for _ in range(20):
+        assert_same_bits(want, torch_ops.scatter_sum(1 << 16, ic, vc, segments=lengths),
+                         "rank by rank, on CUDA")

@@ -83,8 +83,9 @@ def test_every_step_of_make_gpu_test_runs_on_the_cpu(tmp_path):
         assert row["stay_fold_reading_passes"] == 0 and row["past_fold_reading_passes"] == 1
         assert row["stay_fold_ms"] > 0 and abs(row["stay_fold_count"] / row["k"] - 1) <= 0.01
     assert [(r["layout"], r["ranks"]) for r in breakdown["scatter"]] == [
-        ("gpt2", 2), ("gpt2", 8), ("one", 2), ("one", 8)]
-    assert all(r["sorted_cpu_bits"] and (r["ranks"] > 2 or r["atomic_cpu_bits"])
+        (lay, p) for lay in ("gpt2", "one") for p in (2, 4, 8)]
+    assert all(r["sorted_cpu_bits"] and r["by_rank_cpu_bits"]
+               and (r["ranks"] > 2 or r["atomic_cpu_bits"])
                for r in breakdown["scatter"])       # two values: the same sum either way
     assert [row["layout"] for row in breakdown["warps"]] == ["gpt2", "one"]
     assert all(row["same_count"] and row["select_8_8_ms"] > 0 for row in breakdown["warps"])

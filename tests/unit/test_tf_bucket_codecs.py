@@ -175,3 +175,51 @@ def test_the_benchmark_writes_its_table(tmp_path):
     grow = {s: (ops[(s, 6)] - ops[(s, 2)]) / 4 for s in ("twobit", "rangefloat:bits=8")}
     assert all(0 < g <= GROWTH[s] for s, g in grow.items()), grow
     assert next(tmp_path.glob("tf_bucket_ops_*.png")).stat().st_size > 0
+
+
+def _specials(n, seed):
+    """Laplace values of many scales with NaN-free specials: zeros, -0.0, subnormals,
+    values far below the range (flushed) and ones that round up into a new binade."""
+    rng = np.random.default_rng(seed)
+    x = (rng.laplace(size=n) * 10.0 ** rng.integers(-6, 3, size=n)).astype(np.float32)
+    special = [0.0, -0.0, 1e-40, -3e-39, 1.9999999, -7.9999995]
+    x[:min(n, 6)] = special[:n]
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8, 12, 16])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_rangefloat_encode_is_the_torch_kernels_bytes(bits, mode):
+    """TensorFlow's encode (its constants made once per graph or device) writes the
+    bytes of the PyTorch reference, for lengths that fill whole groups and not, a
+    tensor holding Inf (E = 128) and one holding NaN."""
+    from hvd_compress.compressors.rangefloat import RangeFloatCodec
+    from hvd_compress.ops import torch_ops
+    codec = RangeFloatCodec(bits)
+    encode = (lambda x: (tf_ops.max_exponent(x),
+                         tf_ops.rangefloat_encode(x, tf_ops.max_exponent(x), codec.e, codec.m)))
+    run = encode if mode == "eager" else tf.function(encode, autograph=False)
+    cases = [_specials(n, n) for n in (1, 5, 999, 1000)]
+    cases[2][7], cases[3][11] = np.inf, np.nan
+    for x in cases:
+        emax, data = run(tf.constant(x))
+        want_e = torch_ops.max_exponent(torch.from_numpy(x))
+        want = torch_ops.rangefloat_encode(torch.from_numpy(x), want_e, codec.e, codec.m)
+        assert int(emax) == int(want_e), (len(x), bits)
+        np.testing.assert_array_equal(data.numpy(), want.numpy(), err_msg=f"{len(x)} values")
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_onebit_decode_sum_is_the_bitwise_choice_of_levels(mode):
+    """The table gathered by byte: for each bit, the rank's ``a`` where it is set, else
+    ``b``, summed over the ranks in order (written out bit by bit here)."""
+    rng = np.random.default_rng(3)
+    words = rng.integers(0, 256, size=(3, 9), dtype=np.uint8)
+    scales = (rng.standard_normal((3, 2)) * [[1e3], [1e-3], [1.0]]).astype(np.float32)
+    bits = np.unpackbits(words, axis=1)                     # the high bit first
+    want = np.where(bits == 1, scales[:, :1], scales[:, 1:]).astype(np.float32)
+    want = ((want[0] + want[1]) + want[2])[:70]
+    fn = tf_ops.onebit_decode_sum
+    run = fn if mode == "eager" else tf.function(fn, autograph=False)
+    got = run(tf.constant(words), tf.constant(scales), 70).numpy()
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))

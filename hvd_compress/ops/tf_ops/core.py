@@ -96,10 +96,15 @@ def _eager_on_cpu(t):
     return _tf.executing_eagerly() and "CPU" in t.device
 
 
-def summing_ranks(ranks):
+def summing_ranks(ranks, rows=None, equal=False):
     """PyTorch's bound on the values meeting at an index (:func:`scatter_sum` takes none
     here)."""
     return _contextlib.nullcontext()
+
+
+def rank_rows(part, n):
+    """None: :func:`scatter_sum` adds every value at once here (PyTorch's, on CUDA)."""
+    return None
 
 
 def sorted_sum(device, ordered=True, meeting=None):
@@ -107,9 +112,10 @@ def sorted_sum(device, ordered=True, meeting=None):
     return False
 
 
-def scatter_sum(n, idx, values, dtype=float32, ordered=True, meeting=None):
-    """``values`` summed into ``n`` zeros at ``idx`` (``ordered``, ``meeting``: PyTorch's
-    choice on CUDA; TensorFlow's segment sum on a GPU is not ordered, see docs/gpu.md)."""
+def scatter_sum(n, idx, values, dtype=float32, ordered=True, meeting=None, segments=None):
+    """``values`` summed into ``n`` zeros at ``idx`` (``ordered``, ``meeting``,
+    ``segments``: PyTorch's choice on CUDA; TensorFlow's segment sum on a GPU is not
+    ordered, see docs/gpu.md)."""
     return _tf.math.unsorted_segment_sum(_tf.cast(values, dtype), idx, n)
 
 

@@ -163,22 +163,49 @@ def gather(t, idx):
 
 class _Summing(_threading.local):
     ranks = None                       #: :func:`summing_ranks`' bound, or None
+    rows = None                        #: each payload tensor's rows from each rank, or None
+    equal = False                      #: every rank's payload tensors of the same shapes
 
 
 _SUMMING = _Summing()
 
 
 @_contextlib.contextmanager
-def summing_ranks(ranks):
+def summing_ranks(ranks, rows=None, equal=False):
     """Decompresses inside sum an aggregate of ``ranks`` ranks' payloads, each rank
     sending an index at most once (the exchange's, :mod:`hvd_compress.exchange.protocol`):
     at most ``ranks`` values meet at an index, the bound :func:`scatter_sum` takes when
-    it is given none."""
-    before, _SUMMING.ranks = _SUMMING.ranks, ranks
+    it is given none.  ``rows``: where the transport knows them, ``rows[i][r]`` of the
+    aggregate's tensor ``i`` came from rank ``r``; ``equal``: every rank sent tensors of
+    the same shapes (a fixed-size payload).  :func:`rank_rows` reads them."""
+    before = _SUMMING.ranks, _SUMMING.rows, _SUMMING.equal
+    _SUMMING.ranks, _SUMMING.rows, _SUMMING.equal = ranks, rows, bool(equal)
     try:
         yield
     finally:
-        _SUMMING.ranks = before
+        _SUMMING.ranks, _SUMMING.rows, _SUMMING.equal = before
+
+
+def rank_rows(part, n):
+    """How many of the ``n`` rows of tensor ``part`` of the aggregate being decompressed
+    came from each rank, in rank order (:func:`summing_ranks`); None where that is not
+    known, or the counts do not add up to ``n`` (what :func:`scatter_sum` takes as
+    ``segments``)."""
+    ranks, rows = _SUMMING.ranks, _SUMMING.rows
+    if not isinstance(n, int) or not ranks:
+        return None
+    if rows is not None:
+        got = list(rows[part]) if -len(rows) <= part < len(rows) else None
+        return got if got is not None and len(got) == ranks and sum(got) == n else None
+    if _SUMMING.equal and n % ranks == 0:
+        return [n // ranks] * ranks
+    return None
+
+
+#: :func:`scatter_sum` adds rank by rank (a launch each) up to this many ranks, and sorts
+#: beyond: 16 ``index_add_`` launches cost the host about as much as the sort's host
+#: work (11 us a launch against 0.3-0.4 ms, the H200's host, 2026-11-29/30)
+_BY_RANK_MAX = 16
 
 
 def sorted_sum(device, ordered=True, meeting=None):
@@ -190,7 +217,7 @@ def sorted_sum(device, ordered=True, meeting=None):
     return bool(ordered) and device.type == "cuda" and (bound is None or bound > 2)
 
 
-def scatter_sum(n, idx, values, dtype=float32, ordered=True, meeting=None):
+def scatter_sum(n, idx, values, dtype=float32, ordered=True, meeting=None, segments=None):
     """``values`` added into ``n`` zeros at ``idx`` (:func:`_index_vector`; indices checked
     or clamped by the caller), an index's values in a fixed order: the same bits on
     every rank and every run.  On the CPU ``index_add_`` adds them in index order.  On
@@ -205,11 +232,22 @@ def scatter_sum(n, idx, values, dtype=float32, ordered=True, meeting=None):
     (:func:`sorted_sum`), and the sort's host work (0.3-0.4 ms a call on the H200's host,
     2026-11-30) is saved.  ``ordered=False``: ``index_add_`` on CUDA whatever meets (a
     rank's own statistics, many values at an index: the sorted sum adds those one
-    after another)."""
+    after another).
+
+    ``segments``: the lengths (host ints) of consecutive parts of ``idx`` that each hold
+    an index at most once but for zeros (the ranks' payloads, :func:`rank_rows`; a
+    padded one repeats an index with 0.0, which adds nothing in any order).  Where the
+    sum would sort, up to ``_BY_RANK_MAX`` parts are added one ``index_add_`` after
+    another instead: atomics that never meet within a part, so the bits of the CPU's
+    sequential sum at any number of values an index, and no sort."""
     out = _torch.zeros(n, dtype=dtype, device=values.device)
     if idx.numel():
         idx, values = _index_vector(idx), values.reshape(-1).to(dtype)
         if sorted_sum(out.device, ordered, meeting):
+            if segments is not None and len(segments) <= _BY_RANK_MAX:
+                for i, v in zip(idx.split(list(segments)), values.split(list(segments))):
+                    out.index_add_(0, i, v)
+                return out
             _torch.ops.aten._index_put_impl_(out, [idx], values, True, True)
         else:
             out.index_add_(0, idx, values)
