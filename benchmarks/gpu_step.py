@@ -73,7 +73,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hvd_compress.compressors import LaplaceTopK  # noqa: E402
+from hvd_compress.compressors import DCTSparse, LaplaceTopK  # noqa: E402
 from hvd_compress.stats import ring_received  # noqa: E402
 from hvd_compress.strategies.auto.model import BucketCost, predict  # noqa: E402
 
@@ -103,6 +103,8 @@ try:                                         # replayed from CUDA graphs, where 
     SPECS[-1:-1] = [s + v for s in ("laplace_topk:density=0.01,padded=1", "twobit") if s in SPECS
                     for v in ("+graphs", "+cache")] + [WARM + "+graphs"] * (WARM in SPECS) + [
                         "twobit+aten"]
+    if "padded" in DCTSparse.params():       # dct's fixed-size payload, eager and replayed
+        SPECS[-1:-1] = ["dct:density=0.01,padded=1", "dct:density=0.01,padded=1+graphs"]
 except ImportError:
     replay = None
 TARGET = "laplace_topk:density=0.01"          # issue 26: codec <= 10% of GPT-2's backward

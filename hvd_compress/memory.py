@@ -160,20 +160,25 @@ class ResidualMemory:
         self.store.set(self.PREFIX + name, self.ops.select(finite, new, old))
 
     # -- several tensors end to end (a bucket) ------------------------------------------
-    def compensate_parts(self, parts, flat, own=False):
+    def compensate_parts(self, parts, flat, own=False, into=None):
         """``c = g + r`` for ``flat`` holding the tensors ``parts`` = ((name, numel), ...)
         end to end; each tensor keeps its own residual under its own name.
 
         PyTorch (``reuse``): after the first step the residuals are views of one bucket
         buffer, so nothing is concatenated; ``own=True`` says ``flat`` is the caller's
         scratch buffer, and ``c`` is written into it (for one tensor too, whose residual
-        is then kept in ``flat``, as a bucket's; without ``own``, :meth:`compensate`'s)."""
+        is then kept in ``flat``, as a bucket's; without ``own``, :meth:`compensate`'s).
+        ``into`` (``reuse``, ``own``): ``c`` written into that buffer instead (a CUDA
+        graph's, :mod:`hvd_compress.compressors.replay`; not the residuals' own)."""
         if len(parts) == 1 and not (self.reuse and own):
             return self.compensate(parts[0][0], flat)
         ops = self.ops
         r = self._residuals(parts, flat)
         if self.reuse and own:
-            return ops.add_into(flat, ops.cast(r, flat.dtype), flat)
+            if into is not None and r.data_ptr() == into.data_ptr():
+                raise ValueError("error feedback: c = g + r cannot be written over the "
+                                 "residuals' own buffer")
+            return ops.add_into(flat, ops.cast(r, flat.dtype), flat if into is None else into)
         return flat + ops.cast(r, flat.dtype)
 
     def residuals_to_add(self, parts, flat, own):

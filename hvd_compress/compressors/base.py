@@ -246,12 +246,14 @@ class Compressor:
         replayed bucket's own buffer (:func:`.replay.input_buffer`)."""
         return replay.input_buffer(self, layout, like) if replay.wanted(self, like) else None
 
-    def compress_bucket_eager(self, flat, layout, in_buffer=False):
+    def compress_bucket_eager(self, flat, layout, in_buffer=False, into=None):
         """:meth:`compress_bucket`, its launches issued now (never replayed).  Error
         feedback keeps a bucket's residuals in ``flat``; a bucket of one keeps its own in
         a buffer of its own, as a tensor alone does (``flat`` may be a view of more: a
         shard of hier:'s sum, which a view would keep alive), unless ``in_buffer``
-        (:mod:`.replay`'s graphs need it in ``flat``)."""
+        (:mod:`.replay`'s graphs need it in ``flat``).  ``into``: where
+        :meth:`residual_buffer` names one, the buffer ``c = T(g) + r`` is written into,
+        which then holds the residuals (:mod:`.replay`'s)."""
         if len(layout.names) > 1 and not self.segmented:
             raise TypeError(f"compressor {self.spec!r} compresses one tensor at a time; "
                             "it cannot take a bucket of several")
@@ -259,8 +261,17 @@ class Compressor:
         ctx = Ctx((layout.total,), flat.dtype, layout.total, layout.key, segments=layout)
         own = len(layout.names) > 1 or in_buffer
         payload = self._compress_flat(flat, ctx, ops, self._steps(ops, layout.names),
-                                      tuple(zip(layout.names, layout.numels)), own=own)
+                                      tuple(zip(layout.names, layout.numels)), own=own,
+                                      **({} if into is None else {"into": into}))
         return payload, ctx._replace(wire=_wire(payload, ops))
+
+    def residual_buffer(self, layout, ops):
+        """``(parts, numel, dtype)`` of the one buffer a bucket's error feedback keeps the
+        residuals of ``layout`` in, where that is not the input's own (``parts``: ((name,
+        numel), ...) of the residuals end to end): a compressor that transforms first
+        (dct's coefficients).  None here: ``c = g + r`` is written over the input, which
+        then holds them (:mod:`.replay` swaps two such buffers)."""
+        return None
 
     def _steps(self, ops, names):
         """Per-tensor step counters (``uses_step``): one count, a list for a bucket, or None."""

@@ -161,7 +161,10 @@ class DCTSparse(DensitySparsifier):
     with a payload of fixed size on every device (``laplace_topk:padded=1``: each
     tensor's coefficients in ``min(n, k + floor(k / 100))`` slots, padding 0.0 at its
     first coefficient), so compress reads nothing back; a gradient holding NaN/Inf sends
-    NaN in every slot.  Elsewhere the selection's count is read back (one host
+    NaN in every slot.  So on CUDA its bucket exchanges are replayed from CUDA graphs
+    (:mod:`.replay`; since 2026-12-02, not yet run on a GPU), error feedback writing
+    ``C = DCT(g) + R`` into a coefficient buffer of the bucket's
+    (:meth:`residual_buffer`).  Elsewhere the selection's count is read back (one host
     synchronisation where the kernels run)."""
 
     name = "dct"
@@ -177,7 +180,8 @@ class DCTSparse(DensitySparsifier):
         if self.padded and not local:
             raise ValueError(f"padded=1 sends each rank's own pairs (agg=local); got agg={agg}")
         self._select = LaplaceTopK(density=self.density, ef=False, padded=self.padded)
-        self.fixed_size = bool(self.padded)
+        # (replay: compressors/replay.py; its residuals in a coefficient buffer)
+        self.fixed_size = self.replayable = bool(self.padded)
         self._sized = set()        # buckets whose stored sizes _check_sizes has seen
 
     @property
@@ -227,10 +231,12 @@ class DCTSparse(DensitySparsifier):
                        lambda: ops.arange(cctx.numel, coefs))
         return self._payload(coefs, idx, cctx, ops), finite
 
-    def _compress_flat(self, flat, ctx, ops, step, parts, own=False):
+    def _compress_flat(self, flat, ctx, ops, step, parts, own=False, into=None):
         """Error feedback in the coefficient domain (module docstring): ``C = DCT(g) +
         R``, the payload of ``C``, ``R' = P(C - sent)`` touching the sent entries and the
-        last blocks only; each tensor's ``R`` under :func:`residual_name`."""
+        last blocks only; each tensor's ``R`` under :func:`residual_name`, views of the
+        buffer ``C`` was written into: the transform's own, or ``into``
+        (:meth:`residual_buffer`'s, a CUDA graph's)."""
         if not self.ef:
             return self.encode(flat, ctx, ops, step)
         memory = self.error_feedback(ops)
@@ -238,7 +244,7 @@ class DCTSparse(DensitySparsifier):
         coefs, cctx = self.to_domain(flat, ctx, ops)          # a new tensor: ours to write
         cparts = tuple((residual_name(self.block, n, name), m)
                        for (name, n), m in zip(parts, cctx.numels))
-        compensated = memory.compensate_parts(cparts, coefs, own=True)
+        compensated = memory.compensate_parts(cparts, coefs, own=True, into=into)
         payload, finite = self._encode_coefs(compensated, cctx, ops, step)
 
         def subtract(c, inplace):
@@ -247,6 +253,14 @@ class DCTSparse(DensitySparsifier):
                                  self.block, ops, inplace)
         memory.update_parts(cparts, compensated, subtract, finite, own=True)
         return payload
+
+    def residual_buffer(self, layout, ops):
+        """With error feedback (``agg`` local): the residuals' coefficients end to end in
+        the coefficient layout (float32), where ``C = DCT(g) + R`` is written; else None."""
+        if not self.ef or self.agg is not None:
+            return None
+        lay = padded_layout(layout, self.block)
+        return tuple(zip(self.residual_names(layout), lay.numels)), lay.total, ops.float32
 
     def residual_names(self, lay):
         """The names error feedback keeps the residuals of the tensors of ``lay`` under."""

@@ -17,7 +17,9 @@ nothing random on the host (no ``uses_step``), and its error feedback leaves eac
 residual in the bucket's own buffer (``c = g + r`` written over the input, then
 ``c - sent`` over ``c``; :class:`~hvd_compress.memory.ResidualMemory`'s ``reuse``):
 ``twobit``, ``onebit``, ``signsgd``, ``rangefloat`` and ``laplace_topk`` with
-``padded=1``.  Only CUDA tensors, only PyTorch.
+``padded=1``; and ``dct`` with ``padded=1``, whose residuals are coefficients, in a
+buffer it names (:meth:`~.base.Compressor.residual_buffer`; below).  Only CUDA tensors,
+only PyTorch.
 
 How.  A graph reads and writes the addresses it was captured with, so a bucket's graphs
 work on two buffers of its own, ``A`` and ``B``: error feedback writes ``c = g + r``
@@ -26,6 +28,10 @@ bucket has two graphs, one per role.  (Waiting for the caching allocator to hand
 caller's next buffer out at the same address would save the copy below, but the
 allocator need not, and small buckets share its pool with every other tensor.)
 
+- A compressor that transforms first (``dct``: ``C = DCT(g) + R``) keeps its residuals
+  in a buffer of another size: the two buffers that swap roles are that size, and the
+  input has a third buffer of its own, the same every step, which the graphs read
+  (``compress_bucket_eager(into=)`` writes ``C`` into the role's buffer).
 - A bucket's first compress, and any whose residuals are not one bucket buffer (the
   first step, a checkpoint just restored), run eagerly; after :data:`UNBUFFERED` such
   compresses in a row the bucket runs eagerly for good (logged once).
@@ -118,6 +124,7 @@ class _Bucket:
                               # inputs, sum, checks, held); held: the cached tables the
                               # graph reads; in-place state: {store key: the graph's tensor}
         self.buffers = None   # compress: A and B
+        self.input = None     # ... and the input's own, where the residuals are not in it
         self.views = [None, None]   # ... the residuals' views of each, made once
         self.seen = set()     # decompress: the aggregates' shapes seen once (eagerly)
         self.unbuffered = 0   # compresses in a row whose residuals were not one buffer
@@ -128,6 +135,12 @@ def _parts(layout):
     return tuple(zip(layout.names, layout.numels))
 
 
+def _residual_parts(c, layout):
+    """``(parts, numel, dtype)`` of the buffer ``c``'s error feedback keeps the residuals
+    of ``layout`` in (:meth:`~.base.Compressor.residual_buffer`), or None: the input's."""
+    return c.residual_buffer(layout, c._ops) if c.ef else None
+
+
 def compress_bucket(c, flat, layout, capture=None):
     """``c.compress_bucket(flat, layout)``, replayed from a CUDA graph where it can be
     (see the module docstring).  ``capture(fn, written, store) -> (replay, fn())``:
@@ -136,9 +149,16 @@ def compress_bucket(c, flat, layout, capture=None):
     eager = lambda: c.compress_bucket_eager(flat, layout, True)   # noqa: E731
     if b.off is not None or b.calls == 1:
         return _eager(eager)
-    parts = _parts(layout)
     memory = c.error_feedback(c._ops) if c.ef else None
-    residual = memory.bucket_buffer(parts, flat) if memory is not None else None
+    domain = _residual_parts(c, layout)              # (dct: coefficients, not the input)
+    parts = _parts(layout) if domain is None else domain[0]
+    if b.buffers is None and domain is not None:
+        import torch
+        b.input = torch.empty_like(flat)
+        b.buffers = tuple(torch.empty(domain[1], dtype=domain[2], device=flat.device)
+                          for _ in range(2))
+    residual = memory.bucket_buffer(parts, b.buffers[0] if domain else flat) \
+        if memory is not None else None
     if memory is not None and residual is None:   # the residuals are not one buffer (yet)
         b.unbuffered += 1
         if b.unbuffered > UNBUFFERED:
@@ -156,7 +176,8 @@ def compress_bucket(c, flat, layout, capture=None):
         first.copy_(residual)                           # in neither: moved into A, once
         b.views[0] = memory.take_buffer(parts, first, b.views[0])
         residual = first
-    into = b.buffers[role]
+    target = b.buffers[role]                        # c = g + r written there (or T(g) + r)
+    into = target if domain is None else b.input    # the input's buffer
     if flat.data_ptr() != into.data_ptr():          # (the caller wrote it there: input_buffer)
         into.copy_(flat)
     hit = b.graphs.get(role)
@@ -167,9 +188,11 @@ def compress_bucket(c, flat, layout, capture=None):
     if hit is None:
         saved = store.tables() if store is not None else None
         capture = capture or _on_device(cuda_capture, flat.device)
-        written = ((into,) if residual is None else (into, residual)) + tuple(in_place.values())
-        hit, why = _capture(capture, lambda: c.compress_bucket_eager(into, layout, True), written,
-                            store, lambda: host_effects(c, saved, layout, into))
+        written = ((into,) if domain is None else (into, target)) + (
+            () if residual is None else (residual,)) + tuple(in_place.values())
+        hit, why = _capture(capture, lambda: c.compress_bucket_eager(
+            into, layout, True, None if domain is None else target), written,
+            store, lambda: host_effects(c, saved, layout, target))
         if hit is None:
             if store is not None:
                 store.set_tables(saved)
@@ -179,7 +202,7 @@ def compress_bucket(c, flat, layout, capture=None):
         b.graphs[role] = hit = (replay, (tuple(payload) if isinstance(payload, (tuple, list))
                                          else payload), ctx, in_place, held)
     elif memory is not None:                         # (the views made once a buffer)
-        b.views[role] = memory.take_buffer(parts, into, b.views[role])
+        b.views[role] = memory.take_buffer(parts, target, b.views[role])
     replay, payload, ctx, pinned, _ = hit
     for key, tensor in pinned.items():               # the graph's own tensors hold the value
         store.pin(key, tensor)
@@ -205,10 +228,13 @@ def input_buffer(c, layout, like):
     b = c.__dict__.get("_replay_buckets", {}).get(_compress_key(c, layout, like))
     if b is None or b.off is not None or b.buffers is None:
         return None
-    residual = c.error_feedback(c._ops).bucket_buffer(_parts(layout), like) if c.ef else None
+    domain = _residual_parts(c, layout)
+    residual = c.error_feedback(c._ops).bucket_buffer(
+        _parts(layout) if domain is None else domain[0],
+        like if domain is None else b.buffers[0]) if c.ef else None
     if c.ef and residual is None:
         return None                                # an eager step comes first
-    return b.buffers[_input_role(b, residual)]
+    return b.buffers[_input_role(b, residual)] if domain is None else b.input
 
 
 def _input_role(b, residual):
@@ -338,14 +364,18 @@ def _changed(store, before, allowed=frozenset()):
 
 
 def host_effects(c, before, layout, flat):
-    """None if ``c``'s compress of ``flat`` (just run, or captured) changed nothing on the
-    host that a replay would not redo: a compressor's store as it was (``before``: its
+    """None if ``c``'s compress (just run, or captured) changed nothing on the host that
+    a replay would not redo: a compressor's store as it was (``before``: its
     ``tables()``, None without a store), but for the bucket's residuals, which must be
-    views of ``flat`` end to end; else what changed, in words."""
-    residual_keys = {ResidualMemory.PREFIX + name for name in layout.names} if c.ef else ()
+    views of ``flat`` end to end (the input, or the buffer ``c.residual_buffer`` asks
+    for); else what changed, in words."""
+    residual_keys = {ResidualMemory.PREFIX + name
+                     for name in c.residual_names(layout)} if c.ef else ()
     why = _changed(c._store, before, frozenset(residual_keys))
     if why is None and c.ef:
-        buffer = c.error_feedback(c._ops).bucket_buffer(_parts(layout), flat)
+        domain = _residual_parts(c, layout)
+        buffer = c.error_feedback(c._ops).bucket_buffer(
+            _parts(layout) if domain is None else domain[0], flat)
         if buffer is None or buffer.data_ptr() != flat.data_ptr():
             return "its error feedback does not keep the residuals in the bucket's buffer"
     return why

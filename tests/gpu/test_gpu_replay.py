@@ -31,10 +31,11 @@ SPECS = ["twobit", "twobit:ef=0", "twobit:threshold=0.5", "onebit", "signsgd",
          "laplace_topk:density=0.01,padded=1,values=rangefloat8",
          "laplace_topk:density=0.01,padded=1,exact=1",
          "laplace_topk:density=0.01,padded=1,ef_decay=0.9",
-         "laplace_topk:density=0.01,padded=1,warm=1"]
+         "laplace_topk:density=0.01,padded=1,warm=1",
+         "dct:density=0.01,padded=1", "dct:density=0.01,padded=1,block=64,bits=12"]
 STEPS = 6
-if DEV == "cpu":        # the interpreter: the test's own logic, on two kernel families
-    SPECS = ["twobit", "laplace_topk:density=0.01,padded=1"]
+if DEV == "cpu":        # the interpreter: the test's own logic, on three kernel families
+    SPECS = ["twobit", "laplace_topk:density=0.01,padded=1", "dct:density=0.01,padded=1"]
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,8 @@ def graphs_on_cpu(monkeypatch):
 #: a bucket of one tensor, which the glue sends as a bucket where replayed (its own path
 #: otherwise: the eager steps here), and the specs it is checked with
 ALONE = [300_000]
-ALONE_SPECS = ["twobit", "rangefloat:bits=8", "laplace_topk:density=0.01,padded=1"]
+ALONE_SPECS = ["twobit", "rangefloat:bits=8", "laplace_topk:density=0.01,padded=1",
+               "dct:density=0.01,padded=1"]
 
 
 def steps(spec, graphs, monkeypatch, sizes=SIZES):

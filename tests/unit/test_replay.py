@@ -27,7 +27,20 @@ REPLAYABLE = ["twobit", "twobit:ef=0", "onebit", "signsgd", "rangefloat:bits=8",
               "laplace_topk:density=0.05,padded=1",
               "laplace_topk:density=0.05,padded=1,values=rangefloat8",
               "laplace_topk:density=0.05,padded=1,ef_decay=0.9",
-              "laplace_topk:density=0.05,padded=1,warm=1"]
+              "laplace_topk:density=0.05,padded=1,warm=1",
+              "dct:density=0.05,padded=1", "dct:density=0.05,padded=1,ef=0",
+              "dct:density=0.05,padded=1,block=64,bits=12"]
+DCT = "dct:density=0.05,padded=1"
+
+
+def residual_parts(c, lay=None):
+    """``(parts, like)`` of the buffer ``c`` keeps the residuals of ``lay`` in: the input's
+    layout, or dct's coefficients' (float32)."""
+    lay = lay or LAY
+    domain = c.residual_buffer(lay, c._ops)
+    if domain is None:
+        return tuple(zip(lay.names, lay.numels)), torch.empty(1)
+    return domain[0], torch.empty(1, dtype=domain[2])
 
 
 def grad(step, n=LAY.total):
@@ -108,26 +121,33 @@ def test_replayed_compress_gives_the_eager_bits_and_state(spec, lay, stats):
     assert standin.captures == stats["captured"]
 
 
-@pytest.mark.parametrize("spec", ["twobit", "laplace_topk:density=0.05,padded=1"])
+@pytest.mark.parametrize("spec", ["twobit", "laplace_topk:density=0.05,padded=1", DCT])
 def test_the_residuals_after_a_replay_are_views_of_the_buckets_buffer(spec, stats):
     """After a replayed compress the store holds what the eager compress leaves: the
     bucket's residuals, views of its input buffer end to end (``take_buffer``), here
-    one of the bucket's own two, in turn."""
+    one of the bucket's own two, in turn (dct: of its two coefficient buffers, the
+    input in a third)."""
     for steps in (4, 5):
         _, _, replayed, _ = run(spec, steps=steps)
         memory = replayed.error_feedback(replayed._ops)
-        buffer = memory.bucket_buffer(tuple(zip(LAY.names, LAY.numels)), torch.empty(1))
+        rparts, like = residual_parts(replayed)
+        buffer = memory.bucket_buffer(rparts, like)
         bucket, = replayed._replay_buckets.values()
         assert buffer.data_ptr() == bucket.buffers[(steps - 1) % 2].data_ptr()
-        assert all(memory.residual(n).data_ptr() == buffer.data_ptr() + 4 * o
-                   for n, o in zip(LAY.names, LAY.offsets))
+        at = buffer.data_ptr()
+        for name, n in rparts:
+            assert memory.residual(name).data_ptr() == at
+            at += 4 * n
+        assert (bucket.input is None) == (not spec.startswith("dct"))
 
 
-@pytest.mark.parametrize("spec", ["twobit", "twobit:ef=0", "laplace_topk:density=0.05,padded=1"])
+@pytest.mark.parametrize("spec", ["twobit", "twobit:ef=0", "laplace_topk:density=0.05,padded=1",
+                                  DCT, DCT + ",ef=0"])
 def test_a_caller_that_writes_into_the_input_buffer_gets_the_eager_bits(spec, stats):
     """The glue's way: ``input_buffer`` (None for the first two steps, and at the step
     after a restore) is where the caller writes the step's input, which the compress
-    then takes as it is; the residual ends in it; the eager bits throughout."""
+    then takes as it is; the residual ends in it (dct's: in a buffer of its own, the
+    input in the same one every step); the eager bits throughout."""
     eager, c = from_spec(spec), from_spec(spec)
     standin, given = StandIn(), []
     for step in range(9):
@@ -143,8 +163,10 @@ def test_a_caller_that_writes_into_the_input_buffer_gets_the_eager_bits(spec, st
         theirs, _ = eager.compress_bucket(grad(step), LAY)
         assert same_bits(parts(mine), parts(theirs)), step
         if into is not None and c.ef:
-            r = c.error_feedback(c._ops).bucket_buffer(tuple(zip(LAY.names, LAY.numels)), flat)
-            assert r.data_ptr() == into.data_ptr(), step
+            r = c.error_feedback(c._ops).bucket_buffer(*residual_parts(c))
+            bucket, = c._replay_buckets.values()
+            assert (r.data_ptr() == into.data_ptr()) == (bucket.input is None), step
+            assert bucket.input is None or into is bucket.input, step
     same_state(eager, c)
     restored = 5 if c.ef else None              # (no residual to restore without ef)
     assert given == [False, False] + [step != restored for step in range(2, 9)]
@@ -175,14 +197,14 @@ def test_a_failed_capture_puts_the_store_back_and_runs_eagerly(stats, caplog):
 
 
 def test_a_compress_that_keeps_its_residuals_elsewhere_is_not_replayed(stats, caplog):
-    """dct's residuals live in the coefficient domain, not in the bucket's buffer: marked
-    replayable by mistake, it runs eagerly, turned off (logged) after UNBUFFERED tries,
-    and the check after a capture would have refused it too."""
+    """dct's residuals live in the coefficient domain, not in the bucket's input buffer:
+    where it did not say so (``residual_buffer``), it runs eagerly, turned off (logged)
+    after UNBUFFERED tries, and the check after a capture would have refused it too."""
     caplog.set_level(logging.WARNING, logger="hvd_compress")
     spec = "dct:density=0.05,padded=1"
-    assert not from_spec(spec).replayable
+    assert from_spec(spec).replayable and not from_spec("dct:density=0.05").replayable
     eager, c = from_spec(spec), from_spec(spec)
-    c.replayable = True
+    c.residual_buffer = lambda layout, ops: None
     for step in range(5):
         flat = grad(step)
         before = c._store.tables() if c._store is not None else None
@@ -192,7 +214,7 @@ def test_a_compress_that_keeps_its_residuals_elsewhere_is_not_replayed(stats, ca
     same_state(eager, c)
     assert stats["off"] == 1 and stats["replayed"] == 0 and stats["eager"] == 5
     assert "does not keep the residuals in one bucket buffer" in caplog.text
-    assert "it replaced state the compressor keeps on the host" in replay.host_effects(
+    assert "does not keep the residuals in the bucket's buffer" in replay.host_effects(
         c, before, LAY, flat)
 
 
@@ -276,6 +298,8 @@ def test_the_eager_compress_of_a_replayable_compressor_passes_the_host_check(spe
     before = c._store.tables() if c._store is not None else None
     flat = grad(1)
     c.compress_bucket(flat, LAY)
+    if c.ef and c.residual_buffer(LAY, c._ops) is not None:    # (dct: its coefficients)
+        flat = c.error_feedback(c._ops).bucket_buffer(*residual_parts(c))
     assert replay.host_effects(c, before, LAY, flat) is None
 
 

@@ -54,7 +54,8 @@ def train(spec, graphs, cap_mb, monkeypatch):
 
 
 @pytest.mark.parametrize("cap_mb", [None, 1e-6], ids=["ddp_buckets", "a_bucket_per_tensor"])
-@pytest.mark.parametrize("spec", ["twobit", "laplace_topk:density=0.1,padded=1"])
+@pytest.mark.parametrize("spec", ["twobit", "laplace_topk:density=0.1,padded=1",
+                                  "dct:density=0.1,padded=1,block=32"])
 def test_replayed_training_through_the_ddp_hook_ends_on_the_eager_parameters(
         spec, cap_mb, group, monkeypatch):
     eager, none = train(spec, "0", cap_mb, monkeypatch)
