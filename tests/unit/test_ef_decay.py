@@ -69,8 +69,17 @@ def test_two_ranks_keep_beta_times_what_they_did_not_send(spec):
     run(plain, g1, "w")
     run(decayed, g1, "w")
     for p, d in zip(plain, decayed):
-        torch.testing.assert_close(residual(d, "w"), BETA * residual(p, "w"), rtol=1e-6,
-                                   atol=1e-7)
+        # as kept (dct: coefficients, whose inverse DCT rounds as this CPU's matmul does:
+        # 1.3e-7 off at one value of 300 on one machine) and as the gradient's residual
+        mine, theirs = getattr(p, "inner", p)._store, getattr(d, "inner", d)._store
+        keys = [k for k in theirs.keys() if k.startswith("residual/")]
+        assert keys and sorted(keys) == sorted(k for k in mine.keys()
+                                               if k.startswith("residual/"))
+        for key in keys:
+            torch.testing.assert_close(theirs.get(key, None), BETA * mine.get(key, None),
+                                       rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(residual(d, "w"), BETA * residual(p, "w"), rtol=1e-5,
+                                   atol=1e-6)
     # step 2 from the same compensated input: plain's residual set to beta r_1, as kept
     g2 = [t.reshape(20, 15) for t in grads(2)]
     for p, d in zip(plain, decayed):          # the stored form (dct: its coefficients)

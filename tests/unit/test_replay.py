@@ -218,11 +218,12 @@ def test_a_compress_that_keeps_its_residuals_elsewhere_is_not_replayed(stats, ca
         c, before, LAY, flat)
 
 
-def test_restored_checkpoints_run_eagerly_once_then_replay_the_same_graphs(stats):
+@pytest.mark.parametrize("spec", ["twobit", DCT])
+def test_restored_checkpoints_run_eagerly_once_then_replay_the_same_graphs(spec, stats):
     """After ``load_state_dict`` the residuals are separate tensors, not one buffer: one
     eager compress makes them one again, which the next compress moves into the
     bucket's first buffer; the two graphs go on replaying, none captured again."""
-    out, eager, replayed, _ = run("twobit", steps=15, restore_at=(3, 8, 12))
+    out, eager, replayed, _ = run(spec, steps=15, restore_at=(3, 8, 12))
     assert all(same_bits(m, t) for m, t in out)
     same_state(eager, replayed)
     assert (stats["eager"], stats["captured"], stats["replayed"], stats["off"]) == (4, 2, 11, 0)
@@ -249,7 +250,7 @@ def test_brackets_restored_from_an_earlier_step_reach_the_graphs(stats):
 
 @pytest.mark.parametrize("spec", ["twobit", "laplace_topk:density=0.05,padded=1",
                                   "laplace_topk:density=0.05,padded=1,warm=1",
-                                  "laplace_topk:density=0.05,padded=1,warm=1,ef=0"])
+                                  "laplace_topk:density=0.05,padded=1,warm=1,ef=0", DCT])
 def test_a_step_undone_by_the_journal_is_undone_in_replay_too(spec, stats):
     """A glue that drops a step (an overflow under a loss scale) rolls the compressor's
     journal back: the residuals are the step's before, views of the other buffer.  The
